@@ -1,0 +1,3 @@
+from cyclescope.cli.main import entry
+
+entry()

@@ -1,0 +1,191 @@
+"""`cyclescope daemon` and the commands that talk to it: flush, epoch, status."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from cyclescope.cli.base import Command, add_db_option, db_path, eprint, register
+from cyclescope.cli.record import add_sampling_options, make_events
+from cyclescope.collect import control
+from cyclescope.db.layout import Database
+from cyclescope.errors import CycleScopeError, UsageError
+from cyclescope.images.procfs import hostname
+from cyclescope.report.render import fmt_count
+
+DEFAULT_DAEMON_HZ = 1000.0
+
+
+def online_cpus() -> tuple[int, ...]:
+    from cyclescope.collect.session import online_cpus as online
+
+    return online()
+
+
+def parse_cpus(text: str | None) -> tuple[int, ...]:
+    online = online_cpus()
+    if not text:
+        return online
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                cpus.extend(range(int(lo), int(hi) + 1))
+            elif part.strip():
+                cpus.append(int(part))
+    except ValueError:
+        raise UsageError(f"--cpus: cannot parse '{text}' (e.g. 0-3,6)") from None
+    bad = [c for c in cpus if c not in online]
+    if bad:
+        raise UsageError(f"--cpus: CPU(s) {', '.join(map(str, bad))} not online (online: {len(online)})")
+    return tuple(sorted(set(cpus)))
+
+
+@register
+class Daemon(Command):
+    name = "daemon"
+    help = "profile the whole system continuously into the database"
+    description = (
+        "Sample every CPU (every process and the kernel) until stopped, merging counts into the\n"
+        "database every --flush-interval seconds. Control it with 'cyclescope flush', 'cyclescope\n"
+        "epoch' and 'cyclescope status'; SIGTERM or SIGINT flush and stop it, SIGHUP flushes."
+    )
+    epilog = (
+        "example:\n"
+        "  cyclescope daemon --db /var/lib/cyclescope -F 1000 &\n"
+        "  cyclescope prof --db /var/lib/cyclescope"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_db_option(p)
+        p.add_argument("--cpus", metavar="LIST", help="only these CPUs, e.g. 0-3,6 (default: all online)")
+        p.add_argument("--flush-interval", type=float, default=60.0, metavar="S",
+                       help="merge into the database every S seconds (default: 60)")
+        p.add_argument("--compact-after", type=int, default=8, metavar="N",
+                       help="compact an epoch's segments once it has N (default: 8)")
+        p.add_argument("-d", "--duration", type=float, metavar="SECONDS", help="stop after this long")
+        p.add_argument("--new-epoch", action="store_true", help="start a new epoch instead of continuing the latest")
+        p.add_argument("--no-archive", action="store_true", help="do not copy profiled binaries into the database")
+        add_sampling_options(p, DEFAULT_DAEMON_HZ)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.collect.daemon import Collector, CollectorConfig, peak_rss_kib
+        from cyclescope.collect.session import Session, SystemWide
+
+        events, rate = make_events(args)
+        rate = rate if rate is not None or args.period is not None else DEFAULT_DAEMON_HZ
+        if args.flush_interval <= 0:
+            raise UsageError("--flush-interval must be positive")
+        cpus = parse_cpus(args.cpus)
+        session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force)
+        db = Database.create_or_open(db_path(args))
+        cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
+                              new_epoch=args.new_epoch, archive=not args.no_archive)
+        c = Collector(session, db, cfg)
+        c.listen()
+        try:
+            c.start()
+        except BaseException:
+            c.close()
+            raise
+        c.install_signals()
+        for w in session.warnings:
+            eprint(f"cyclescope daemon: {w}")
+        evs = ", ".join(s.label for s in session.events)
+        eprint(f"cyclescope daemon: pid {os.getpid()} sampling {evs} at {rate:g} Hz on "
+               f"{len(cpus)} CPU(s) into {db.root} (epoch {c.epoch}, host {cfg.host})")
+        t0 = time.monotonic()
+        totals = c.run(duration_s=args.duration)
+        lost = totals.lost_records + totals.lost_samples
+        share = 100.0 * totals.unknown / totals.samples if totals.samples else 0.0
+        eprint(f"cyclescope daemon: stopped after {time.monotonic() - t0:.1f} s: {fmt_count(totals.samples)} samples, "
+               f"lost {fmt_count(lost)}, unknown {share:.2f}%, peak RSS {peak_rss_kib() / 1024:.1f} MiB")
+        return 0
+
+
+def _need_daemon(args: argparse.Namespace, cmd: str, **kw: Any) -> dict[str, Any]:
+    db = Database.open(db_path(args))
+    r = control.request(db.root, cmd, **kw)
+    if r is None:
+        raise CycleScopeError(f"no daemon is running on {db.root}")
+    if not r.get("ok"):
+        raise CycleScopeError(f"the daemon refused '{cmd}': {r.get('error')}")
+    return r
+
+
+@register
+class Flush(Command):
+    name = "flush"
+    help = "make the running daemon merge its samples into the database now"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_db_option(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        r = _need_daemon(args, "flush")
+        print(f"flushed {fmt_count(int(r['samples']))} samples ({fmt_count(int(r['rows']))} rows) "
+              f"into epoch {r['epoch']} in {r['seconds']} s")
+        return 0
+
+
+@register
+class Epoch(Command):
+    name = "epoch"
+    help = "start a new epoch (the daemon flushes into the old one first)"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_db_option(p)
+        p.add_argument("--name", help="a name for the new epoch")
+        p.add_argument("--list", action="store_true", help="list the epochs instead")
+
+    def run(self, args: argparse.Namespace) -> int:
+        if args.list:
+            db = Database.open(db_path(args))
+            for e in db.epochs():
+                info = db.epoch_info(e)
+                created = info.get("created")
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(str(created)))) if created else "?"
+                hosts = ", ".join(db.hosts(e)) or "-"
+                name = f"  {info.get('name')}" if info.get("name") else ""
+                print(f"{e:6d}  {when}  hosts: {hosts}{name}")
+            return 0
+        db = Database.create_or_open(db_path(args))
+        r = control.request(db.root, "epoch", name=args.name or "")
+        if r is None:
+            e = db.new_epoch(args.name)
+            print(f"epoch {e} started (no daemon running on {db.root})")
+            return 0
+        if not r.get("ok"):
+            raise CycleScopeError(f"the daemon refused 'epoch': {r.get('error')}")
+        print(f"epoch {r['epoch']} started; {fmt_count(int(r['samples']))} samples flushed into epoch "
+              f"{r['flushed_into']}")
+        return 0
+
+
+@register
+class Status(Command):
+    name = "status"
+    help = "show what the running daemon is doing"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_db_option(p)
+        p.add_argument("--json", action="store_true", help="write JSON")
+
+    def run(self, args: argparse.Namespace) -> int:
+        r = _need_daemon(args, "status")
+        if args.json:
+            import json
+
+            print(json.dumps(r, indent=1))
+            return 0
+        unk = 100.0 * int(r["unknown"]) / int(r["samples"]) if int(r["samples"]) else 0.0
+        print(f"daemon pid {r['pid']} on {r['host']}, up {r['uptime_s']} s, epoch {r['epoch']}, "
+              f"events {', '.join(r['events'])}")
+        lost = int(r["lost_records"]) + int(r["lost_samples"])
+        print(f"samples {fmt_count(int(r['samples']))}, lost {fmt_count(lost)}, "
+              f"unknown {unk:.2f}%, {r['flushes']} flushes, {r['pending_rows']} rows pending")
+        print(f"tracking {r['processes']} processes and {r['images']} images; RSS {int(r['rss_kib']) / 1024:.1f} MiB")
+        return 0

@@ -1,0 +1,101 @@
+"""`cyclescope db`: look inside the database and compact it."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TYPE_CHECKING
+
+from cyclescope.cli.base import Command, add_db_option, open_db, register
+from cyclescope.errors import DataError
+from cyclescope.report.render import Col, Table, fmt_count, write_json, write_table
+
+if TYPE_CHECKING:
+    from cyclescope.db.layout import Database
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@register
+class Db(Command):
+    name = "db"
+    help = "inspect or compact the profile database"
+    description = (
+        "inspect: epochs, hosts, segments, samples and sizes (--verbose: each segment's metadata).\n"
+        "compact: merge each epoch's segments per host (the daemon also does this on its own)."
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("action", choices=["inspect", "compact"], help="what to do")
+        add_db_option(p)
+        p.add_argument("--epoch", "-E", default="all", metavar="SPEC", help="epochs (default: all)")
+        p.add_argument("--verbose", "-v", action="store_true", help="inspect: show each segment's metadata")
+        p.add_argument("--json", action="store_true", help="inspect: write JSON")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.db.compact import compact
+        from cyclescope.db.query import parse_epochs
+
+        db = open_db(args)
+        epochs = parse_epochs(args.epoch, db.epochs())
+        if args.action == "compact":
+            n = 0
+            for ep in epochs:
+                for h in db.hosts(ep):
+                    r = compact(db, ep, h)
+                    if r is None:
+                        continue
+                    n += 1
+                    print(f"epoch {ep} host {h}: {r.merged} segments, {fmt_count(r.rows_before)} rows "
+                          f"{_size(r.bytes_before)} -> {fmt_count(r.rows_after)} rows {_size(r.bytes_after)}")
+                    for c in r.skipped_corrupt:
+                        print(f"  left corrupt segment {c} untouched")
+            if not n:
+                print("nothing to compact")
+            return 0
+        return self._inspect(db, epochs, args)
+
+    def _inspect(self, db: Database, epochs: list[int], args: argparse.Namespace) -> int:
+        from cyclescope.db.segment import read_meta
+
+        rows = []
+        out = []
+        for ep in epochs:
+            info = db.epoch_info(ep)
+            for h in db.hosts(ep):
+                for s in db.segments(ep, h):
+                    size = s.path.stat().st_size
+                    try:
+                        m = read_meta(s.path)
+                    except DataError as e:
+                        rows.append([str(ep), h, s.name, "CORRUPT", "", "", _size(size), str(e)])
+                        out.append({"epoch": ep, "host": h, "segment": s.name, "error": str(e)})
+                        continue
+                    samples = sum(e.samples for e in m.events.values())
+                    lost = m.lost_records + m.lost_samples
+                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.start_time)) if m.start_time else "?"
+                    rows.append([str(ep), h, s.name, fmt_count(samples), fmt_count(m.rows), fmt_count(lost),
+                                 _size(size), when])
+                    d = {"epoch": ep, "epoch_name": info.get("name"), "host": h, "segment": s.name,
+                         "bytes": size, "rows": m.rows, "samples": samples, "lost": lost,
+                         "events": {k: vars(v) for k, v in m.events.items()}, "images": len(m.images),
+                         "start_time": m.start_time, "end_time": m.end_time, "unknown": m.unknown}
+                    out.append(d)
+                    if args.verbose and not args.json:
+                        rows.append(["", "", "  events", ", ".join(f"{k}={v.samples}" for k, v in m.events.items()),
+                                     "", "", "", f"{len(m.images)} images"])
+        if args.json:
+            write_json({"db": str(db.root), "segments": out})
+            return 0
+        cols = [Col("epoch"), Col("host", "left"), Col("segment", "left"), Col("samples"), Col("rows"), Col("lost"),
+                Col("size"), Col("start", "left")]
+        total = sum(s.path.stat().st_size for _, _, s in db.all_segment_files())
+        pre = [f"cyclescope db: {db.root}: {len(db.epochs())} epoch(s), {_size(total)} of segments"]
+        write_table(Table(cols, rows, preamble=pre))
+        return 0

@@ -1,0 +1,235 @@
+"""`cyclescope record`: sample a command, running processes, or the whole system."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from cyclescope.cli.base import Command, add_db_option, db_path, eprint, register, stderr_tty
+from cyclescope.collect.events import DEFAULT_BAND, KNOWN_EVENTS, SAFE_MAX_RATE_HZ, EventSpec, parse_events
+from cyclescope.errors import CycleScopeError, UsageError
+from cyclescope.report.render import fmt_count
+
+if TYPE_CHECKING:
+    from cyclescope.collect.daemon import Collector, RunTotals
+
+DEFAULT_RECORD_HZ = 5000.0
+
+
+def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-e", "--event", action="append", default=[], metavar="EVENTS",
+                   help="events to sample, comma-separated (default: cpu-clock). NAME:u / NAME:k for user or "
+                        "kernel only, NAME/period=N/ for a fixed period. Known: " + ", ".join(KNOWN_EVENTS))
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument("-F", "--freq", type=float, default=None, metavar="HZ",
+                      help=f"samples per second per CPU (default: {default_hz:g}; refused above "
+                           f"{SAFE_MAX_RATE_HZ:,} without --force)")
+    rate.add_argument("-c", "--period", type=int, default=None, metavar="N",
+                      help="events (nanoseconds for clock events) between samples, for every event")
+    g.add_argument("--band", type=float, default=DEFAULT_BAND, metavar="F",
+                   help="randomize each period uniformly in [P*(1-F), P] (default: 1/16, as DCPI)")
+    g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
+
+
+def make_events(args: argparse.Namespace) -> tuple[list[EventSpec], float | None]:
+    events = parse_events(args.event or ["cpu-clock"])
+    if args.period is not None:
+        if args.period <= 0:
+            raise UsageError("--period must be positive")
+        events = [replace(e, period=args.period) for e in events]
+    if args.freq is not None and args.freq <= 0:
+        raise UsageError("--freq must be positive")
+    return events, args.freq
+
+
+def summary_line(totals: RunTotals, elapsed: float, epoch: int, db: str) -> str:
+    lost = totals.lost_records + totals.lost_samples
+    share = 100.0 * totals.unknown / totals.samples if totals.samples else 0.0
+    evs = ", ".join(f"{k} {fmt_count(v)}" for k, v in totals.per_event.items()) or "no samples"
+    return (f"{fmt_count(totals.samples)} samples ({evs}) in {elapsed:.1f} s; lost {fmt_count(lost)}; "
+            f"unknown {share:.2f}%; written to epoch {epoch} of {db}")
+
+
+def progress_printer(start: float) -> Callable[[Collector], None]:
+    def show(c: Collector) -> None:
+        t = c.totals
+        lost = t.lost_records + t.lost_samples
+        sys.stderr.write(f"\rrecording: {time.monotonic() - start:6.1f} s, {fmt_count(t.samples)} samples, "
+                         f"{fmt_count(lost)} lost ")
+        sys.stderr.flush()
+
+    return show
+
+
+@register
+class Record(Command):
+    name = "record"
+    help = "sample a command, running processes, or the whole system into the database"
+    description = (
+        "Sample a command and its children, running processes (-p), or every CPU (-a), and store the\n"
+        "samples as counts per (image, offset, event) in a new epoch of the database."
+    )
+    epilog = (
+        "examples:\n"
+        "  cyclescope record -- ./myprog --input big.txt\n"
+        "  cyclescope record -F 1000 -p 1234 -d 30\n"
+        "  cyclescope record -a -d 10            # everything, kernel included, for 10 s\n"
+        "  cyclescope prof                       # then: where did the cycles go?"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_db_option(p)
+        t = p.add_argument_group("what to sample")
+        t.add_argument("-a", "--all-cpus", action="store_true",
+                       help="system-wide: every CPU and process, the kernel included (with a command: while it runs)")
+        t.add_argument("-p", "--pid", metavar="PID[,PID]", help="running process(es) and their future children")
+        t.add_argument("-d", "--duration", type=float, metavar="SECONDS", help="stop after this long")
+        add_sampling_options(p, DEFAULT_RECORD_HZ)
+        o = p.add_argument_group("storing")
+        o.add_argument("--append", action="store_true", help="add to the latest epoch instead of starting a new one")
+        o.add_argument("--epoch-name", metavar="NAME", help="a name for the new epoch")
+        o.add_argument("--flush-interval", type=float, default=60.0, metavar="S",
+                       help="write to the database every S seconds during long runs (default: 60)")
+        o.add_argument("--no-archive", action="store_true",
+                       help="do not copy profiled binaries into the database (they are needed if the files change)")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress or summary on stderr")
+        p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS]",
+                       help="the command to run and sample")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.collect.daemon import Collector, CollectorConfig, child_done, processes_gone
+        from cyclescope.collect.session import Command as CommandTarget
+        from cyclescope.collect.session import Processes, Session, SystemWide, online_cpus
+        from cyclescope.db.layout import Database
+        from cyclescope.images.procfs import hostname
+
+        cmd = list(args.command)
+        if cmd and cmd[0] == "--":
+            cmd = cmd[1:]
+        if args.pid and cmd:
+            raise UsageError("give either -p PID or a command, not both")
+        if not cmd and not args.pid and not args.all_cpus:
+            raise UsageError("nothing to record: give a command after --, -p PID, or -a")
+        if args.duration is not None and args.duration <= 0:
+            raise UsageError("--duration must be positive")
+        events, rate = make_events(args)
+        rate = rate if rate is not None or args.period is not None else DEFAULT_RECORD_HZ
+        until = None
+        target: SystemWide | Processes | CommandTarget
+        if args.all_cpus:
+            target = SystemWide(online_cpus())
+        elif args.pid:
+            try:
+                pids = tuple(int(x) for x in str(args.pid).split(",") if x.strip())
+            except ValueError:
+                raise UsageError(f"-p: not a process id list: {args.pid}") from None
+            target = Processes(pids)
+            until = processes_gone(pids)
+        else:
+            target = CommandTarget(tuple(cmd))
+        if cmd:
+            import shutil
+
+            if shutil.which(cmd[0]) is None:
+                raise CycleScopeError(f"{cmd[0]}: command not found")
+        session = Session(events, target, rate_hz=rate, band=args.band, force=args.force)
+        db = Database.create_or_open(db_path(args))
+        cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
+                              epoch_name=args.epoch_name, archive=not args.no_archive)
+        show = not args.quiet and stderr_tty()
+        start = time.monotonic()
+        collector = Collector(session, db, cfg, progress=progress_printer(start) if show else None)
+        child_session = None
+        if cmd and args.all_cpus:
+            # System-wide while a command runs: start it ourselves, unsampled-specific.
+            child_session = _spawn(cmd)
+            until = lambda: child_session.poll() is not None  # noqa: E731
+        try:
+            collector.start()
+        except BaseException:
+            if child_session is not None:
+                child_session.kill()
+            collector.close()
+            raise
+        for w in session.warnings:
+            eprint(f"cyclescope record: {w}")
+        if isinstance(target, CommandTarget):
+            until = child_done(session)
+        collector.install_signals()
+        if child_session is not None:
+            child_session.release()
+        totals = collector.run(duration_s=args.duration, until=until)
+        elapsed = time.monotonic() - start
+        if show:
+            sys.stderr.write("\r\x1b[K")
+        if not args.quiet:
+            eprint(f"cyclescope record: {summary_line(totals, elapsed, collector.epoch, db_path(args))}")
+            if totals.lost_records or totals.lost_samples:
+                eprint("cyclescope record: some samples were lost (the ring buffer filled); "
+                       "lower the rate or add CPUs to the drain")
+        status = session.exit_status
+        if child_session is not None:
+            status = child_session.status
+        return _exit_code(status)
+
+
+def _exit_code(status: int | None) -> int:
+    if status is None:
+        return 0
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return 0
+
+
+class _Spawned:
+    """A command started blocked, released once sampling is on (for -a -- CMD)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import shutil
+
+        if shutil.which(argv[0]) is None:
+            raise CycleScopeError(f"{argv[0]}: command not found")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                os.close(w)
+                os.read(r, 1)
+                os.execvp(argv[0], argv)
+            finally:
+                os._exit(127)
+        os.close(r)
+        self.pid = pid
+        self._go: int | None = w
+        self.status: int | None = None
+
+    def release(self) -> None:
+        if self._go is not None:
+            os.write(self._go, b"x")
+            os.close(self._go)
+            self._go = None
+
+    def kill(self) -> None:
+        import signal
+
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+    def poll(self) -> int | None:
+        if self.status is None:
+            done, st = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.status = st
+        return self.status
+
+
+def _spawn(argv: list[str]) -> _Spawned:
+    return _Spawned(argv)

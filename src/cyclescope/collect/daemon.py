@@ -1,0 +1,474 @@
+"""The collection loop: drain → decode → map → aggregate → flush.
+
+Shared by `cyclescope record` (a command, processes, or a fixed time) and
+`cyclescope daemon` (system-wide, until stopped). Flushes on an interval, on
+demand (`cyclescope flush`), when the in-memory table grows large, and when
+the loop ends; starts a new epoch on command; reaps exited processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cyclescope.collect.aggregate import Aggregator, Counts
+from cyclescope.collect.control import ControlServer, reply
+from cyclescope.collect.perf_abi import RecordType
+from cyclescope.collect.records import LostRecord, RecordDecoder, SideRecord, TaskRecord, ThrottleRecord
+from cyclescope.collect.session import Command, Processes, Session, SystemWide
+from cyclescope.db import symbols as symstore
+from cyclescope.db.compact import compact
+from cyclescope.db.layout import Database
+from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
+from cyclescope.images.elf import SymbolTable, symbols_from_bytes
+from cyclescope.images.kernel import KernelMap, kernel_symbols, load_kernel_ranges, read_kallsyms
+from cyclescope.images.maps import Mapper
+from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map
+from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
+
+
+@dataclass
+class CollectorConfig:
+    host: str
+    flush_interval_s: float = 60.0
+    rerandomize_s: float = 0.05
+    drain_s: float = 0.2
+    compact_after: int = 8
+    max_pending_rows: int = 2_000_000
+    reap_interval_s: float = 5.0
+    new_epoch: bool = False
+    epoch_name: str | None = None
+    archive: bool = True  # copy profiled binaries into the database (by build-id)
+
+
+@dataclass
+class FlushResult:
+    epoch: int
+    path: str | None
+    samples: int
+    rows: int
+    seconds: float
+
+
+@dataclass
+class RunTotals:
+    samples: int = 0
+    lost_records: int = 0
+    lost_samples: int = 0
+    unknown: int = 0
+    throttles: int = 0
+    malformed: int = 0
+    flushes: int = 0
+    per_event: dict[str, int] = field(default_factory=dict)
+    unknown_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Collector:
+    def __init__(self, session: Session, db: Database, config: CollectorConfig,
+                 progress: Callable[[Collector], None] | None = None) -> None:
+        self.session = session
+        self.db = db
+        self.cfg = config
+        self.progress = progress
+        self.table = ImageTable()
+        self.resolver = ImageResolver(self.table)
+        ranges = load_kernel_ranges()
+        self.kernel_ranges = ranges
+        kimgs = [self.table.intern(ImageInfo(r.key, r.name, "kernel" if r.name == "[kernel.kallsyms]" else "module",
+                                             r.key if not r.key.startswith(("kernel:", "module:")) else None,
+                                             None, None, "kernel")) for r in ranges]
+        self.mapper = Mapper(self.resolver, KernelMap(ranges), kimgs)
+        vdso = own_vdso()
+        self.vdso_bytes = vdso
+        if vdso:
+            self.resolver.set_vdso(vdso)
+        self.decoder = RecordDecoder(session.layout)
+        self.agg = Aggregator()
+        self.totals = RunTotals()
+        self.epoch = 0
+        self._flush_meta = self._fresh_meta()
+        self._stop = False
+        self._flush_requested = False
+        self._epoch_requested: str | None = None
+        self._last_counters: dict[int, tuple[int, int, int]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compact")
+        self._compacting: concurrent.futures.Future[Any] | None = None
+        self.control: ControlServer | None = None
+        self.started = time.time()
+        self._symbols_written: set[str] = set()
+        self._archived: set[str] = set()
+
+    # --- life cycle ---------------------------------------------------------------------
+    def _fresh_meta(self) -> SegmentMeta:
+        return SegmentMeta(self.cfg.host, 0, start_time=time.time(), targets=[self.session.target.describe()])
+
+    def start(self) -> None:
+        self.session.open()  # first: a failure here must not leave an empty epoch behind
+        if self.cfg.new_epoch or self.db.current_epoch() is None:
+            self.epoch = self.db.new_epoch(self.cfg.epoch_name)
+        else:
+            self.epoch = self.db.ensure_epoch()
+        self.session.start()
+        if isinstance(self.session.target, SystemWide):
+            # DCPI's third source: processes that were running before we started.
+            self.mapper.scan_proc(list_pids())
+        elif isinstance(self.session.target, Processes):
+            self.mapper.scan_proc(list(self.session.target.pids))
+        self.started = time.time()
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, lambda *_: setattr(self, "_flush_requested", True))
+
+    def run(self, duration_s: float | None = None, until: Callable[[], bool] | None = None) -> RunTotals:
+        """Loop until stopped, ``duration_s`` elapses, or ``until()`` says so; flush at the end."""
+        deadline = time.monotonic() + duration_s if duration_s else None
+        next_flush = time.monotonic() + self.cfg.flush_interval_s
+        next_rand = time.monotonic() + self.cfg.rerandomize_s
+        next_reap = time.monotonic() + self.cfg.reap_interval_s
+        next_progress = time.monotonic() + 1.0
+        try:
+            while not self._stop:
+                now = time.monotonic()
+                timeout = min(next_rand, next_flush, deadline or next_flush) - now
+                self._wait(max(0.0, min(timeout, self.cfg.drain_s)))
+                self.step()
+                now = time.monotonic()
+                if now >= next_rand:
+                    self.session.rerandomize()
+                    next_rand = now + self.cfg.rerandomize_s
+                if now >= next_flush or self._flush_requested or len(self.agg) > self.cfg.max_pending_rows:
+                    self.flush()
+                    self._flush_requested = False
+                    next_flush = now + self.cfg.flush_interval_s
+                if now >= next_reap:
+                    self.mapper.reap()
+                    next_reap = now + self.cfg.reap_interval_s
+                if self.progress and now >= next_progress:
+                    self.progress(self)
+                    next_progress = now + 1.0
+                if deadline is not None and now >= deadline:
+                    break
+                if until is not None and until():
+                    break
+            self.step()
+            self.flush()
+        finally:
+            self.close()
+        return self.totals
+
+    def _wait(self, timeout: float) -> None:
+        fds = self.session.fds
+        if self.control is not None:
+            p = select.poll()
+            for fd in fds:
+                p.register(fd, select.POLLIN)
+            p.register(self.control.fileno(), select.POLLIN)
+            with contextlib.suppress(InterruptedError):
+                p.poll(int(timeout * 1000))
+            self._serve()
+        elif fds:
+            with contextlib.suppress(InterruptedError):
+                self.session.wait(timeout)
+        else:
+            time.sleep(timeout)
+
+    def close(self) -> None:
+        if self._compacting is not None:
+            with contextlib.suppress(Exception):
+                self._compacting.result()
+        self._pool.shutdown(wait=True)
+        self.session.close()
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    # --- one drain ---------------------------------------------------------------------
+    def step(self) -> int:
+        chunks = self.session.drain()
+        samples_list = []
+        side: list[SideRecord] = []
+        for raw in chunks:
+            if not raw:
+                continue
+            batch = self.decoder.decode(raw)
+            samples_list.append(batch.samples)
+            side.extend(batch.side)
+            if batch.malformed:
+                self.totals.malformed += batch.malformed
+                self._flush_meta.malformed += batch.malformed
+        for rec in side:
+            if isinstance(rec, LostRecord):
+                self._note_lost(rec)
+            elif isinstance(rec, ThrottleRecord) and rec.throttled:
+                self.totals.throttles += 1
+                idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
+                if idx >= 0:
+                    self.session.stats[idx].throttles += 1
+            elif isinstance(rec, TaskRecord) and rec.kind == RecordType.FORK and rec.pid != rec.ppid:
+                self.session.note_fork(rec.pid, rec.ppid, rec.time)
+            elif isinstance(rec, TaskRecord) and rec.kind == RecordType.EXIT and rec.pid == rec.tid:
+                self.session.forget_pid(rec.pid)
+        if not samples_list:
+            if side:
+                self.mapper.map_batch(np.zeros(0, dtype=self._sample_dtype()), side)
+            return 0
+        samples = np.concatenate(samples_list) if len(samples_list) > 1 else samples_list[0]
+        ev = self.session.event_index(samples["id"])
+        keep = ev >= 0
+        if not keep.all():
+            samples, ev = samples[keep], ev[keep]
+        self.session.account(ev, samples)
+        mapped = self.mapper.map_batch(samples, side)
+        self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
+        n = len(samples)
+        self.totals.samples += n
+        unk = mapped.image == 0
+        if unk.any():
+            self.totals.unknown += int(unk.sum())
+        return n
+
+    @staticmethod
+    def _sample_dtype() -> np.dtype:
+        from cyclescope.collect.records import SAMPLE_DTYPE
+
+        return SAMPLE_DTYPE
+
+    def _note_lost(self, rec: LostRecord) -> None:
+        idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
+        if rec.kind == RecordType.LOST:
+            self.totals.lost_records += rec.lost
+            self._flush_meta.lost_records += rec.lost
+        else:
+            self.totals.lost_samples += rec.lost
+            self._flush_meta.lost_samples += rec.lost
+        if idx >= 0:
+            self.session.stats[idx].lost += rec.lost
+
+    # --- flushing ---------------------------------------------------------------------
+    def flush(self) -> FlushResult:
+        t0 = time.monotonic()
+        counts = self.agg.take()
+        meta = self._flush_meta
+        self._flush_meta = self._fresh_meta()
+        meta.end_time = time.time()
+        self.session.read_counters()
+        for i, spec in enumerate(self.session.events):
+            st = self.session.stats[i]
+            pv, pe, pr = self._last_counters.get(i, (0, 0, 0))
+            em = EventMeta(
+                name=spec.label, type=spec.type, config=spec.config, time_based=spec.time_based,
+                nominal_period=self.session.randomizers[i].nominal, band=self.session.band,
+                samples=st.samples, period_sum=st.period_sum, lost=st.lost, throttles=st.throttles,
+                value=max(0, st.value - pv), enabled_ns=max(0, st.enabled_ns - pe),
+                running_ns=max(0, st.running_ns - pr),
+            )
+            self._last_counters[i] = (st.value, st.enabled_ns, st.running_ns)
+            st.samples = st.period_sum = st.lost = st.throttles = 0
+            meta.events[spec.label] = em
+        path = None
+        epoch = self.epoch
+        if len(counts) or any(e.lost for e in meta.events.values()) or meta.lost_records:
+            self._describe(counts, meta)
+            table = build_table(
+                self.table.keys(), counts.image, counts.offset, [s.label for s in self.session.events],
+                counts.event, self.mapper.comms.names, counts.comm, counts.count,
+            )
+            path = str(write_segment(self.db, epoch, self.cfg.host, table, meta))
+            self.totals.flushes += 1
+            self._store_symbols(counts)
+            if self.cfg.archive:
+                self._archive(counts)
+        for e in meta.events.values():
+            self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
+        for k, v in meta.unknown.items():
+            self.totals.unknown_reasons[k] = self.totals.unknown_reasons.get(k, 0) + v
+        # A new epoch made by `cyclescope epoch` (here or on another host): switch now.
+        newest = self.db.current_epoch()
+        if self._epoch_requested is not None:
+            newest = self.db.new_epoch(self._epoch_requested or None)
+            self._epoch_requested = None
+        if newest is not None and newest > self.epoch:
+            old = self.epoch
+            self.epoch = newest
+            self._compact_async(old, min_segments=2)
+        else:
+            live = len(self.db.segments(self.epoch, self.cfg.host))
+            if live >= self.cfg.compact_after:
+                self._compact_async(self.epoch, min_segments=2)
+        return FlushResult(epoch, path, counts.total, len(counts), time.monotonic() - t0)
+
+    def _describe(self, counts: Counts, meta: SegmentMeta) -> None:
+        used = np.unique(counts.image).tolist()
+        for i in used:
+            info = self.table[i]
+            meta.images[info.key] = info.to_json()
+        unk = counts.image == 0
+        if unk.any():
+            for reason in Unknown:
+                n = int(counts.count[unk & (counts.offset == reason.value)].sum())
+                if n:
+                    meta.unknown[reason.name.lower()] = n
+        by_comm = np.bincount(counts.comm, weights=counts.count.astype(np.float64))
+        top = np.argsort(by_comm)[::-1][:200]
+        meta.processes = {self.mapper.comms.names[i]: int(by_comm[i]) for i in top.tolist() if by_comm[i] > 0}
+
+    def _store_symbols(self, counts: Counts) -> None:
+        """Kernel, module, vdso and JIT symbols go into the database (their sources are transient)."""
+        for i in np.unique(counts.image).tolist():
+            info = self.table[i]
+            if info.kind in ("kernel", "module"):
+                if info.key in self._symbols_written or symstore.has_symbols(self.db, info.key):
+                    self._symbols_written.add(info.key)
+                    continue
+                text = read_kallsyms()
+                for r in self.kernel_ranges:
+                    if r.key == info.key and text:
+                        symstore.write_symbols(self.db, info.key, kernel_symbols(text, r))
+                self._symbols_written.add(info.key)
+            elif info.kind == "vdso" and self.vdso_bytes and info.key not in self._symbols_written:
+                symstore.write_binary(self.db, info.key, self.vdso_bytes)
+                if not symstore.has_symbols(self.db, info.key):
+                    with contextlib.suppress(Exception):
+                        symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso_bytes, "[vdso]"))
+                self._symbols_written.add(info.key)
+            elif info.kind == "jit":
+                try:
+                    with open(info.path) as f:
+                        entries = parse_perf_map(f.read())
+                except OSError:
+                    continue
+                symstore.write_symbols(self.db, info.key, SymbolTable.build(entries))
+
+    def _archive(self, counts: Counts) -> None:
+        todo = []
+        for i in np.unique(counts.image).tolist():
+            info = self.table[i]
+            if info.kind == "elf" and info.build_id and info.key == info.build_id and info.key not in self._archived:
+                self._archived.add(info.key)
+                todo.append((info.key, info.path, info.build_id))
+        if todo:
+            self._pool.submit(lambda: [symstore.archive_binary(self.db, *t) for t in todo])
+
+    def _compact_async(self, epoch: int, min_segments: int) -> None:
+        if self._compacting is not None and not self._compacting.done():
+            return
+        self._compacting = self._pool.submit(compact, self.db, epoch, self.cfg.host, min_segments)
+
+    def compact_now(self) -> None:
+        if self._compacting is not None:
+            self._compacting.result()
+        compact(self.db, self.epoch, self.cfg.host)
+
+    # --- control socket ------------------------------------------------------------------
+    def listen(self) -> None:
+        self.control = ControlServer(self.db.root)
+
+    def _serve(self) -> None:
+        assert self.control is not None
+        while True:
+            got = self.control.accept()
+            if got is None:
+                return
+            conn, req = got
+            cmd = req.get("cmd")
+            try:
+                if cmd == "flush":
+                    self.step()
+                    r = self.flush()
+                    reply(conn, {"ok": True, "epoch": r.epoch, "samples": r.samples, "rows": r.rows,
+                                 "path": r.path, "seconds": round(r.seconds, 3)})
+                elif cmd == "epoch":
+                    self.step()
+                    self._epoch_requested = str(req.get("name") or "")
+                    old = self.epoch
+                    r = self.flush()
+                    reply(conn, {"ok": True, "flushed_into": old, "samples": r.samples, "epoch": self.epoch})
+                elif cmd == "status":
+                    reply(conn, {"ok": True, **self.status()})
+                elif cmd == "stop":
+                    self._stop = True
+                    reply(conn, {"ok": True})
+                else:
+                    reply(conn, {"ok": False, "error": f"unknown command {cmd!r}"})
+            except Exception as e:  # a failing request must not kill the daemon
+                reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(), "epoch": self.epoch, "host": self.cfg.host,
+            "uptime_s": round(time.time() - self.started, 1), "samples": self.totals.samples,
+            "lost_records": self.totals.lost_records, "lost_samples": self.totals.lost_samples,
+            "unknown": self.totals.unknown, "pending_rows": len(self.agg), "processes": len(self.mapper.procs),
+            "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
+            "events": [s.label for s in self.session.events],
+        }
+
+
+def rss_kib() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_kib() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def child_done(session: Session) -> Callable[[], bool]:
+    """For record -- CMD: true once the command has exited (its status is kept)."""
+    state: dict[str, int | None] = {"status": None}
+
+    def check() -> bool:
+        pid = session.child_pid
+        if pid is None:
+            return True
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            state["status"] = status
+            session.exit_status = status
+            return True
+        return False
+
+    return check
+
+
+def processes_gone(pids: tuple[int, ...]) -> Callable[[], bool]:
+    return lambda: not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def describe_target(target: SystemWide | Processes | Command) -> str:
+    return target.describe()
+
+
+def eprint(*a: object) -> None:
+    print(*a, file=sys.stderr)

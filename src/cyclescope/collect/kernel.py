@@ -1,0 +1,186 @@
+"""The only module that makes perf-related system calls.
+
+perf_event_open, the mmap'ed ring buffer, ioctls, counter reads, poll. Bytes
+come out; decoding them is records.py's business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import mmap
+import os
+import select
+import struct
+
+from cyclescope.collect.perf_abi import (
+    IOC_DISABLE,
+    IOC_ENABLE,
+    IOC_ID,
+    IOC_PERIOD,
+    IOC_RESET,
+    IOC_SET_OUTPUT,
+    MMAP_PAGE_DATA_HEAD,
+    MMAP_PAGE_DATA_OFFSET,
+    MMAP_PAGE_DATA_SIZE,
+    MMAP_PAGE_DATA_TAIL,
+    PERF_FLAG_FD_CLOEXEC,
+    PerfEventAttr,
+)
+from cyclescope.errors import CycleScopeError
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+SYS_perf_event_open = 298  # x86-64
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+class PerfOpenError(CycleScopeError):
+    """perf_event_open failed; carries errno for callers that fall back."""
+
+    def __init__(self, message: str, err: int) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+def _explain(err: int, what: str, pid: int, cpu: int) -> str:
+    if err == errno.ENOENT:
+        return f"{what}: this machine has no such event (no hardware PMU?)"
+    if err == errno.EACCES or err == errno.EPERM:
+        para = _read_text("/proc/sys/kernel/perf_event_paranoid").strip()
+        return (
+            f"{what}: permission denied (perf_event_paranoid={para}); run as root, "
+            "or lower /proc/sys/kernel/perf_event_paranoid"
+        )
+    if err == errno.ESRCH:
+        return f"{what}: no process {pid}"
+    if err == errno.EINVAL:
+        return f"{what}: the kernel rejected the event settings (EINVAL)"
+    if err == errno.EMFILE:
+        return f"{what}: too many open files (raise ulimit -n)"
+    if err == errno.EOPNOTSUPP:
+        return f"{what}: not supported by this kernel or PMU"
+    return f"{what}: {os.strerror(err)}"
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return "?"
+
+
+def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, group_fd: int = -1, what: str = "perf_event_open") -> int:
+    fd = _libc.syscall(
+        SYS_perf_event_open, ctypes.byref(attr), ctypes.c_int(pid), ctypes.c_int(cpu),
+        ctypes.c_int(group_fd), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise PerfOpenError(_explain(err, what, pid, cpu), err)
+    return int(fd)
+
+
+def ioctl_enable(fd: int) -> None:
+    fcntl.ioctl(fd, IOC_ENABLE, 0)
+
+
+def ioctl_disable(fd: int) -> None:
+    fcntl.ioctl(fd, IOC_DISABLE, 0)
+
+
+def ioctl_reset(fd: int) -> None:
+    fcntl.ioctl(fd, IOC_RESET, 0)
+
+
+def ioctl_period(fd: int, period: int) -> None:
+    fcntl.ioctl(fd, IOC_PERIOD, struct.pack("<Q", period))
+
+
+def ioctl_set_output(fd: int, target_fd: int) -> None:
+    fcntl.ioctl(fd, IOC_SET_OUTPUT, target_fd)
+
+
+def ioctl_id(fd: int) -> int:
+    buf = bytearray(8)
+    fcntl.ioctl(fd, IOC_ID, buf)
+    return int(struct.unpack("<Q", buf)[0])
+
+
+def read_counter(fd: int) -> tuple[int, int, int]:
+    """(value, time_enabled, time_running) of an event opened with those read_format bits."""
+    raw = os.read(fd, 24)
+    if len(raw) < 24:
+        raise OSError(errno.EIO, "short read from perf event")
+    v, e, r = struct.unpack("<QQQ", raw)
+    return int(v), int(e), int(r)
+
+
+class RingBuffer:
+    """The mmap'ed ring buffer of one event: a control page plus 2^n data pages."""
+
+    def __init__(self, fd: int, data_pages: int) -> None:
+        if data_pages & (data_pages - 1):
+            raise ValueError("data_pages must be a power of two")
+        self.fd = fd
+        self._map = mmap.mmap(fd, (data_pages + 1) * PAGE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        off, size = struct.unpack_from("<QQ", self._map, MMAP_PAGE_DATA_OFFSET)
+        self._data_off = int(off) or PAGE_SIZE
+        self._size = int(size) or data_pages * PAGE_SIZE
+        assert MMAP_PAGE_DATA_SIZE == MMAP_PAGE_DATA_OFFSET + 8
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def pending(self) -> int:
+        head, tail = struct.unpack_from("<QQ", self._map, MMAP_PAGE_DATA_HEAD)
+        return int(head - tail)
+
+    def read(self) -> bytes:
+        """Everything written since the last read, in order; frees the space.
+
+        x86-64 keeps loads in order and does not move stores before earlier
+        loads, so reading data_head, copying, then writing data_tail needs no
+        explicit barrier here (the kernel side has its own).
+        """
+        m = self._map
+        (head,) = struct.unpack_from("<Q", m, MMAP_PAGE_DATA_HEAD)
+        (tail,) = struct.unpack_from("<Q", m, MMAP_PAGE_DATA_TAIL)
+        n = head - tail
+        if n <= 0:
+            return b""
+        size = self._size
+        base = self._data_off
+        start = tail % size
+        if start + n <= size:
+            out = m[base + start : base + start + n]
+        else:
+            first = size - start
+            out = m[base + start : base + size] + m[base : base + n - first]
+        struct.pack_into("<Q", m, MMAP_PAGE_DATA_TAIL, head)
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+
+
+def poll_fds(fds: list[int], timeout_s: float) -> list[int]:
+    """fds that are readable (ring buffer past its watermark) or hung up."""
+    if not fds:
+        return []
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN | select.POLLHUP)
+    ready = p.poll(max(0, int(timeout_s * 1000)))
+    return [fd for fd, _ in ready]
+
+
+def close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

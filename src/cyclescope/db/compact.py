@@ -1,0 +1,107 @@
+"""Compaction: merge the live segments of one epoch/host into one.
+
+After compaction, the size depends on the number of distinct
+(image, offset, event, process) keys, not on how many flushes (or samples)
+produced them. Safe against crashes at any point (see layout.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cyclescope.db.layout import Database, SegmentRef
+from cyclescope.db.segment import SCHEMA, SegmentMeta, read_meta, read_table, write_parquet
+from cyclescope.errors import DataError
+
+
+@dataclass
+class CompactResult:
+    epoch: int
+    host: str
+    merged: int
+    bytes_before: int
+    bytes_after: int
+    rows_before: int
+    rows_after: int
+    skipped_corrupt: list[str]
+
+
+def merge_tables(tables: list[pa.Table]) -> pa.Table:
+    """Sum counts over equal keys; sorted by (image, event, process, offset) like a flush."""
+    plain_schema = pa.schema([(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
+                              for f in SCHEMA])
+    t = pa.concat_tables([x.select(SCHEMA.names).cast(plain_schema) for x in tables])
+    keys = ["image", "offset", "event", "process"]
+    g = t.group_by(keys, use_threads=False).aggregate([("count", "sum")]).rename_columns([*keys, "count"])
+    g = g.sort_by([("image", "ascending"), ("event", "ascending"), ("process", "ascending"),
+                   ("offset", "ascending")])
+    cols = []
+    for f in SCHEMA:
+        col = g.column(f.name)
+        cols.append(pc.dictionary_encode(col).cast(f.type) if pa.types.is_dictionary(f.type) else col.cast(f.type))
+    return pa.Table.from_arrays(cols, schema=SCHEMA)
+
+
+def compact(db: Database, epoch: int, host: str, min_segments: int = 2) -> CompactResult | None:
+    """Merge the live segments of ``epoch``/``host``; None when there is nothing to do."""
+    with db.host_lock(epoch, host) as d:
+        db.clean_temp(d)
+        live = db.segments(epoch, host)
+        _delete_covered(db, epoch, host, live)
+        readable: dict[str, tuple[SegmentRef, SegmentMeta, pa.Table]] = {}
+        corrupt: list[SegmentRef] = []
+        for s in live:
+            try:
+                readable[s.name] = (s, read_meta(s.path), read_table(s.path))
+            except DataError:
+                corrupt.append(s)  # leave it alone: compaction never destroys data
+        # The merged range must not swallow a corrupt segment it did not read.
+        run = _contiguous_run([r[0] for r in readable.values()], corrupt)
+        if len(run) < min_segments:
+            return None
+        good = run
+        metas = [readable[s.name][1] for s in run]
+        tables = [readable[s.name][2] for s in run]
+        merged = merge_tables(tables)
+        meta = metas[0]
+        for m in metas[1:]:
+            meta.merge(m)
+        first, last = good[0].first, good[-1].last
+        meta.first, meta.last = first, last
+        tmp = db.temp_path(d)
+        try:
+            write_parquet(merged, tmp, meta)
+            final = db.link_new(tmp, d, first, last)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        before = sum(s.path.stat().st_size for s in good)
+        rows_before = sum(t.num_rows for t in tables)
+        for s in good:
+            with contextlib.suppress(FileNotFoundError):
+                s.path.unlink()
+        return CompactResult(epoch, host, len(good), before, final.stat().st_size, rows_before, merged.num_rows,
+                             [c.name for c in corrupt])
+
+
+def _contiguous_run(good: list[SegmentRef], corrupt_ranges: list[SegmentRef]) -> list[SegmentRef]:
+    """The longest run of readable segments with no corrupt segment inside its range."""
+    runs: list[list[SegmentRef]] = [[]]
+    for s in sorted(good):
+        if runs[-1] and any(runs[-1][-1].last < c.first < s.first for c in corrupt_ranges):
+            runs.append([])
+        runs[-1].append(s)
+    return max(runs, key=len)
+
+
+def _delete_covered(db: Database, epoch: int, host: str, live: list[SegmentRef]) -> None:
+    """Remove segments a finished compaction covers (left over by a crash)."""
+    names = {s.name for s in live}
+    for s in db.segments(epoch, host, live_only=False):
+        if s.name not in names:
+            with contextlib.suppress(FileNotFoundError):
+                s.path.unlink()

@@ -1,0 +1,269 @@
+"""The profile database on disk: a directory of epochs, hosts and segments.
+
+    DB/
+      cyclescope.json                 format marker and version
+      epoch=000001/
+        epoch.json                    id, creation time, name
+        host=vm1/
+          seg-00000001-00000001.parquet   one flush
+          seg-00000001-00000008.parquet   a compaction of flushes 1..8
+      symbols/<key>.parquet           symbol tables of images with no file (kernel, vdso, JIT)
+      binaries/<build-id>             bytes of images with no file (the vdso)
+      cache/                          derived data (decoded line tables), safe to delete
+
+The ``key=value`` directory names are Hive partitioning, so DuckDB (or any
+engine reading Parquet) sees ``epoch`` and ``host`` as columns.
+
+Crash safety without a manifest: a segment named ``seg-A-B`` holds flushes A
+to B. Files are written under a temporary name, fsynced, then hard-linked to
+their final name (which fails rather than overwrite) and the directory
+fsynced. A reader uses the segments whose range no other segment strictly
+covers, so after a compaction is linked in, the flushes it replaced are
+ignored even if a crash left them on disk, and they are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from cyclescope.errors import DataError, NotFoundError, UsageError
+
+FORMAT_NAME = "cyclescope-db"
+FORMAT_VERSION = 1
+MARKER = "cyclescope.json"
+_EPOCH_RE = re.compile(r"^epoch=(\d{6,})$")
+_HOST_RE = re.compile(r"^host=(.+)$")
+_SEG_RE = re.compile(r"^seg-(\d{8,})-(\d{8,})\.parquet$")
+_SAFE_HOST_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@dataclass(frozen=True, order=True)
+class SegmentRef:
+    first: int
+    last: int
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def segment_name(first: int, last: int) -> str:
+    return f"seg-{first:08d}-{last:08d}.parquet"
+
+
+def safe_host(host: str) -> str:
+    return _SAFE_HOST_RE.sub("_", host) or "localhost"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def live_segments(segs: list[SegmentRef]) -> list[SegmentRef]:
+    """Drop segments whose flush range another segment strictly covers."""
+    out = []
+    for s in segs:
+        covered = any(
+            o.first <= s.first and s.last <= o.last and (o.first, o.last) != (s.first, s.last) for o in segs
+        )
+        if not covered:
+            out.append(s)
+    # Two identical ranges cannot exist (names are unique); overlapping
+    # non-nested ranges are never produced: compaction covers whole live ranges.
+    return sorted(out)
+
+
+class Database:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    # --- opening --------------------------------------------------------------------
+    @staticmethod
+    def create_or_open(path: str | os.PathLike[str]) -> Database:
+        root = Path(path)
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"{root}: exists and is not a directory")
+        if root.is_dir() and (root / MARKER).exists():
+            return Database.open(root)
+        if root.is_dir() and any(root.iterdir()):
+            raise UsageError(f"{root}: directory is not empty and is not a cyclescope database")
+        root.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "created": time.time()}
+        write_atomic(root / MARKER, json.dumps(meta, indent=1).encode())
+        return Database(root)
+
+    @staticmethod
+    def open(path: str | os.PathLike[str]) -> Database:
+        root = Path(path)
+        marker = root / MARKER
+        if not root.exists():
+            raise NotFoundError(f"{root}: no such database (record something first, or pass --db)")
+        try:
+            meta = json.loads(marker.read_text())
+        except FileNotFoundError:
+            raise DataError(f"{root}: not a cyclescope database (no {MARKER})") from None
+        except (OSError, ValueError) as e:
+            raise DataError(f"{root}/{MARKER}: unreadable ({e})") from None
+        if meta.get("format") != FORMAT_NAME:
+            raise DataError(f"{root}: not a cyclescope database")
+        if int(meta.get("version", 0)) > FORMAT_VERSION:
+            raise DataError(
+                f"{root}: database format version {meta.get('version')} is newer than this cyclescope "
+                f"understands ({FORMAT_VERSION})"
+            )
+        return Database(root)
+
+    # --- epochs ---------------------------------------------------------------------
+    def epochs(self) -> list[int]:
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for d in self.root.iterdir():
+                m = _EPOCH_RE.match(d.name)
+                if m and d.is_dir():
+                    out.append(int(m.group(1)))
+        return sorted(out)
+
+    def epoch_dir(self, epoch: int) -> Path:
+        return self.root / f"epoch={epoch:06d}"
+
+    def epoch_info(self, epoch: int) -> dict[str, object]:
+        try:
+            info = json.loads((self.epoch_dir(epoch) / "epoch.json").read_text())
+            return info if isinstance(info, dict) else {"id": epoch}
+        except (OSError, ValueError):
+            return {"id": epoch}
+
+    def current_epoch(self) -> int | None:
+        eps = self.epochs()
+        return eps[-1] if eps else None
+
+    def new_epoch(self, name: str | None = None) -> int:
+        """Create the next epoch; every writer switches to it at its next flush."""
+        while True:
+            eps = self.epochs()
+            nxt = (eps[-1] + 1) if eps else 1
+            d = self.epoch_dir(nxt)
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue
+            info = {"id": nxt, "created": time.time(), "name": name}
+            write_atomic(d / "epoch.json", json.dumps(info).encode())
+            fsync_dir(self.root)
+            return nxt
+
+    def ensure_epoch(self) -> int:
+        cur = self.current_epoch()
+        return cur if cur is not None else self.new_epoch()
+
+    # --- hosts and segments ---------------------------------------------------------------
+    def host_dir(self, epoch: int, host: str) -> Path:
+        return self.epoch_dir(epoch) / f"host={safe_host(host)}"
+
+    def hosts(self, epoch: int) -> list[str]:
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for d in self.epoch_dir(epoch).iterdir():
+                m = _HOST_RE.match(d.name)
+                if m and d.is_dir():
+                    out.append(m.group(1))
+        return sorted(out)
+
+    def segments(self, epoch: int, host: str, live_only: bool = True) -> list[SegmentRef]:
+        d = self.host_dir(epoch, host)
+        segs = []
+        with contextlib.suppress(FileNotFoundError):
+            for f in d.iterdir():
+                m = _SEG_RE.match(f.name)
+                if m:
+                    segs.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
+        return live_segments(segs) if live_only else sorted(segs)
+
+    def next_seq(self, epoch: int, host: str) -> int:
+        segs = self.segments(epoch, host, live_only=False)
+        return (max(s.last for s in segs) + 1) if segs else 1
+
+    @contextlib.contextmanager
+    def host_lock(self, epoch: int, host: str) -> Iterator[Path]:
+        """Exclusive lock on one epoch/host directory: writers and compaction take turns."""
+        d = self.host_dir(epoch, host)
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield d
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def link_new(self, tmp: Path, d: Path, first: int, last: int) -> Path:
+        """Give ``tmp`` its final segment name without ever overwriting a file."""
+        final = d / segment_name(first, last)
+        os.link(tmp, final)  # FileExistsError rather than clobbering
+        os.unlink(tmp)
+        fsync_dir(d)
+        return final
+
+    def temp_path(self, d: Path) -> Path:
+        return d / f".tmp-{os.getpid()}-{secrets.token_hex(6)}.parquet"
+
+    def clean_temp(self, d: Path, older_than_s: float = 3600) -> int:
+        """Remove temporary files a crashed writer left behind."""
+        n = 0
+        now = time.time()
+        with contextlib.suppress(FileNotFoundError):
+            for f in d.iterdir():
+                if f.name.startswith(".tmp-"):
+                    try:
+                        if now - f.stat().st_mtime > older_than_s:
+                            f.unlink()
+                            n += 1
+                    except FileNotFoundError:
+                        pass
+        return n
+
+    # --- side stores ----------------------------------------------------------------------
+    @property
+    def symbols_dir(self) -> Path:
+        return self.root / "symbols"
+
+    @property
+    def binaries_dir(self) -> Path:
+        return self.root / "binaries"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    def all_segment_files(self) -> Iterator[tuple[int, str, SegmentRef]]:
+        for ep in self.epochs():
+            for h in self.hosts(ep):
+                for s in self.segments(ep, h):
+                    yield ep, h, s

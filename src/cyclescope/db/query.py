@@ -1,0 +1,240 @@
+"""Selecting sample sets from the database and querying them with DuckDB.
+
+A selection names epochs, hosts, processes, images and events. Corrupt
+segments are skipped with a warning, so one bad file never hides the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from cyclescope.db.layout import Database, SegmentRef
+from cyclescope.db.segment import EventMeta, SegmentMeta, read_meta
+from cyclescope.errors import DataError, NotFoundError, UsageError
+from cyclescope.images.registry import UNKNOWN_KEY, ImageInfo
+
+
+@dataclass(frozen=True)
+class Selection:
+    epochs: str = "latest"  # "latest", "all", "3", "2-5", "1,4,7"
+    hosts: tuple[str, ...] = ()
+    processes: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()
+    events: tuple[str, ...] = ()
+
+
+def parse_epochs(spec: str, available: list[int]) -> list[int]:
+    if not available:
+        raise NotFoundError("the database holds no epochs yet (nothing recorded)")
+    spec = spec.strip().lower()
+    if spec in ("", "latest", "current"):
+        return [available[-1]]
+    if spec == "all":
+        return list(available)
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        try:
+            if m:
+                lo, hi = int(m.group(1)), int(m.group(2))
+                out.update(e for e in available if lo <= e <= hi)
+            elif re.fullmatch(r"-\d+", part):  # -1 = latest, -2 = the one before
+                k = int(part)
+                if -k > len(available):
+                    raise NotFoundError(f"epoch {part}: the database has only {len(available)} epoch(s)")
+                out.add(available[k])
+            else:
+                e = int(part)
+                if e not in available:
+                    raise NotFoundError(f"no epoch {e} (epochs: {_ranges(available)})")
+                out.add(e)
+        except ValueError:
+            raise UsageError(f"cannot parse epoch selection '{spec}' (try 3, 2-5, 1,4, -1, latest or all)") from None
+    if not out:
+        raise NotFoundError(f"no epoch matches '{spec}' (epochs: {_ranges(available)})")
+    return sorted(out)
+
+
+def _ranges(nums: list[int]) -> str:
+    if not nums:
+        return "none"
+    parts = []
+    start = prev = nums[0]
+    for n in [*nums[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ",".join(parts)
+
+
+@dataclass
+class SegmentInfo:
+    epoch: int
+    host: str
+    ref: SegmentRef
+    meta: SegmentMeta
+
+
+@dataclass
+class ProfileSet:
+    """The segments a selection covers, with their merged metadata."""
+
+    db: Database
+    selection: Selection
+    epochs: list[int]
+    segments: list[SegmentInfo]
+    images: dict[str, ImageInfo] = field(default_factory=dict)
+    events: dict[str, EventMeta] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    lost_records: int = 0
+    lost_samples: int = 0
+    unknown: dict[str, int] = field(default_factory=dict)
+    start_time: float = 0.0
+    end_time: float = 0.0
+    hosts: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        return [str(s.ref.path) for s in self.segments]
+
+    @property
+    def event_names(self) -> list[str]:
+        names = list(self.events)
+        if self.selection.events:
+            names = [e for e in names if e in self.selection.events]
+        return names
+
+
+def open_profile(db: Database, sel: Selection) -> ProfileSet:
+    epochs = parse_epochs(sel.epochs, db.epochs())
+    segs: list[SegmentInfo] = []
+    warnings: list[str] = []
+    hosts_seen: set[str] = set()
+    for ep in epochs:
+        for h in db.hosts(ep):
+            if sel.hosts and h not in sel.hosts:
+                continue
+            hosts_seen.add(h)
+            for ref in db.segments(ep, h):
+                try:
+                    meta = read_meta(ref.path)
+                except DataError as e:
+                    warnings.append(f"skipping {e}")
+                    continue
+                segs.append(SegmentInfo(ep, h, ref, meta))
+    if sel.hosts:
+        missing = set(sel.hosts) - hosts_seen
+        if missing:
+            raise NotFoundError(f"no samples from host(s) {', '.join(sorted(missing))} in the selected epoch(s)")
+    ps = ProfileSet(db, sel, epochs, segs, warnings=warnings, hosts=sorted(hosts_seen))
+    for s in segs:
+        m = s.meta
+        for k, v in m.images.items():
+            if k not in ps.images:
+                ps.images[k] = ImageInfo.from_json(v)
+        for k, ev in m.events.items():
+            if k in ps.events:
+                ps.events[k].merge(ev)
+            else:
+                ps.events[k] = EventMeta(**vars(ev))
+        ps.lost_records += m.lost_records
+        ps.lost_samples += m.lost_samples
+        for k, n in m.unknown.items():
+            ps.unknown[k] = ps.unknown.get(k, 0) + n
+        if m.start_time and (not ps.start_time or m.start_time < ps.start_time):
+            ps.start_time = m.start_time
+        ps.end_time = max(ps.end_time, m.end_time)
+        for t in m.targets:
+            if t not in ps.targets:
+                ps.targets.append(t)
+    if sel.events:
+        unknown_ev = [e for e in sel.events if e not in ps.events]
+        if unknown_ev and segs:
+            raise NotFoundError(
+                f"no samples of event(s) {', '.join(unknown_ev)}; recorded: {', '.join(ps.events) or 'none'}"
+            )
+    return ps
+
+
+def match_images(ps: ProfileSet, patterns: Iterable[str]) -> list[str]:
+    """Image keys whose key, path or file name equals a pattern (or whose path ends with it)."""
+    keys: list[str] = []
+    for pat in patterns:
+        found = [
+            k for k, info in ps.images.items()
+            if pat in (k, info.path, Path(info.path).name) or info.path.endswith("/" + pat.lstrip("/"))
+            or (info.build_id and info.build_id.startswith(pat) and len(pat) >= 8)
+        ]
+        if not found:
+            raise NotFoundError(f"no image matches '{pat}' in the selected samples")
+        keys.extend(k for k in found if k not in keys)
+    return keys
+
+
+def _connect() -> object:
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    con.execute("SET threads TO 2")
+    return con
+
+
+def query_counts(ps: ProfileSet, by_process: bool = False, images: list[str] | None = None) -> pa.Table:
+    """Summed counts per (image, event, offset[, process]) over the selection."""
+    if not ps.segments:
+        return _empty_counts(by_process)
+    where = []
+    params: list[object] = [ps.files]
+    sel = ps.selection
+    if sel.processes:
+        where.append("process IN (SELECT unnest(?))")
+        params.append(list(sel.processes))
+    keys = images if images is not None else (match_images(ps, sel.images) if sel.images else None)
+    if keys is not None:
+        where.append("image IN (SELECT unnest(?))")
+        params.append(keys)
+    if sel.events:
+        where.append("event IN (SELECT unnest(?))")
+        params.append(list(sel.events))
+    cols = 'image, event, "offset"' + (", process" if by_process else "")
+    sql = (
+        f'SELECT {cols}, sum("count")::UBIGINT AS count '
+        "FROM read_parquet(?, hive_partitioning=false) "
+        + ("WHERE " + " AND ".join(where) + " " if where else "")
+        + f"GROUP BY {cols} ORDER BY image, event, \"offset\""
+    )
+    for attempt in range(2):
+        con = _connect()
+        try:
+            return con.sql(sql, params=params).to_arrow_table()  # type: ignore[attr-defined]
+        except Exception as e:  # duckdb raises its own IOException when compaction removed a file
+            if attempt == 0 and "No files found" not in str(e) and ("IO Error" in str(e) or "No such file" in str(e)):
+                fresh = open_profile(ps.db, ps.selection)
+                params[0] = fresh.files
+                continue
+            raise DataError(f"query failed: {str(e).splitlines()[0]}") from None
+        finally:
+            con.close()  # type: ignore[attr-defined]
+    raise AssertionError("unreachable")
+
+
+def _empty_counts(by_process: bool) -> pa.Table:
+    fields = [("image", pa.string()), ("event", pa.string()), ("offset", pa.uint64())]
+    if by_process:
+        fields.append(("process", pa.string()))
+    fields.append(("count", pa.uint64()))
+    return pa.schema(fields).empty_table()
+
+
+def is_unknown(key: str) -> bool:
+    return key == UNKNOWN_KEY

@@ -1,0 +1,113 @@
+"""Symbol tables and image bytes kept in the database for images with no file.
+
+The kernel's symbols come from /proc/kallsyms at recording time, the vdso
+exists only in memory, and JIT symbols live in /tmp/perf-PID.map which may be
+gone by the time anyone looks: so they are stored beside the profiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cyclescope.db.layout import Database, fsync_dir, write_atomic
+from cyclescope.images.elf import SymbolTable
+
+
+def _file_name(key: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:80]
+    return f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def symbols_path(db: Database, key: str) -> Path:
+    return db.symbols_dir / (_file_name(key) + ".parquet")
+
+
+def has_symbols(db: Database, key: str) -> bool:
+    return symbols_path(db, key).exists()
+
+
+def write_symbols(db: Database, key: str, table: SymbolTable) -> None:
+    db.symbols_dir.mkdir(parents=True, exist_ok=True)
+    t = pa.table({
+        "start": pa.array(table.starts, pa.uint64()),
+        "end": pa.array(table.ends, pa.uint64()),
+        "name": pa.array(list(table.names), pa.string()),
+    }).replace_schema_metadata({b"image": key.encode()})
+    final = symbols_path(db, key)
+    tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+    pq.write_table(t, tmp, compression="zstd")
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def read_symbols(db: Database, key: str) -> SymbolTable | None:
+    p = symbols_path(db, key)
+    if not p.exists():
+        return None
+    try:
+        t = pq.read_table(p)
+    except (OSError, pa.ArrowException):
+        return None
+    return SymbolTable(
+        t.column("start").to_numpy().astype(np.uint64),
+        t.column("end").to_numpy().astype(np.uint64),
+        tuple(t.column("name").to_pylist()),
+    )
+
+
+def binary_path(db: Database, key: str) -> Path:
+    return db.binaries_dir / _file_name(key)
+
+
+def write_binary(db: Database, key: str, data: bytes) -> None:
+    p = binary_path(db, key)
+    if p.exists():
+        return
+    db.binaries_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(p, data)
+
+
+ARCHIVE_MAX_BYTES = 512 << 20
+
+
+def archive_binary(db: Database, key: str, path: str, build_id: str | None) -> bool:
+    """Copy an ELF image into the database, so analysis works after it is deleted or upgraded.
+
+    Only images named by build-id are archived (the build-id proves the copy is
+    the profiled binary); files above 512 MiB are skipped.
+    """
+    import shutil
+
+    from cyclescope.images.elf import read_build_id
+
+    if not build_id or key != build_id:
+        return False
+    dest = binary_path(db, key)
+    if dest.exists():
+        return True
+    try:
+        if os.path.getsize(path) > ARCHIVE_MAX_BYTES or read_build_id(path) != build_id:
+            return False
+        db.binaries_dir.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".tmp-{os.getpid()}-{dest.name}")
+        shutil.copyfile(path, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+        return True
+    except OSError:
+        return False

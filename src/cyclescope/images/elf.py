@@ -1,0 +1,351 @@
+"""ELF files: build-id, load segments, symbols (pyelftools).
+
+Offsets in profiles are addresses as the ELF file lays them out (its virtual
+addresses), so symbols from .symtab/.dynsym apply to them directly.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import BinaryIO
+
+import numpy as np
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import NoteSection, SymbolTableSection
+
+from cyclescope.errors import DataError
+
+DEBUG_ROOTS = ("/usr/lib/debug",)
+
+
+@dataclass(frozen=True)
+class LoadSegment:
+    offset: int  # p_offset
+    vaddr: int  # p_vaddr
+    filesz: int
+    memsz: int
+    executable: bool
+
+
+@dataclass(frozen=True)
+class ElfInfo:
+    path: str
+    build_id: str | None
+    elf_type: str  # ET_EXEC, ET_DYN, ...
+    machine: str
+    loads: tuple[LoadSegment, ...]
+    debuglink: str | None
+    has_symtab: bool
+    has_debug_info: bool
+
+    def vaddr_bias(self, file_offset: int) -> int | None:
+        """vaddr - file_offset for the load segment holding ``file_offset``."""
+        for seg in self.loads:
+            if seg.offset <= file_offset < seg.offset + max(seg.filesz, 1):
+                return seg.vaddr - seg.offset
+        return None
+
+    def file_offset(self, vaddr: int) -> int | None:
+        for seg in self.loads:
+            if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:
+                return vaddr - seg.vaddr + seg.offset
+        return None
+
+
+_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+_PHDR = struct.Struct("<IIQQQQQQ")
+_ET = {1: "ET_REL", 2: "ET_EXEC", 3: "ET_DYN", 4: "ET_CORE"}
+
+
+def read_load_info(path: str) -> ElfInfo:
+    """Build-id and load segments of a 64-bit little-endian ELF, from the program headers only.
+
+    Written by hand rather than with pyelftools because the daemon runs this
+    on every newly seen image under process churn: pyelftools' construct-based
+    parsing costs 10-20 ms per file, this about 50 us. Symbols, sections and
+    DWARF still go through pyelftools (read_elf_info, read_symbols).
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            if len(head) < _EHDR.size or head[:4] != b"\x7fELF":
+                raise DataError(f"{path}: not an ELF file")
+            if head[4] != 2 or head[5] != 1:
+                return read_elf_info(path)  # 32-bit or big-endian: let pyelftools handle it
+            (_ident, e_type, e_machine, _v, _entry, phoff, _shoff, _flags, _ehsize, phentsize, phnum,
+             *_rest) = _EHDR.unpack_from(head)
+            if phentsize < _PHDR.size or phnum > 4096:
+                raise DataError(f"{path}: malformed program headers")
+            need = phoff + phentsize * phnum
+            if need > len(head):
+                f.seek(0)
+                head = f.read(need)
+            loads = []
+            build_id = None
+            for i in range(phnum):
+                p_type, p_flags, p_offset, p_vaddr, _pa, p_filesz, p_memsz, _al = _PHDR.unpack_from(
+                    head, phoff + i * phentsize
+                )
+                if p_type == 1:  # PT_LOAD
+                    loads.append(LoadSegment(p_offset, p_vaddr, p_filesz, p_memsz, bool(p_flags & 1)))
+                elif p_type == 4 and build_id is None and p_filesz < 1 << 16:  # PT_NOTE
+                    f.seek(p_offset)
+                    build_id = build_id_from_notes(f.read(p_filesz))
+    except (OSError, struct.error) as e:
+        raise DataError(f"{path}: unreadable ELF headers ({e})") from None
+    machine = "EM_X86_64" if e_machine == 62 else str(e_machine)
+    return ElfInfo(path, build_id, _ET.get(e_type, str(e_type)), machine, tuple(loads), None, False, False)
+
+
+def build_id_from_notes(data: bytes) -> str | None:
+    """Parse a raw note section (as in /sys/kernel/notes) for NT_GNU_BUILD_ID."""
+    off = 0
+    while off + 12 <= len(data):
+        namesz, descsz, ntype = np.frombuffer(data, dtype="<u4", count=3, offset=off)
+        name_start = off + 12
+        desc_start = name_start + ((int(namesz) + 3) & ~3)
+        name = data[name_start : name_start + int(namesz)].rstrip(b"\0")
+        if ntype == 3 and name == b"GNU":
+            return data[desc_start : desc_start + int(descsz)].hex()
+        off = desc_start + ((int(descsz) + 3) & ~3)
+    return None
+
+
+def _open_elf(stream: BinaryIO, path: str) -> ELFFile:
+    try:
+        return ELFFile(stream)
+    except (ELFError, ValueError, OSError) as e:
+        raise DataError(f"{path}: not a readable ELF file ({e})") from None
+
+
+def read_elf_info(path: str, stream: BinaryIO | None = None) -> ElfInfo:
+    """Headers only: cheap enough to run on every newly seen image."""
+    own = stream is None
+    f = stream or open(path, "rb")  # noqa: SIM115 - closed below
+    try:
+        elf = _open_elf(f, path)
+        loads = []
+        for seg in elf.iter_segments():
+            if seg["p_type"] == "PT_LOAD":
+                loads.append(
+                    LoadSegment(seg["p_offset"], seg["p_vaddr"], seg["p_filesz"], seg["p_memsz"],
+                                bool(seg["p_flags"] & 1))
+                )
+        build_id = None
+        debuglink = None
+        has_symtab = False
+        has_debug = False
+        for sec in elf.iter_sections():
+            if isinstance(sec, NoteSection) and build_id is None:
+                for note in sec.iter_notes():
+                    if note["n_type"] == "NT_GNU_BUILD_ID":
+                        build_id = note["n_desc"]
+                        break
+            elif sec.name == ".gnu_debuglink":
+                raw = sec.data()
+                debuglink = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+            elif sec.name == ".symtab":
+                has_symtab = True
+            elif sec.name in (".debug_info", ".zdebug_info"):
+                has_debug = True
+        return ElfInfo(
+            path, build_id, elf["e_type"], elf["e_machine"], tuple(loads), debuglink, has_symtab, has_debug
+        )
+    except (ELFError, ValueError, KeyError) as e:
+        raise DataError(f"{path}: malformed ELF ({e})") from None
+    finally:
+        if own:
+            f.close()
+
+
+def read_build_id(path: str) -> str | None:
+    try:
+        return read_elf_info(path).build_id
+    except (OSError, DataError):
+        return None
+
+
+def find_debug_file(info: ElfInfo) -> str | None:
+    """Separate debug info: /usr/lib/debug/.build-id/xx/rest.debug, then debuglink."""
+    if info.build_id and len(info.build_id) > 2:
+        for root in DEBUG_ROOTS:
+            cand = os.path.join(root, ".build-id", info.build_id[:2], info.build_id[2:] + ".debug")
+            if os.path.exists(cand):
+                return cand
+    if info.debuglink:
+        d = os.path.dirname(os.path.realpath(info.path))
+        for cand in (
+            os.path.join(d, info.debuglink),
+            os.path.join(d, ".debug", info.debuglink),
+            *(os.path.join(root + d, info.debuglink) for root in DEBUG_ROOTS),
+        ):
+            if os.path.exists(cand) and os.path.realpath(cand) != os.path.realpath(info.path):
+                return cand
+    return None
+
+
+# --- symbols ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SymbolTable:
+    """Function symbols sorted by start address; ``end`` is exclusive."""
+
+    starts: np.ndarray  # uint64
+    ends: np.ndarray  # uint64
+    names: tuple[str, ...]
+
+    @staticmethod
+    def empty() -> SymbolTable:
+        return SymbolTable(np.zeros(0, np.uint64), np.zeros(0, np.uint64), ())
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def lookup(self, addrs: np.ndarray) -> np.ndarray:
+        """Index of the symbol containing each address, -1 where none does."""
+        if not len(self.names):
+            return np.full(len(addrs), -1, dtype=np.int64)
+        a = addrs.astype(np.uint64, copy=False)
+        idx = np.searchsorted(self.starts, a, side="right").astype(np.int64) - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        ok &= a < self.ends[safe]
+        return np.where(ok, idx, -1)
+
+    def find(self, name: str) -> list[int]:
+        return [i for i, n in enumerate(self.names) if n == name]
+
+    @staticmethod
+    def from_arrays(
+        starts: np.ndarray, sizes: np.ndarray, names: list[str], text_end: int | None = None
+    ) -> SymbolTable:
+        """Vectorized :meth:`build` for large tables (kallsyms has 100k+ entries)."""
+        if not len(starts):
+            return SymbolTable.empty()
+        names_arr = np.array(names, dtype=object)
+        underscore = np.fromiter((n.startswith("_") for n in names), dtype=bool, count=len(names))
+        lengths = np.fromiter((len(n) for n in names), dtype=np.int64, count=len(names))
+        order = np.lexsort((lengths, underscore, -sizes.astype(np.int64), starts))
+        st, sz, nm = starts[order].astype(np.uint64), sizes[order].astype(np.uint64), names_arr[order]
+        first = np.ones(len(st), dtype=bool)
+        first[1:] = st[1:] != st[:-1]
+        st, sz, nm = st[first], sz[first], nm[first]
+        nxt = np.empty_like(st)
+        nxt[:-1] = st[1:]
+        last_end = text_end if text_end and text_end > int(st[-1]) else int(st[-1]) + 1
+        nxt[-1] = last_end
+        ends = np.where(sz > 0, st + sz, nxt)
+        return SymbolTable(st, ends, tuple(nm.tolist()))
+
+    @staticmethod
+    def build(entries: list[tuple[int, int, str]], text_end: int | None = None) -> SymbolTable:
+        """From (start, size, name): dedupe aliases, give zero-size symbols the gap up to the next one."""
+        if not entries:
+            return SymbolTable.empty()
+        entries.sort(key=lambda e: (e[0], -e[1], _name_rank(e[2])))
+        starts: list[int] = []
+        sizes: list[int] = []
+        names: list[str] = []
+        for start, size, name in entries:
+            if starts and starts[-1] == start:
+                if size > sizes[-1]:
+                    sizes[-1] = size
+                continue  # an alias of the symbol already kept
+            starts.append(start)
+            sizes.append(size)
+            names.append(name)
+        ends = []
+        for i, (s, z) in enumerate(zip(starts, sizes, strict=True)):
+            nxt = starts[i + 1] if i + 1 < len(starts) else None
+            if z > 0:
+                e = s + z
+            elif nxt is not None:
+                e = nxt
+            else:
+                e = text_end if text_end and text_end > s else s + 1
+            ends.append(e)
+        return SymbolTable(np.array(starts, np.uint64), np.array(ends, np.uint64), tuple(names))
+
+
+def _name_rank(name: str) -> tuple[int, int, str]:
+    # Prefer public, unversioned, short names among aliases at one address.
+    return (name.startswith("_"), len(name), name)
+
+
+def _iter_func_symbols(elf: ELFFile, section_names: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    out: list[tuple[int, int, str]] = []
+    for secname in section_names:
+        sec = elf.get_section_by_name(secname)
+        if not isinstance(sec, SymbolTableSection):
+            continue
+        for sym in sec.iter_symbols():
+            st = sym["st_info"]["type"]
+            if st not in ("STT_FUNC", "STT_GNU_IFUNC"):
+                continue
+            if sym["st_shndx"] == "SHN_UNDEF" or not sym["st_value"]:
+                continue
+            name = sym.name
+            if not name:
+                continue
+            out.append((int(sym["st_value"]), int(sym["st_size"]), name))
+    return out
+
+
+def read_symbols(path: str, stream: BinaryIO | None = None, demangle: bool = True) -> SymbolTable:
+    """.symtab and .dynsym of ``path``, plus those of its separate debug file."""
+    own = stream is None
+    f = stream or open(path, "rb")  # noqa: SIM115 - closed below
+    try:
+        elf = _open_elf(f, path)
+        entries = _iter_func_symbols(elf, (".symtab", ".dynsym"))
+        text = elf.get_section_by_name(".text")
+        text_end = int(text["sh_addr"] + text["sh_size"]) if text is not None else None
+    except (ELFError, ValueError, KeyError) as e:
+        raise DataError(f"{path}: malformed symbol tables ({e})") from None
+    finally:
+        if own:
+            f.close()
+    if own:
+        try:
+            info = read_elf_info(path)
+            dbg = find_debug_file(info) if not info.has_symtab else None
+        except (OSError, DataError):
+            dbg = None
+        if dbg:
+            try:
+                with open(dbg, "rb") as g:
+                    entries += _iter_func_symbols(_open_elf(g, dbg), (".symtab",))
+            except (OSError, DataError, ELFError):
+                pass
+    if demangle:
+        entries = [(s, z, demangle_name(n)) for s, z, n in entries]
+    return SymbolTable.build(entries, text_end)
+
+
+def symbols_from_bytes(data: bytes, name: str) -> SymbolTable:
+    return read_symbols(name, io.BytesIO(data))
+
+
+def info_from_bytes(data: bytes, name: str) -> ElfInfo:
+    return read_elf_info(name, io.BytesIO(data))
+
+
+@lru_cache(maxsize=65536)
+def demangle_name(name: str) -> str:
+    """C++ (Itanium ABI) names to their source form; anything else unchanged."""
+    base, sep, version = name.partition("@")
+    if not base.startswith("_Z"):
+        return name
+    try:
+        import cxxfilt
+
+        out = str(cxxfilt.demangle(base))
+    except Exception:  # cxxfilt raises its own InvalidName, or fails to load libstdc++
+        return name
+    return out + (sep + version if sep else "")

@@ -1,0 +1,118 @@
+"""Writing reports: a rich table on a terminal, aligned plain text in a pipe, JSON.
+
+Builders produce :class:`Table` values (pure data); only this module writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+
+@dataclass(frozen=True)
+class Col:
+    header: str
+    align: str = "right"  # "left" or "right"
+    style: str | None = None  # rich style on a terminal
+    wrap: bool = False  # a long free-text column (names): ellipsis on a terminal, never cut in a pipe
+
+
+@dataclass
+class Table:
+    cols: list[Col]
+    rows: list[list[str]]
+    preamble: list[str] = field(default_factory=list)  # lines before the table
+    footer: list[str] = field(default_factory=list)  # lines after it
+    row_styles: list[str | None] = field(default_factory=list)
+
+
+def fmt_count(n: float) -> str:
+    return f"{round(n):,}" if abs(n) >= 1 or n == 0 else f"{n:.2f}"
+
+
+def fmt_pct(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}%"
+
+
+def is_tty(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def write_table(t: Table, out: TextIO | None = None, tty: bool | None = None) -> None:
+    out = out or sys.stdout
+    tty = is_tty(out) if tty is None else tty
+    if tty:
+        _write_rich(t, out)
+    else:
+        _write_plain(t, out)
+
+
+def _write_plain(t: Table, out: TextIO) -> None:
+    for line in t.preamble:
+        out.write(line + "\n")
+    if t.preamble:
+        out.write("\n")
+    widths = [len(c.header) for c in t.cols]
+    for r in t.rows:
+        for i, cell in enumerate(r):
+            widths[i] = max(widths[i], len(cell))
+
+    def fmt_line(cells: list[str]) -> str:
+        parts = []
+        for i, (c, cell) in enumerate(zip(t.cols, cells, strict=True)):
+            last = i == len(t.cols) - 1
+            if c.align == "right":
+                parts.append(cell.rjust(widths[i]))
+            else:
+                parts.append(cell if last else cell.ljust(widths[i]))
+        return "  ".join(parts).rstrip()
+
+    out.write(fmt_line([c.header for c in t.cols]) + "\n")
+    for r in t.rows:
+        out.write(fmt_line(r) + "\n")
+    if t.footer:
+        out.write("\n")
+        for f in t.footer:
+            out.write(f + "\n")
+
+
+def _write_rich(t: Table, out: TextIO) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table as RTable
+    from rich.text import Text
+
+    console = Console(file=out, highlight=False, soft_wrap=False)
+    for line in t.preamble:
+        console.print(Text(line, style="bold" if line is t.preamble[0] else "dim"))
+    rt = RTable(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, header_style="bold")
+    for c in t.cols:
+        rt.add_column(
+            c.header, justify="right" if c.align == "right" else "left", style=c.style,
+            overflow="ellipsis" if c.wrap else "fold", no_wrap=c.wrap, ratio=1 if c.wrap else None,
+        )
+    for i, r in enumerate(t.rows):
+        style = t.row_styles[i] if i < len(t.row_styles) else None
+        rt.add_row(*r, style=style)
+    console.print(rt)
+    for f in t.footer:
+        console.print(Text(f, style="dim"))
+
+
+def write_json(obj: Any, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    json.dump(obj, out, indent=1, sort_keys=False, default=_json_default)
+    out.write("\n")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "__dict__"):
+        return vars(o)
+    raise TypeError(f"cannot serialise {type(o).__name__}")

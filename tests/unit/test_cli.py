@@ -1,0 +1,64 @@
+"""The command line: help, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from cyclescope.cli.main import build_parser, main
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = int(e.code or 0)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_every_command_has_help() -> None:
+    p = build_parser()
+    for name in ("demo", "record", "daemon", "flush", "epoch", "status", "prof", "db"):
+        rc, out, _ = run(name, "--help")
+        assert rc == 0 and out.startswith("usage: cyclescope " + name)
+    assert "where have all the cycles gone" in p.format_help()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["record", "--nosuch"], "cyclescope record: unrecognized arguments: --nosuch (see 'cyclescope record --help')"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+    (["prof", "--limit", "x"], "invalid int value: 'x'"),
+    (["record"], "cyclescope record: nothing to record: give a command after --, -p PID, or -a"),
+    (["record", "-p", "1", "--", "true"], "cyclescope record: give either -p PID or a command, not both"),
+    (["record", "-e", "bogus", "--", "true"], "cyclescope record: unknown event 'bogus'"),
+    (["record", "-p", "x1"], "cyclescope record: -p: not a process id list: x1"),
+])
+def test_bad_usage_is_one_line_with_exit_code_2(args: list[str], message: str) -> None:
+    rc, out, err = run(*args)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_missing_database_and_epoch(tmp_path: Path) -> None:
+    rc, _, err = run("prof", "--db", str(tmp_path / "none"))
+    expected = f"cyclescope prof: {tmp_path / 'none'}: no such database (record something first, or pass --db)"
+    assert rc == 4 and err.strip() == expected
+    (tmp_path / "junk").mkdir()
+    rc, _, err = run("prof", "--db", str(tmp_path / "junk"))
+    assert rc == 3 and "not a cyclescope database" in err
+    rc, _, err = run("epoch", "--db", str(tmp_path / "new"))
+    assert rc == 0
+    rc, _, err = run("prof", "--db", str(tmp_path / "new"), "--epoch", "7")
+    assert rc == 4 and err.strip() == "cyclescope prof: no epoch 7 (epochs: 1)"
+
+
+def test_a_corrupt_database_marker_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "db").mkdir()
+    (tmp_path / "db" / "cyclescope.json").write_text("{nope")
+    rc, _, err = run("db", "inspect", "--db", str(tmp_path / "db"))
+    assert rc == 3 and len(err.strip().splitlines()) == 1 and "unreadable" in err

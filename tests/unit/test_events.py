@@ -1,0 +1,81 @@
+"""Event specifications, periods, the safe rate ceiling and period randomization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cyclescope.collect.events import (
+    PeriodRandomizer,
+    cpu_hz,
+    max_rate_hz,
+    nominal_period,
+    parse_event,
+    parse_events,
+)
+from cyclescope.collect.perf_abi import EventType, HwId, SwId
+from cyclescope.collect.session import PeriodTimeline
+from cyclescope.errors import UsageError
+
+
+def test_parse_names_aliases_modifiers_and_terms() -> None:
+    e = parse_event("cpu-clock")
+    assert (e.type, e.config, e.time_based, e.hardware) == (EventType.SOFTWARE, SwId.CPU_CLOCK, True, False)
+    c = parse_event("cpu-cycles:u")
+    assert c.name == "cycles" and c.config == HwId.CPU_CYCLES and c.exclude_kernel and not c.exclude_user
+    assert c.label == "cycles:u"
+    k = parse_event("instructions:k")
+    assert k.exclude_user and not k.exclude_kernel and k.label == "instructions:k"
+    p = parse_event("cache-misses/period=1000/")
+    assert p.period == 1000
+    evs = parse_events(["cycles,cache-misses/period=7/", "imiss"])
+    assert [x.label for x in evs] == ["cycles", "cache-misses", "l1i-misses"]
+
+
+@pytest.mark.parametrize("text", ["nosuch", "cycles/foo=1/", "cycles/period=x/", "cycles/period=0/", "a b"])
+def test_bad_specs_say_what_is_wrong(text: str) -> None:
+    with pytest.raises(UsageError):
+        parse_event(text)
+
+
+def test_duplicates_are_refused() -> None:
+    with pytest.raises(UsageError, match="twice"):
+        parse_events(["cpu-clock,clock"])
+
+
+def test_periods_from_rates() -> None:
+    clock = parse_event("cpu-clock")
+    assert nominal_period(clock, 5000, 2e9) == 200_000
+    assert nominal_period(parse_event("cycles"), 1000, 3e9) == 3_000_000
+    assert nominal_period(parse_event("cache-misses"), 1000, 3e9) == 5_003  # rare events keep their period
+    assert nominal_period(parse_event("cpu-clock/period=12345/"), 5000, 2e9) == 12345
+    assert max_rate_hz(clock, 200_000, 1 / 16, 2e9) == pytest.approx(1e9 / (200_000 * 15 / 16))
+    assert max_rate_hz(parse_event("cache-misses"), 5003, 0.0, 2e9) is None
+
+
+def test_randomized_periods_are_uniform_in_the_band() -> None:
+    r = PeriodRandomizer(64_000, 1 / 16, seed=3)
+    draws = np.array([r.draw() for _ in range(20000)])
+    assert draws.min() >= 60_000 and draws.max() <= 64_000
+    assert abs(draws.mean() - 62_000) < 50
+    assert len(set(draws.tolist())) > 3000  # not a handful of values
+    hist, _ = np.histogram(draws, bins=8, range=(60_000, 64_001))
+    assert hist.min() > 0.8 * hist.mean()
+    assert PeriodRandomizer(100, 0.0).draw() == 100
+    with pytest.raises(UsageError):
+        PeriodRandomizer(100, 1.5)
+
+
+def test_period_timeline_gives_the_period_in_force() -> None:
+    t = PeriodTimeline()
+    t.add(100, 10)
+    t.add(200, 20)
+    t.add(300, 30)
+    assert t.at(np.array([50, 100, 150, 200, 299, 1000], np.uint64)).tolist() == [10, 10, 10, 20, 20, 30]
+    t.compact(before=250)
+    assert t.times == [200, 300]
+
+
+def test_cpu_hz_reads_cpuinfo() -> None:
+    assert cpu_hz("processor: 0\ncpu MHz\t\t: 2450.000\n") == 2.45e9
+    assert cpu_hz("nothing") == 2.0e9

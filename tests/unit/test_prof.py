@@ -1,0 +1,124 @@
+"""The prof builder (pure) and the whole report, compared with a golden file."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cyclescope.cli.main import main
+from cyclescope.db import symbols as symstore
+from cyclescope.db.layout import Database
+from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
+from cyclescope.images.elf import SymbolTable
+from cyclescope.images.registry import ImageInfo
+from cyclescope.report.prof import NO_SYMBOL, build_prof
+
+DATA = Path(__file__).parents[1] / "data"
+
+
+def syms(*entries: tuple[int, int, str]) -> SymbolTable:
+    return SymbolTable.build(list(entries))
+
+
+def test_build_groups_offsets_by_symbol_and_sorts_by_the_first_event() -> None:
+    images = {
+        "k": ImageInfo("k", "/bin/a", "elf"),
+        "[unknown]": ImageInfo("[unknown]", "[unknown]", "unknown"),
+    }
+    table = syms((0x100, 0x100, "f"), (0x200, 0x100, "g"))
+    per_image = {
+        "k": (np.array([0x100, 0x180, 0x200, 0x250, 0x900], np.uint64),
+              np.array(["cyc", "cyc", "cyc", "imiss", "cyc"], dtype=object), np.array([5, 5, 20, 3, 2])),
+        "[unknown]": (np.array([0, 1], np.uint64), np.array(["cyc", "cyc"], dtype=object), np.array([1, 1])),
+    }
+    rep = build_prof(["cyc", "imiss"], per_image, images, lambda info: table if info.key == "k" else syms())
+    assert [(r.procedure, r.counts) for r in rep.rows] == [
+        ("g", (20, 3)), ("f", (10, 0)), (NO_SYMBOL, (2, 0)), ("[unknown]", (2, 0))]
+    assert rep.totals == [34, 3]
+    assert rep.rows[0].start == 0x200
+    by_image = build_prof(["cyc", "imiss"], per_image, images, lambda info: table, by_image=True)
+    assert [(r.procedure, r.counts) for r in by_image.rows] == [("/bin/a", (32, 3)), ("[unknown]", (2, 0))]
+
+
+def make_db(root: Path) -> Database:
+    db = Database.create_or_open(root)
+    e = db.new_epoch()
+    keys = ["[unknown]", "kern1", "jit:42:1"]
+    rows = np.array([
+        # image, offset, event, comm, count
+        (1, 0x10, 0, 1, 600), (1, 0x18, 0, 1, 150), (1, 0x40, 0, 2, 120), (1, 0x40, 1, 2, 9),
+        (2, 0x7000, 0, 1, 100), (2, 0x7100, 0, 1, 25), (0, 1, 0, 1, 5),
+    ], dtype=np.int64)
+    t = build_table(keys, rows[:, 0], rows[:, 1].astype(np.uint64), ["cpu-clock", "page-faults"], rows[:, 2],
+                    ["[unknown]", "prog", "sh"], rows[:, 3], rows[:, 4].astype(np.uint64))
+    m = SegmentMeta("testhost", e, start_time=1_700_000_000.0, end_time=1_700_000_010.0, targets=["./prog"])
+    m.events["cpu-clock"] = EventMeta("cpu-clock", samples=1000, period_sum=1000 * 190_000, nominal_period=200_000)
+    m.events["page-faults"] = EventMeta("page-faults", time_based=False, samples=9, period_sum=900,
+                                        nominal_period=100)
+    m.images = {
+        "kern1": ImageInfo("kern1", "[kernel.kallsyms]", "kernel", "kern1", offsets="kernel").to_json(),
+        "jit:42:1": ImageInfo("jit:42:1", "/tmp/perf-42.map", "jit", offsets="absolute").to_json(),
+        "[unknown]": ImageInfo("[unknown]", "[unknown]", "unknown", offsets="reason").to_json(),
+    }
+    m.unknown = {"no_mapping": 5}
+    write_segment(db, e, "testhost", t, m)
+    symstore.write_symbols(db, "kern1", syms((0x0, 0x20, "do_syscall_64"), (0x30, 0x20, "clear_page_erms")))
+    symstore.write_symbols(db, "jit:42:1", syms((0x7000, 0x80, "jitted_loop")))
+    return db
+
+
+@pytest.fixture
+def utc() -> object:
+    old = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield None
+    if old is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = old
+    time.tzset()
+
+
+def run(*args: str) -> str:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(list(args)) == 0
+    return buf.getvalue()
+
+
+def test_prof_report_matches_the_golden_file(tmp_path: Path, utc: object) -> None:
+    db = make_db(tmp_path / "db")
+    got = run("prof", "--db", str(db.root))
+    golden = DATA / "prof_golden.txt"
+    if os.environ.get("CYCLESCOPE_REGOLD"):
+        golden.write_text(got)
+    assert got == golden.read_text()
+
+
+def test_prof_images_and_json(tmp_path: Path, utc: object) -> None:
+    db = make_db(tmp_path / "db")
+    got = run("prof", "--db", str(db.root), "--images")
+    golden = DATA / "prof_images_golden.txt"
+    if os.environ.get("CYCLESCOPE_REGOLD"):
+        golden.write_text(got)
+    assert got == golden.read_text()
+    doc = json.loads(run("prof", "--db", str(db.root), "--json", "--process", "sh"))
+    assert doc["totals"] == {"cpu-clock": 120, "page-faults": 9}
+    assert [(r["procedure"], r["samples"]) for r in doc["rows"]] == [
+        ("clear_page_erms", {"cpu-clock": 120, "page-faults": 9})]
+    assert doc["summary"]["unknown_reasons"] == {"no_mapping": 5}
+    assert doc["summary"]["mean_period"]["cpu-clock"] == 190_000
+
+
+def test_limit_hides_rows_and_says_so(tmp_path: Path, utc: object) -> None:
+    db = make_db(tmp_path / "db")
+    out = run("prof", "--db", str(db.root), "--limit", "1")
+    assert "... 4 more procedures with 25.00% of cpu-clock samples (--limit 0 shows all)" in out
