@@ -17,6 +17,12 @@ import pytest
 
 PROGRAMS = Path(__file__).parent / "programs"
 
+# Decoded DWARF and symbol tables go to a throw-away cache, not the user's.
+if "CYCLESCOPE_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["CYCLESCOPE_CACHE"] = tempfile.mkdtemp(prefix="cyclescope-test-cache-")
+
 
 def _perf_fds() -> set[str]:
     out = set()

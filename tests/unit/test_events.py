@@ -46,6 +46,8 @@ def test_duplicates_are_refused() -> None:
 def test_periods_from_rates() -> None:
     clock = parse_event("cpu-clock")
     assert nominal_period(clock, 5000, 2e9) == 200_000
+    top = nominal_period(clock, 5000, 2e9, band=1 / 16)
+    assert PeriodRandomizer(top, 1 / 16).mean == pytest.approx(200_000, rel=1e-4)
     assert nominal_period(parse_event("cycles"), 1000, 3e9) == 3_000_000
     assert nominal_period(parse_event("cache-misses"), 1000, 3e9) == 5_003  # rare events keep their period
     assert nominal_period(parse_event("cpu-clock/period=12345/"), 5000, 2e9) == 12345

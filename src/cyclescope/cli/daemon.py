@@ -83,7 +83,8 @@ class Daemon(Command):
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
-                              new_epoch=args.new_epoch, archive=not args.no_archive)
+                              new_epoch=args.new_epoch, archive=not args.no_archive,
+                              rerandomize_s=args.redraw / 1000)
         c = Collector(session, db, cfg)
         c.listen()
         try:

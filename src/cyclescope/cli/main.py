@@ -12,13 +12,16 @@ from cyclescope.cli import base
 from cyclescope.errors import CycleScopeError
 
 # Importing the modules registers their commands.
+from cyclescope.cli import calc as _calc  # noqa: F401  isort: skip
+from cyclescope.cli import compare as _compare  # noqa: F401  isort: skip
 from cyclescope.cli import daemon as _daemon  # noqa: F401  isort: skip
 from cyclescope.cli import db as _db  # noqa: F401  isort: skip
 from cyclescope.cli import demo as _demo  # noqa: F401  isort: skip
+from cyclescope.cli import listing as _listing  # noqa: F401  isort: skip
 from cyclescope.cli import prof as _prof  # noqa: F401  isort: skip
 from cyclescope.cli import record as _record  # noqa: F401  isort: skip
 
-ORDER = ["demo", "record", "daemon", "flush", "epoch", "status", "prof", "db"]
+ORDER = ["demo", "record", "daemon", "flush", "epoch", "status", "prof", "list", "calc", "stats", "diff", "db"]
 
 
 class Parser(argparse.ArgumentParser):

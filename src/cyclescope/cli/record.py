@@ -33,7 +33,9 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
     rate.add_argument("-c", "--period", type=int, default=None, metavar="N",
                       help="events (nanoseconds for clock events) between samples, for every event")
     g.add_argument("--band", type=float, default=DEFAULT_BAND, metavar="F",
-                   help="randomize each period uniformly in [P*(1-F), P] (default: 1/16, as DCPI)")
+                   help="randomize each period uniformly in [P*(1-F), P] (default: 1/16, as DCPI); 0: fixed")
+    g.add_argument("--redraw", type=float, default=200.0, metavar="MS",
+                   help="draw a new random period every MS milliseconds (default: 200)")
     g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
 
 
@@ -45,6 +47,8 @@ def make_events(args: argparse.Namespace) -> tuple[list[EventSpec], float | None
         events = [replace(e, period=args.period) for e in events]
     if args.freq is not None and args.freq <= 0:
         raise UsageError("--freq must be positive")
+    if args.redraw <= 0:
+        raise UsageError("--redraw must be positive")
     return events, args.freq
 
 
@@ -141,7 +145,8 @@ class Record(Command):
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
-                              epoch_name=args.epoch_name, archive=not args.no_archive)
+                              epoch_name=args.epoch_name, archive=not args.no_archive,
+                              rerandomize_s=args.redraw / 1000)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()
         collector = Collector(session, db, cfg, progress=progress_printer(start) if show else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import os
 import select
 import signal
@@ -22,14 +23,14 @@ from typing import Any
 import numpy as np
 
 from cyclescope.collect.aggregate import Aggregator, Counts
+from cyclescope.collect.clock import measure_ghz
 from cyclescope.collect.control import ControlServer, reply
 from cyclescope.collect.perf_abi import RecordType
 from cyclescope.collect.records import LostRecord, RecordDecoder, SideRecord, TaskRecord, ThrottleRecord
 from cyclescope.collect.session import Command, Processes, Session, SystemWide
 from cyclescope.db import symbols as symstore
-from cyclescope.db.compact import compact
 from cyclescope.db.layout import Database
-from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
+from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, merge_clock, write_segment
 from cyclescope.images.elf import SymbolTable, symbols_from_bytes
 from cyclescope.images.kernel import KernelMap, kernel_symbols, load_kernel_ranges, read_kallsyms
 from cyclescope.images.maps import Mapper
@@ -41,8 +42,11 @@ from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unk
 class CollectorConfig:
     host: str
     flush_interval_s: float = 60.0
-    rerandomize_s: float = 0.05
-    drain_s: float = 0.2
+    # PERF_EVENT_IOC_PERIOD is a synchronous cross-CPU call (an IPI) when the
+    # event's task or CPU is busy elsewhere: about 0.5 ms each on these VMs.
+    # Every 200 ms keeps that near 0.5% of a CPU.
+    rerandomize_s: float = 0.2
+    drain_s: float = 1.0
     compact_after: int = 8
     max_pending_rows: int = 2_000_000
     reap_interval_s: float = 5.0
@@ -82,7 +86,7 @@ class Collector:
         self.progress = progress
         self.table = ImageTable()
         self.resolver = ImageResolver(self.table)
-        ranges = load_kernel_ranges()
+        ranges = load_kernel_ranges(db.cache_dir)
         self.kernel_ranges = ranges
         kimgs = [self.table.intern(ImageInfo(r.key, r.name, "kernel" if r.name == "[kernel.kallsyms]" else "module",
                                              r.key if not r.key.startswith(("kernel:", "module:")) else None,
@@ -107,6 +111,7 @@ class Collector:
         self.started = time.time()
         self._symbols_written: set[str] = set()
         self._archived: set[str] = set()
+        self._clock = 0.0
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -118,6 +123,7 @@ class Collector:
             self.epoch = self.db.new_epoch(self.cfg.epoch_name)
         else:
             self.epoch = self.db.ensure_epoch()
+        self._clock = measure_ghz() or 0.0
         self.session.start()
         if isinstance(self.session.target, SystemWide):
             # DCPI's third source: processes that were running before we started.
@@ -135,30 +141,41 @@ class Collector:
         signal.signal(signal.SIGHUP, lambda *_: setattr(self, "_flush_requested", True))
 
     def run(self, duration_s: float | None = None, until: Callable[[], bool] | None = None) -> RunTotals:
-        """Loop until stopped, ``duration_s`` elapses, or ``until()`` says so; flush at the end."""
-        deadline = time.monotonic() + duration_s if duration_s else None
-        next_flush = time.monotonic() + self.cfg.flush_interval_s
-        next_rand = time.monotonic() + self.cfg.rerandomize_s
-        next_reap = time.monotonic() + self.cfg.reap_interval_s
-        next_progress = time.monotonic() + 1.0
+        """Loop until stopped, ``duration_s`` elapses, or ``until()`` says so; flush at the end.
+
+        The loop wakes every ``rerandomize_s`` to draw new periods (an ioctl per
+        event), but drains the rings only when one is half full or every
+        ``drain_s``: large batches keep the per-sample cost of decoding and
+        mapping low.
+        """
+        start = time.monotonic()
+        deadline = start + duration_s if duration_s else None
+        next_flush = start + self.cfg.flush_interval_s
+        next_rand = start + self.cfg.rerandomize_s
+        next_drain = start + self.cfg.drain_s
+        next_reap = start + self.cfg.reap_interval_s
+        next_progress = start + 1.0 if self.progress else float("inf")
         try:
             while not self._stop:
                 now = time.monotonic()
-                timeout = min(next_rand, next_flush, deadline or next_flush) - now
-                self._wait(max(0.0, min(timeout, self.cfg.drain_s)))
-                self.step()
+                wake = min(next_rand, next_drain, next_flush, next_progress, deadline or next_flush)
+                ready = self._wait(max(0.0, wake - now))
                 now = time.monotonic()
+                if ready or now >= next_drain:
+                    self.step()
+                    next_drain = now + self.cfg.drain_s
                 if now >= next_rand:
                     self.session.rerandomize()
                     next_rand = now + self.cfg.rerandomize_s
                 if now >= next_flush or self._flush_requested or len(self.agg) > self.cfg.max_pending_rows:
+                    self.step()
                     self.flush()
                     self._flush_requested = False
                     next_flush = now + self.cfg.flush_interval_s
                 if now >= next_reap:
                     self.mapper.reap()
                     next_reap = now + self.cfg.reap_interval_s
-                if self.progress and now >= next_progress:
+                if self.progress is not None and now >= next_progress:
                     self.progress(self)
                     next_progress = now + 1.0
                 if deadline is not None and now >= deadline:
@@ -171,21 +188,25 @@ class Collector:
             self.close()
         return self.totals
 
-    def _wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float) -> bool:
+        """Sleep until a ring is past its watermark (True), a control request was served, or timeout."""
+        p = select.poll()
         fds = self.session.fds
+        for fd in fds:
+            p.register(fd, select.POLLIN)
         if self.control is not None:
-            p = select.poll()
-            for fd in fds:
-                p.register(fd, select.POLLIN)
             p.register(self.control.fileno(), select.POLLIN)
-            with contextlib.suppress(InterruptedError):
-                p.poll(int(timeout * 1000))
-            self._serve()
-        elif fds:
-            with contextlib.suppress(InterruptedError):
-                self.session.wait(timeout)
-        else:
-            time.sleep(timeout)
+        try:
+            events = p.poll(math.ceil(timeout * 1000))  # round up: a 0 ms timeout would spin
+        except InterruptedError:
+            return False
+        ring = False
+        for fd, _ in events:
+            if self.control is not None and fd == self.control.fileno():
+                self._serve()
+            else:
+                ring = True
+        return ring
 
     def close(self) -> None:
         if self._compacting is not None:
@@ -266,6 +287,9 @@ class Collector:
         meta = self._flush_meta
         self._flush_meta = self._fresh_meta()
         meta.end_time = time.time()
+        now_clock = measure_ghz() or 0.0
+        meta.clock_ghz = merge_clock(self._clock, 1, now_clock, 1)
+        self._clock = now_clock or self._clock
         self.session.read_counters()
         for i, spec in enumerate(self.session.events):
             st = self.session.stats[i]
@@ -365,11 +389,15 @@ class Collector:
             self._pool.submit(lambda: [symstore.archive_binary(self.db, *t) for t in todo])
 
     def _compact_async(self, epoch: int, min_segments: int) -> None:
+        from cyclescope.db.compact import compact
+
         if self._compacting is not None and not self._compacting.done():
             return
         self._compacting = self._pool.submit(compact, self.db, epoch, self.cfg.host, min_segments)
 
     def compact_now(self) -> None:
+        from cyclescope.db.compact import compact
+
         if self._compacting is not None:
             self._compacting.result()
         compact(self.db, self.epoch, self.cfg.host)

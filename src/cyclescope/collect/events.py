@@ -139,16 +139,21 @@ def _split_events(text: str) -> list[str]:
     return [p for p in (x.strip() for x in parts) if p]
 
 
-def nominal_period(spec: EventSpec, rate_hz: float | None, cpu_hz: float) -> int:
-    """Events (or ns) per sample for a wanted rate per CPU."""
+def nominal_period(spec: EventSpec, rate_hz: float | None, cpu_hz: float, band: float = 0.0) -> int:
+    """The top of the period band, for a wanted mean rate per CPU.
+
+    Periods are drawn uniformly from [P(1-band), P], whose mean is P(1-band/2):
+    P is chosen so that the mean rate is the one asked for, as ``perf -F``'s is.
+    """
     if spec.period is not None:
         return spec.period
     if rate_hz is None:
         return spec.default_period
+    mean_to_top = 1.0 / (1.0 - band / 2)
     if spec.time_based:
-        return max(1, round(1e9 / rate_hz))
+        return max(1, round(1e9 / rate_hz * mean_to_top))
     if spec.config in (HwId.CPU_CYCLES, HwId.REF_CPU_CYCLES, HwId.INSTRUCTIONS) and spec.type == EventType.HARDWARE:
-        return max(1, round(cpu_hz / rate_hz))
+        return max(1, round(cpu_hz / rate_hz * mean_to_top))
     return spec.default_period  # rare events: a rate is not meaningful
 
 

@@ -167,7 +167,7 @@ class Session:
         rate_hz: float | None = None,
         band: float = DEFAULT_BAND,
         force: bool = False,
-        ring_pages: int = 128,
+        ring_pages: int = 256,
         exclude_idle: bool = True,
         seed: int | None = None,
     ) -> None:
@@ -203,7 +203,7 @@ class Session:
     def check_rates(self) -> None:
         kmax = kernel_max_sample_rate()
         for spec in self.events:
-            period = nominal_period(spec, self.rate_hz, self.cpu_hz)
+            period = nominal_period(spec, self.rate_hz, self.cpu_hz, self.band)
             rate = max_rate_hz(spec, period, self.band, self.cpu_hz)
             if rate is None:
                 continue
@@ -252,7 +252,7 @@ class Session:
         kept: list[EventSpec] = []
         for spec in self.requested:
             if spec.hardware:
-                a = self._attr(spec, nominal_period(spec, self.rate_hz, self.cpu_hz), False, False, False)
+                a = self._attr(spec, nominal_period(spec, self.rate_hz, self.cpu_hz, self.band), False, False, False)
                 try:
                     fd = kernel.perf_event_open(a, probe_pid, probe_cpu, what=spec.label)
                 except kernel.PerfOpenError as e:
@@ -275,7 +275,7 @@ class Session:
         self._resolve_events()
         self.check_rates()
         for i, spec in enumerate(self.events):
-            nominal = nominal_period(spec, self.rate_hz, self.cpu_hz)
+            nominal = nominal_period(spec, self.rate_hz, self.cpu_hz, self.band)
             seed = None if self.seed is None else self.seed + i
             self.randomizers.append(PeriodRandomizer(nominal, self.band, seed))
             self.timelines.append(PeriodTimeline())
@@ -401,9 +401,6 @@ class Session:
     def fds(self) -> list[int]:
         return [r.fd for r in self.rings]
 
-    def wait(self, timeout_s: float) -> None:
-        kernel.poll_fds(self.fds, timeout_s)
-
     def drain(self) -> list[bytes]:
         return [r.read() for r in self.rings]
 
@@ -413,6 +410,8 @@ class Session:
         On cpu-clock the new period takes effect when the current one expires,
         so the timeline entry is stamped one old period later.
         """
+        if self.band <= 0:
+            return  # a fixed period: nothing to re-draw
         t = now_ns()
         for i in range(len(self.events)):
             old = self.timelines[i].periods[-1] if self.timelines[i].periods else self.randomizers[i].nominal

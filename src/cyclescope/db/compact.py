@@ -11,7 +11,6 @@ import contextlib
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from cyclescope.db.layout import Database, SegmentRef
 from cyclescope.db.segment import SCHEMA, SegmentMeta, read_meta, read_table, write_parquet
@@ -32,6 +31,7 @@ class CompactResult:
 
 def merge_tables(tables: list[pa.Table]) -> pa.Table:
     """Sum counts over equal keys; sorted by (image, event, process, offset) like a flush."""
+    import pyarrow.compute as pc  # not at import time: recording never needs it
     plain_schema = pa.schema([(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
                               for f in SCHEMA])
     t = pa.concat_tables([x.select(SCHEMA.names).cast(plain_schema) for x in tables])

@@ -102,6 +102,7 @@ class ProfileSet:
     end_time: float = 0.0
     hosts: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)
+    clock_ghz: float = 0.0  # sample-weighted measured core clock (0: unknown)
 
     @property
     def files(self) -> list[str]:
@@ -137,8 +138,13 @@ def open_profile(db: Database, sel: Selection) -> ProfileSet:
         if missing:
             raise NotFoundError(f"no samples from host(s) {', '.join(sorted(missing))} in the selected epoch(s)")
     ps = ProfileSet(db, sel, epochs, segs, warnings=warnings, hosts=sorted(hosts_seen))
+    from cyclescope.db.segment import merge_clock
+
+    weight = 0
     for s in segs:
         m = s.meta
+        ps.clock_ghz = merge_clock(ps.clock_ghz, weight, m.clock_ghz, m.total_samples)
+        weight += m.total_samples
         for k, v in m.images.items():
             if k not in ps.images:
                 ps.images[k] = ImageInfo.from_json(v)

@@ -87,6 +87,11 @@ class SegmentMeta:
     processes: dict[str, int] = field(default_factory=dict)  # comm -> samples
     malformed: int = 0
     rows: int = 0
+    clock_ghz: float = 0.0  # measured core clock while recording (0: unknown)
+
+    @property
+    def total_samples(self) -> int:
+        return sum(e.samples for e in self.events.values())
 
     def to_json(self) -> bytes:
         d = {
@@ -95,6 +100,7 @@ class SegmentMeta:
             "targets": self.targets, "events": {k: vars(v) for k, v in self.events.items()},
             "images": self.images, "lost_records": self.lost_records, "lost_samples": self.lost_samples,
             "unknown": self.unknown, "processes": self.processes, "malformed": self.malformed, "rows": self.rows,
+            "clock_ghz": self.clock_ghz,
         }
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -115,9 +121,11 @@ class SegmentMeta:
         m.processes = {k: int(v) for k, v in d.get("processes", {}).items()}
         m.malformed = int(d.get("malformed", 0))
         m.rows = int(d.get("rows", 0))
+        m.clock_ghz = float(d.get("clock_ghz", 0.0))
         return m
 
     def merge(self, o: SegmentMeta) -> None:
+        self.clock_ghz = merge_clock(self.clock_ghz, self.total_samples, o.clock_ghz, o.total_samples)
         self.first = min(self.first, o.first) if self.first else o.first
         self.last = max(self.last, o.last)
         starts = [t for t in (self.start_time, o.start_time) if t]
@@ -140,6 +148,15 @@ class SegmentMeta:
         for k, n in o.processes.items():
             self.processes[k] = self.processes.get(k, 0) + n
         self.malformed += o.malformed
+
+
+def merge_clock(a: float, wa: int, b: float, wb: int) -> float:
+    """Sample-weighted mean of two measured clocks, ignoring unknown (0) ones."""
+    if not a:
+        return b
+    if not b:
+        return a
+    return (a * max(wa, 1) + b * max(wb, 1)) / (max(wa, 1) + max(wb, 1))
 
 
 def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, event_names: list[str],
@@ -166,8 +183,9 @@ def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, ev
 
 def write_parquet(table: pa.Table, path: Path, meta: SegmentMeta) -> None:
     meta.rows = table.num_rows
-    schema = table.schema.with_metadata({META_KEY: meta.to_json()})
-    table = table.cast(schema)
+    # replace_schema_metadata, not cast: cast imports pyarrow.compute (0.1 s of start-up).
+    table = table.replace_schema_metadata({META_KEY: meta.to_json()})
+    schema = table.schema
     with pq.ParquetWriter(
         path, schema, compression="zstd", compression_level=6, use_dictionary=["image", "event", "process"],
         column_encoding={"offset": "DELTA_BINARY_PACKED", "count": "DELTA_BINARY_PACKED"},

@@ -6,19 +6,23 @@ addresses), so symbols from .symtab/.dynsym apply to them directly.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import NoteSection, SymbolTableSection
 
 from cyclescope.errors import DataError
+
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
+
+# pyelftools is imported where it is used: the recording path needs only
+# read_load_info (hand-written), and importing pyelftools costs ~55 ms.
 
 DEBUG_ROOTS = ("/usr/lib/debug",)
 
@@ -62,7 +66,7 @@ _PHDR = struct.Struct("<IIQQQQQQ")
 _ET = {1: "ET_REL", 2: "ET_EXEC", 3: "ET_DYN", 4: "ET_CORE"}
 
 
-def read_load_info(path: str) -> ElfInfo:
+def read_load_info(path: str, stream: BinaryIO | None = None) -> ElfInfo:
     """Build-id and load segments of a 64-bit little-endian ELF, from the program headers only.
 
     Written by hand rather than with pyelftools because the daemon runs this
@@ -71,12 +75,13 @@ def read_load_info(path: str) -> ElfInfo:
     DWARF still go through pyelftools (read_elf_info, read_symbols).
     """
     try:
-        with open(path, "rb") as f:
+        with (contextlib.nullcontext(stream) if stream is not None else open(path, "rb")) as f:
             head = f.read(4096)
             if len(head) < _EHDR.size or head[:4] != b"\x7fELF":
                 raise DataError(f"{path}: not an ELF file")
             if head[4] != 2 or head[5] != 1:
-                return read_elf_info(path)  # 32-bit or big-endian: let pyelftools handle it
+                f.seek(0)
+                return read_elf_info(path, f)  # 32-bit or big-endian: let pyelftools handle it
             (_ident, e_type, e_machine, _v, _entry, phoff, _shoff, _flags, _ehsize, phentsize, phnum,
              *_rest) = _EHDR.unpack_from(head)
             if phentsize < _PHDR.size or phnum > 4096:
@@ -117,6 +122,9 @@ def build_id_from_notes(data: bytes) -> str | None:
 
 
 def _open_elf(stream: BinaryIO, path: str) -> ELFFile:
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
     try:
         return ELFFile(stream)
     except (ELFError, ValueError, OSError) as e:
@@ -124,7 +132,10 @@ def _open_elf(stream: BinaryIO, path: str) -> ELFFile:
 
 
 def read_elf_info(path: str, stream: BinaryIO | None = None) -> ElfInfo:
-    """Headers only: cheap enough to run on every newly seen image."""
+    """Headers and section names (pyelftools): build-id, debuglink, whether symbols and DWARF exist."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.sections import NoteSection
+
     own = stream is None
     f = stream or open(path, "rb")  # noqa: SIM115 - closed below
     try:
@@ -279,6 +290,8 @@ def _name_rank(name: str) -> tuple[int, int, str]:
 
 
 def _iter_func_symbols(elf: ELFFile, section_names: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    from elftools.elf.sections import SymbolTableSection
+
     out: list[tuple[int, int, str]] = []
     for secname in section_names:
         sec = elf.get_section_by_name(secname)
@@ -297,13 +310,48 @@ def _iter_func_symbols(elf: ELFFile, section_names: tuple[str, ...]) -> list[tup
     return out
 
 
+def _plt_symbols(elf: ELFFile) -> list[tuple[int, int, str]]:
+    """Synthetic ``name@plt`` symbols for PLT stubs, as objdump and perf make them.
+
+    With .plt.sec (IBT) stub i is relocation i of .rela.plt; without it, stub
+    i+1 of .plt (stub 0 is the resolver trampoline).
+    """
+    from elftools.elf.relocation import RelocationSection
+
+    rela = elf.get_section_by_name(".rela.plt")
+    if not isinstance(rela, RelocationSection):
+        return []
+    symtab = elf.get_section(rela["sh_link"])
+    sec = elf.get_section_by_name(".plt.sec")
+    first = 0
+    if sec is None:
+        sec = elf.get_section_by_name(".plt")
+        first = 1
+    if sec is None or not hasattr(symtab, "get_symbol"):
+        return []
+    entsize = 16
+    out = []
+    for i, r in enumerate(rela.iter_relocations()):
+        try:
+            name = symtab.get_symbol(r["r_info_sym"]).name
+        except (IndexError, KeyError, AttributeError):
+            continue
+        if name:
+            out.append((int(sec["sh_addr"]) + (i + first) * entsize, entsize, name + "@plt"))
+    return out
+
+
 def read_symbols(path: str, stream: BinaryIO | None = None, demangle: bool = True) -> SymbolTable:
     """.symtab and .dynsym of ``path``, plus those of its separate debug file."""
+    from elftools.common.exceptions import ELFError
+
     own = stream is None
     f = stream or open(path, "rb")  # noqa: SIM115 - closed below
     try:
         elf = _open_elf(f, path)
         entries = _iter_func_symbols(elf, (".symtab", ".dynsym"))
+        with contextlib.suppress(ELFError, ValueError, KeyError):  # a bad .rela.plt costs only the PLT names
+            entries += _plt_symbols(elf)
         text = elf.get_section_by_name(".text")
         text_end = int(text["sh_addr"] + text["sh_size"]) if text is not None else None
     except (ELFError, ValueError, KeyError) as e:
@@ -322,7 +370,7 @@ def read_symbols(path: str, stream: BinaryIO | None = None, demangle: bool = Tru
                 with open(dbg, "rb") as g:
                     entries += _iter_func_symbols(_open_elf(g, dbg), (".symtab",))
             except (OSError, DataError, ELFError):
-                pass
+                pass  # a broken debug file: the binary's own symbols still stand
     if demangle:
         entries = [(s, z, demangle_name(n)) for s, z, n in entries]
     return SymbolTable.build(entries, text_end)
@@ -333,7 +381,7 @@ def symbols_from_bytes(data: bytes, name: str) -> SymbolTable:
 
 
 def info_from_bytes(data: bytes, name: str) -> ElfInfo:
-    return read_elf_info(name, io.BytesIO(data))
+    return read_load_info(name, io.BytesIO(data))
 
 
 @lru_cache(maxsize=65536)

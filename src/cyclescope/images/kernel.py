@@ -8,9 +8,13 @@ profiles do not depend on where KASLR put the kernel.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -134,15 +138,35 @@ def read_kallsyms() -> str | None:
     return text
 
 
-def load_kernel_ranges() -> list[KernelRange]:
-    """The running kernel's text and modules, or [] when kallsyms is unreadable."""
+def load_kernel_ranges(cache_dir: Path | None = None) -> list[KernelRange]:
+    """The running kernel's text and modules, or [] when kallsyms is unreadable.
+
+    Reading /proc/kallsyms costs about 0.1 s, so the ranges are kept in
+    ``cache_dir`` for the current boot (KASLR changes only at boot), and
+    re-read if /proc/modules changed.
+    """
+    mods = (_read("/proc/modules") or b"").decode("utf-8", "replace")
+    boot = (_read("/proc/sys/kernel/random/boot_id") or b"").decode().strip()
+    stamp = hashlib.sha1((boot + "\0" + mods).encode()).hexdigest()[:16]
+    cached = cache_dir / f"kernel-{stamp}.json" if cache_dir is not None and boot else None
+    if cached is not None:
+        try:
+            return [KernelRange(**r) for r in json.loads(cached.read_text())]
+        except (OSError, ValueError, TypeError):
+            pass
     text = read_kallsyms()
     if text is None:
         return []
-    mods = (_read("/proc/modules") or b"").decode("utf-8", "replace")
     release = os.uname().release
     key = kernel_build_id() or f"kernel:{release}"
-    return kernel_ranges(text, mods, key)
+    ranges = kernel_ranges(text, mods, key)
+    if cached is not None:
+        with contextlib.suppress(OSError):
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".tmp-{os.getpid()}-{cached.name}")
+            tmp.write_text(json.dumps([vars(r) for r in ranges]))
+            os.replace(tmp, cached)
+    return ranges
 
 
 class KernelMap:

@@ -17,6 +17,7 @@ import numpy as np
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database
 from cyclescope.errors import DataError
+from cyclescope.images.cache import Cache
 from cyclescope.images.elf import SymbolTable, read_elf_info, read_symbols
 from cyclescope.images.registry import ImageInfo
 
@@ -63,10 +64,11 @@ def find_binary(db: Database | None, info: ImageInfo) -> BinaryLookup:
 
 
 class Symbolizer:
-    """Symbol tables per image key, cached for the life of one report."""
+    """Symbol tables per image key: in memory for one report, on disk (per build-id) across reports."""
 
-    def __init__(self, db: Database | None) -> None:
+    def __init__(self, db: Database | None, cache: Cache | None = None) -> None:
         self.db = db
+        self.cache = cache or Cache()
         self._tables: dict[str, SymbolTable] = {}
         self._binaries: dict[str, BinaryLookup] = {}
         self.problems: dict[str, str] = {}
@@ -101,11 +103,24 @@ class Symbolizer:
         b = self.binary(info)
         if b.path is None:
             return SymbolTable.empty()
+        cacheable = bool(info.build_id) and info.key.split("#")[0] == info.build_id
+        if cacheable:
+            t = self.cache.load(info.key, "symbols")
+            if t is not None:
+                return SymbolTable(t.column("start").to_numpy().astype(np.uint64),
+                                   t.column("end").to_numpy().astype(np.uint64), tuple(t.column("name").to_pylist()))
         try:
-            return read_symbols(b.path)
+            table = read_symbols(b.path)
         except (OSError, DataError) as e:
             self.problems.setdefault(info.key, str(e))
             return SymbolTable.empty()
+        if cacheable:
+            import pyarrow as pa
+
+            self.cache.save(info.key, "symbols", pa.table({
+                "start": pa.array(table.starts, pa.uint64()), "end": pa.array(table.ends, pa.uint64()),
+                "name": pa.array(list(table.names), pa.string())}))
+        return table
 
     def offsets_to_vaddr(self, info: ImageInfo, offsets: np.ndarray) -> np.ndarray:
         """Images recorded with raw file offsets (ELF unreadable then) → virtual addresses."""

@@ -1,0 +1,116 @@
+"""Helpers shared by the benchmark scripts: building, running with rusage, statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+PY = sys.executable
+
+
+def build(src: str, out: Path, *flags: str) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["gcc", *(flags or ("-O2", "-g")), "-o", str(out), str(ROOT / "bench" / src)], check=True)
+    return out
+
+
+@dataclass
+class Run:
+    wall_s: float
+    cpu_s: float  # user+sys of the process tree (the command and its waited-for descendants)
+    user_s: float
+    sys_s: float
+    maxrss_kib: int
+    stdout: str
+    stderr: str
+    returncode: int
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> Run:
+    """Run ``cmd`` and return its resource usage from wait4 (its whole waited-for tree)."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    out, err = "", ""
+    # communicate() would reap the child itself; read the pipes, then wait4 for the rusage.
+    assert p.stdout is not None and p.stderr is not None
+    out = p.stdout.read()
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.monotonic() - t0
+    return Run(wall, ru.ru_utime + ru.ru_stime, ru.ru_utime, ru.ru_stime, ru.ru_maxrss, out, err, p.returncode)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile)."""
+    if not xs:
+        return (float("nan"),) * 3  # type: ignore[return-value]
+    if len(xs) < 4:
+        return statistics.median(xs), min(xs), max(xs)
+    q = statistics.quantiles(xs, n=4)
+    return statistics.median(xs), q[0], q[2]
+
+
+def fmt_spread(xs: list[float], unit: str = "", digits: int = 3) -> str:
+    m, lo, hi = spread(xs)
+    return f"{m:.{digits}f}{unit} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def perf_samples(stderr: str) -> int:
+    m = re.search(r"\((\d+) samples\)", stderr)
+    return int(m.group(1)) if m else 0
+
+
+def cyclescope_samples(stderr: str) -> int:
+    m = re.search(r"cyclescope record: ([\d,]+) samples", stderr)
+    return int(m.group(1).replace(",", "")) if m else 0
+
+
+def workload_cpu(stdout: str) -> tuple[float, float]:
+    m = re.search(r"cpu_ns (\d+) user_ns (\d+)", stdout)
+    if not m:
+        raise RuntimeError(f"workload printed no rusage: {stdout!r}")
+    return int(m.group(1)) / 1e9, int(m.group(2)) / 1e9
+
+
+def cyclescope_cmd(*args: str) -> list[str]:
+    return [PY, "-m", "cyclescope", *args]
+
+
+def save(name: str, data: Any) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    p = OUT / f"{name}.json"
+    p.write_text(json.dumps(data, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+    return p
+
+
+def need(tool: str) -> None:
+    if shutil.which(tool) is None:
+        sys.exit(f"bench: {tool} is not installed")
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"kernel": os.uname().release, "cpus": os.cpu_count(), "cpu": cpu, "time": time.strftime("%Y-%m-%d %H:%M")}

@@ -1,0 +1,161 @@
+"""Overhead of sampling: nothing vs `perf record` vs `cyclescope record`, alternated in one run.
+
+For each round and rate, the three contenders run the same calibrated CPU-bound
+workload one after the other (the order rotates between rounds). Measured:
+- the target's own CPU time (the workload reports its rusage),
+- the profiler's own CPU time (the tree's rusage from wait4 minus the target's),
+- extra CPU = target + profiler - the unprofiled target of the same round.
+Ratios cyclescope/perf are taken per round (paired) and reported as
+median [lower quartile, upper quartile].
+
+The marginal user-space cost per sample is the slope of the profiler's own
+user time against its sample count over two workload lengths (so the fixed
+start-up of a Python process is separated from the per-sample cost).
+
+Usage: python bench/overhead.py [--rates 1000,5000,10000] [--runs 5] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import (
+    Run,
+    build,
+    cyclescope_cmd,
+    cyclescope_samples,
+    fmt_spread,
+    machine,
+    median,
+    need,
+    perf_samples,
+    run,
+    save,
+    workload_cpu,
+)
+
+
+def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path) -> list[str]:
+    wl = [str(exe), str(secs)]
+    if name == "none":
+        return wl
+    if name == "perf":
+        return ["perf", "record", "-e", "cpu-clock", "-F", str(rate), "-o", str(tmp / "perf.data"), "--", *wl]
+    return cyclescope_cmd("record", "--db", str(tmp / "cs.db"), "-F", str(rate), "--", *wl)
+
+
+def measure(name: str, rate: int, exe: Path, secs: float, tmp: Path) -> dict[str, Any]:
+    r: Run = run(contender_cmd(name, rate, exe, secs, tmp))
+    if r.returncode != 0:
+        raise RuntimeError(f"{name} failed: {r.stderr[-500:]}")
+    tcpu, tuser = workload_cpu(r.stdout)
+    samples = perf_samples(r.stderr) if name == "perf" else cyclescope_samples(r.stderr) if name == "cyclescope" else 0
+    return {
+        "contender": name, "rate": rate, "seconds": secs, "target_cpu": tcpu, "target_user": tuser,
+        "own_cpu": max(0.0, r.cpu_s - tcpu), "own_user": max(0.0, r.user_s - tuser), "wall": r.wall_s,
+        "samples": samples, "maxrss_kib": r.maxrss_kib,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="1000,5000,10000")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--marginal-rate", type=int, default=5000)
+    ap.add_argument("--marginal-lengths", default="4,16")
+    args = ap.parse_args()
+    need("perf")
+    rates = [int(x) for x in args.rates.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="cs-bench-"))
+    exe = build("workload.c", tmp / "workload")
+    contenders = ["none", "perf", "cyclescope"]
+    # Warm-up: the first cyclescope run into a database stores kernel symbols; perf fills its caches.
+    for c in contenders:
+        measure(c, rates[0], exe, 0.5, tmp)
+    rows: list[dict[str, Any]] = []
+    for rnd in range(args.runs):
+        for rate in rates:
+            order = contenders[rnd % 3:] + contenders[: rnd % 3]
+            for c in order:
+                m = measure(c, rate, exe, args.seconds, tmp)
+                m["round"] = rnd
+                rows.append(m)
+                print(f"round {rnd} {rate:>6} Hz {c:>10}: target {m['target_cpu']:.3f} s, own {m['own_cpu']:.3f} s"
+                      f", {m['samples']} samples", flush=True)
+    # Marginal cost per sample: two workload lengths, alternated.
+    lengths = [float(x) for x in args.marginal_lengths.split(",")]
+    marg: list[dict[str, Any]] = []
+    for rnd in range(args.runs):
+        for secs in lengths:
+            for c in ("perf", "cyclescope"):
+                m = measure(c, args.marginal_rate, exe, secs, tmp)
+                m["round"] = rnd
+                marg.append(m)
+                print(f"marginal round {rnd} {secs:>5} s {c:>10}: own user {m['own_user']:.3f} s, "
+                      f"{m['samples']} samples", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    report = summarize(rows, marg, rates, lengths)
+    path = save("overhead", {"machine": machine(), "args": vars(args), "rows": rows, "marginal": marg,
+                             "summary": report})
+    print("\n".join(report["lines"]))
+    print(f"raw data: {path}")
+
+
+def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: list[int],
+              lengths: list[float]) -> dict[str, Any]:
+    lines = ["", "Overhead (median [quartiles] over rounds; CPU seconds)", ""]
+    out: dict[str, Any] = {"rates": {}}
+    hdr = (f"{'rate':>6} {'contender':>10} {'target CPU':>24} {'profiler CPU':>24} {'extra CPU':>24} "
+           f"{'samples':>8} {'own us/sample':>14}")
+    lines.append(hdr)
+    for rate in rates:
+        base = {r["round"]: r["target_cpu"] for r in rows if r["rate"] == rate and r["contender"] == "none"}
+        per: dict[str, dict[str, list[float]]] = {}
+        for c in ("none", "perf", "cyclescope"):
+            rs = [r for r in rows if r["rate"] == rate and r["contender"] == c]
+            extra = [r["target_cpu"] + r["own_cpu"] - base[r["round"]] for r in rs]
+            per[c] = {
+                "target": [r["target_cpu"] for r in rs], "own": [r["own_cpu"] for r in rs], "extra": extra,
+                "samples": [r["samples"] for r in rs],
+                "own_us_per_sample": [1e6 * r["own_user"] / r["samples"] for r in rs if r["samples"]],
+                "target_slowdown": [r["target_cpu"] / base[r["round"]] - 1 for r in rs],
+            }
+            lines.append(f"{rate:>6} {c:>10} {fmt_spread(per[c]['target']):>24} {fmt_spread(per[c]['own']):>24} "
+                         f"{fmt_spread(per[c]['extra']):>24} {median(per[c]['samples']):>8.0f} "
+                         f"{median(per[c]['own_us_per_sample']) if per[c]['own_us_per_sample'] else 0:>14.1f}")
+        ratio = []
+        for rnd in sorted(base):
+            p = [r for r in rows if r["rate"] == rate and r["contender"] == "perf" and r["round"] == rnd]
+            s = [r for r in rows if r["rate"] == rate and r["contender"] == "cyclescope" and r["round"] == rnd]
+            if p and s:
+                pe = p[0]["target_cpu"] + p[0]["own_cpu"] - base[rnd]
+                se = s[0]["target_cpu"] + s[0]["own_cpu"] - base[rnd]
+                if pe > 0:
+                    ratio.append(se / pe)
+        per["ratio_extra_cyclescope_over_perf"] = {"values": ratio}  # type: ignore[dict-item]
+        lines.append(f"{'':>6} {'ratio':>10} extra CPU cyclescope / perf: {fmt_spread(ratio, digits=2)}")
+        lines.append("")
+        out["rates"][rate] = per
+    # Marginal per-sample user cost: slope between the two lengths, per round.
+    for c in ("perf", "cyclescope"):
+        slopes = []
+        for rnd in sorted({m["round"] for m in marg}):
+            a = [m for m in marg if m["contender"] == c and m["round"] == rnd and m["seconds"] == lengths[0]]
+            b = [m for m in marg if m["contender"] == c and m["round"] == rnd and m["seconds"] == lengths[-1]]
+            if a and b and b[0]["samples"] > a[0]["samples"]:
+                slopes.append(1e6 * (b[0]["own_user"] - a[0]["own_user"]) / (b[0]["samples"] - a[0]["samples"]))
+        fixed = [m["own_user"] - median(slopes) * m["samples"] / 1e6 for m in marg if m["contender"] == c]
+        lines.append(f"{c:>10}: marginal own user-space cost {fmt_spread(slopes, ' us/sample', 2)}; "
+                     f"fixed cost {fmt_spread(fixed, ' s', 2)}")
+        out[f"marginal_{c}"] = {"us_per_sample": slopes, "fixed_s": fixed}
+    out["lines"] = lines
+    return out
+
+
+if __name__ == "__main__":
+    main()

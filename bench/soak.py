@@ -1,0 +1,98 @@
+"""Daemon soak: system-wide at 5 kHz on every CPU, under process churn (DCPI's gcc case).
+
+Runs `cyclescope daemon` for --minutes while one compile loop per CPU runs
+gcc on C files over and over (every compile is several short-lived
+processes: the driver, cc1, as). Reports the unknown share, lost samples,
+the daemon's RSS over time and its peak, and the number of processes seen.
+
+Usage: python bench/soak.py [--minutes 10] [--rate 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, cyclescope_cmd, machine, save
+
+SOURCES = [
+    ROOT / "tests" / "programs" / "hotcold.c", ROOT / "tests" / "programs" / "forker.c",
+    ROOT / "tests" / "programs" / "jit.c", ROOT / "src" / "cyclescope" / "demo" / "workload.c",
+    ROOT / "bench" / "workload.c", ROOT / "tests" / "data" / "inl.c",
+]
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    rss = hwm = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    return rss, hwm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--rate", type=int, default=5000)
+    ap.add_argument("--flush-interval", type=float, default=60.0)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="cs-soak-"))
+    db = tmp / "db"
+    loop = "while :; do for f in " + " ".join(map(str, SOURCES)) + "; do gcc -O2 -c \"$f\" -o /dev/null; done; done"
+    daemon = subprocess.Popen(cyclescope_cmd("daemon", "--db", str(db), "-F", str(args.rate), "--flush-interval",
+                                             str(args.flush_interval)), stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    loops = [subprocess.Popen(["sh", "-c", loop], start_new_session=True) for _ in range(os.cpu_count() or 1)]
+    t0 = time.monotonic()
+    series = []
+    try:
+        while time.monotonic() - t0 < args.minutes * 60:
+            time.sleep(10)
+            rss, hwm = rss_kib(daemon.pid)
+            st = subprocess.run(cyclescope_cmd("status", "--db", str(db), "--json"), capture_output=True, text=True)
+            s = json.loads(st.stdout) if st.returncode == 0 else {}
+            series.append({"t": round(time.monotonic() - t0), "rss_kib": rss, "hwm_kib": hwm, **s})
+            print(f"{series[-1]['t']:>4} s: RSS {rss / 1024:6.1f} MiB (peak {hwm / 1024:6.1f}), samples "
+                  f"{s.get('samples', 0):>9,}, unknown {s.get('unknown', 0):>6,}, lost "
+                  f"{s.get('lost_records', 0) + s.get('lost_samples', 0):>5,}, processes tracked "
+                  f"{s.get('processes', 0):>4}, images {s.get('images', 0)}", flush=True)
+    finally:
+        for p in loops:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        daemon.send_signal(signal.SIGTERM)
+        _, err = daemon.communicate(timeout=120)
+    print(err.strip())
+    prof = subprocess.run(cyclescope_cmd("prof", "--db", str(db), "--json", "--epoch", "all"), capture_output=True,
+                          text=True, check=True)
+    rep = json.loads(prof.stdout)
+    summ = rep["summary"]
+    images = subprocess.run(cyclescope_cmd("prof", "--db", str(db), "--images", "--epoch", "all", "--limit", "8"),
+                            capture_output=True, text=True).stdout
+    print(images)
+    out = {
+        "machine": machine(), "args": vars(args), "series": series, "daemon_stderr": err,
+        "samples": summ["recorded_samples"], "unknown_share": summ["unknown_share"],
+        "unknown_reasons": summ["unknown_reasons"], "lost_records": summ["lost_records"],
+        "lost_samples": summ["lost_samples"], "peak_rss_kib": max(s["hwm_kib"] for s in series),
+        "db_bytes": sum(f.stat().st_size for f in db.rglob("*") if f.is_file()),
+    }
+    print(f"unknown {100 * out['unknown_share']:.3f}% {out['unknown_reasons']}, lost records "
+          f"{out['lost_records']}, lost samples {out['lost_samples']}, peak RSS {out['peak_rss_kib'] / 1024:.1f} MiB, "
+          f"database {out['db_bytes'] / 1e6:.1f} MB")
+    print(f"raw data: {save('soak', out)}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

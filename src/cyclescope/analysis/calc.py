@@ -1,0 +1,149 @@
+"""DCPI's dcpicalc pipeline for one procedure: disassemble -> CFG -> classes ->
+static model -> frequencies -> CPI -> culprits. Each step is a pure function of
+the previous steps' outputs (see the modules it calls); this module chains
+them and carries the units.
+
+Units. S_i are samples of the cycles event. With a cycles event, the mean
+period P is in cycles. With cpu-clock it is in nanoseconds, converted with
+the core clock measured while recording (collect/clock.py). F_b is
+executions per period, so a block ran F_b * P times, and instruction i spent
+S_i / F_b cycles per execution (its CPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cyclescope.analysis.cfg import CFG, build_cfg
+from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
+from cyclescope.analysis.equivalence import Classes, cycle_equivalence
+from cyclescope.analysis.frequency import Frequencies, estimate_frequencies
+from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
+from cyclescope.images.cache import Cache
+from cyclescope.images.disasm import Insn, InsnInfo, insn_info
+
+
+@dataclass
+class Calc:
+    name: str
+    start: int
+    end: int
+    events: list[str]
+    cycles_event: str
+    period_cycles: float | None  # P in cycles (None: clock unknown for a time-based event)
+    cfg: CFG
+    classes: Classes
+    model: ProcedureModel
+    infos: list[InsnInfo]
+    samples: np.ndarray  # (n_insns, n_events)
+    freq: Frequencies
+    cpi: list[float | None]  # per instruction: S_i / F_b
+    dyn: list[float]  # dynamic stall cycles per execution: max(0, CPI - M_i)
+    gain: list[float]  # negative stall: M_i - CPI where samples fall short of the model
+    static: list[StaticStall]
+    culprits: list[Stall | None]
+    notes: list[str] = field(default_factory=list)
+
+    def executions(self, block: int) -> float | None:
+        f = self.freq.block[block]
+        if f is None or self.period_cycles is None:
+            return None
+        return f * self.period_cycles
+
+
+def model_procedure(blocks: Sequence[Sequence[Insn]], cache: Cache | None, key: str | None,
+                    mcpu: str | None = None) -> ProcedureModel:
+    """llvm-mca's model of the blocks, cached per image and code."""
+    import pyarrow as pa
+
+    from cyclescope.analysis.schedule import host_mcpu
+
+    mcpu = mcpu or host_mcpu()
+    name = f"mca-{model_key(blocks, mcpu)}"
+    if cache is not None and key is not None:
+        t = cache.load(key, name)
+        if t is not None:
+            d = t.to_pydict()
+            by_block: dict[int, list[InsnModel]] = {}
+            for b, m, lat, wo, wr, rep in zip(d["block"], d["m"], d["latency"], d["wait_operands"],
+                                               d["wait_resources"], d["replaced"], strict=True):
+                by_block.setdefault(b, []).append(InsnModel(m, lat, wo, wr, rep))
+            models = [BlockModel(by_block.get(b, []), sum(i.m for i in by_block.get(b, [])))
+                      for b in range(len(blocks))]
+            notes = (t.schema.metadata or {}).get(b"notes", b"").decode()
+            return ProcedureModel(mcpu, models, [n for n in notes.split("\n") if n])
+    pm = model_blocks(blocks, mcpu)
+    if cache is not None and key is not None:
+        rows = [(b, im) for b, bm in enumerate(pm.blocks) for im in bm.insns]
+        t = pa.table({
+            "block": [b for b, _ in rows], "m": [im.m for _, im in rows], "latency": [im.latency for _, im in rows],
+            "wait_operands": [im.wait_operands for _, im in rows],
+            "wait_resources": [im.wait_resources for _, im in rows], "replaced": [im.replaced for _, im in rows],
+        }).replace_schema_metadata({b"notes": "\n".join(pm.notes).encode()})
+        cache.save(key, name, t)
+    return pm
+
+
+def calc_procedure(
+    name: str,
+    start: int,
+    end: int,
+    code: bytes,
+    counts: dict[int, np.ndarray],
+    events: list[str],
+    cycles_event: str,
+    period_cycles: float | None,
+    name_at: Callable[[int], str | None] = lambda a: None,
+    read: Callable[[int, int], bytes | None] = lambda a, n: None,
+    cache: Cache | None = None,
+    cache_key: str | None = None,
+    mcpu: str | None = None,
+) -> Calc:
+    from cyclescope.images.disasm import disassemble
+
+    insns = disassemble(code, start)
+    infos = insn_info(code, start)
+    if len(infos) != len(insns):  # capstone's detail and lite modes disagree: keep them aligned
+        infos = (infos + [InsnInfo(frozenset(), frozenset(), False, False, frozenset(), "other")] * len(insns))[
+            : len(insns)]
+    cfg = build_cfg(insns, start, end, name_at, read)
+    classes = cycle_equivalence(cfg)
+    blocks = [insns[b.first : b.last + 1] for b in cfg.blocks]
+    model = model_procedure(blocks, cache, cache_key, mcpu)
+    ev = events.index(cycles_event)
+    starts = np.array([i.address for i in insns], np.uint64)
+    samples = np.zeros((len(insns), len(events)), np.float64)
+    for off, c in counts.items():
+        if not start <= off < end or not len(insns):
+            continue
+        k = int(np.searchsorted(starts, np.uint64(off), side="right")) - 1
+        if k >= 0:
+            samples[k] += c
+    s_cyc = samples[:, ev]
+    freq = estimate_frequencies(cfg, classes, model, s_cyc, infos)
+    ms: list[float] = [im.m for b in cfg.blocks for im in model.blocks[b.id].insns]
+    cpi: list[float | None] = []
+    dyn: list[float] = []
+    gain: list[float] = []
+    for k in range(len(insns)):
+        f = freq.block[cfg.block_of[k]]
+        if f is None or f <= 0:
+            cpi.append(None)
+            dyn.append(0.0)
+            gain.append(0.0)
+            continue
+        ck = float(s_cyc[k]) / f
+        cpi.append(ck)
+        dyn.append(max(0.0, ck - ms[k]))
+        gain.append(max(0.0, ms[k] - ck))
+    statics = static_stalls(cfg, model, infos)
+    event_cols = {e: samples[:, i] for i, e in enumerate(events) if e != cycles_event}
+    culprits = dynamic_culprits(cfg, infos, dyn, freq.block, freq.edge, event_cols)
+    notes = list(cfg.notes) + list(model.notes) + list(freq.notes)
+    if period_cycles is None:
+        notes.append("the core clock was not measured while recording: CPI and frequencies are relative only")
+    return Calc(name, start, end, events, cycles_event, period_cycles, cfg, classes, model, infos, samples, freq,
+                cpi, dyn, gain, statics, culprits, notes)

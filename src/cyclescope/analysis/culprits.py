@@ -1,0 +1,180 @@
+"""Why instructions stalled: static reasons from the model, dynamic culprits
+"guilty until proven innocent" (DCPI 6.3).
+
+For each instruction with a dynamic stall (cycles per execution beyond its
+static M_i), every candidate reason is kept unless it can be ruled out:
+
+- i: I-cache miss. Not at a block head: only if the instruction begins a new
+  64-byte line. At a block head: only if some frequent predecessor block ends
+  in a different line (rarely executed edges are ignored).
+- d / t: D-cache or DTLB miss. Only if the instruction loads, or reads a
+  register that an earlier load in its block wrote (the culprit address).
+- p: branch mispredict. Only at the head of a block entered from a
+  conditional or indirect branch (the culprit address).
+- u: long-latency unit. Only if the instruction divides or takes a square
+  root, or uses such a result (the divider is not pipelined).
+- w: store buffer. Only if the instruction stores and its block stores often.
+
+Where event samples exist for a candidate (cache-misses, branch-misses,
+l1i-misses, dtlb-misses), they bound it: no such events near the
+instruction rule it out. A stall no candidate explains is "unexplained";
+a negative one (fewer samples than the model allows) is "unexplained gain".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cyclescope.analysis.cfg import CFG, is_conditional
+from cyclescope.analysis.schedule import ProcedureModel
+from cyclescope.images.disasm import InsnInfo
+
+LINE = 64
+RARE_EDGE = 0.05  # predecessors bringing less than this share of a block's executions are ignored
+
+CULPRITS = {
+    "i": "I-cache miss", "d": "D-cache miss", "t": "DTLB miss", "p": "branch mispredict",
+    "u": "long-latency unit (divide, sqrt)", "w": "store buffer",
+}
+STATIC = {"dep": "dependency on an earlier result", "res": "execution resources busy", "issue": "issue width"}
+EVENT_FOR = {"i": "l1i-misses", "d": "cache-misses", "t": "dtlb-misses", "p": "branch-misses"}
+
+
+@dataclass
+class Stall:
+    codes: str  # candidate culprit letters, e.g. "dt"
+    cycles: float  # dynamic stall cycles per execution
+    culprit_addrs: dict[str, list[int]] = field(default_factory=dict)  # code -> earlier instructions
+
+
+@dataclass
+class StaticStall:
+    cycles: float  # per execution, beyond the ideal issue
+    reason: str  # dep, res, issue
+    producer: int | None  # address of the instruction it waits on
+
+
+def _line(a: int) -> int:
+    return a // LINE
+
+
+def static_stalls(cfg: CFG, model: ProcedureModel, infos: Sequence[InsnInfo], width: float = 6.0) -> list[StaticStall]:
+    out: list[StaticStall] = []
+    for blk in cfg.blocks:
+        last_writer: dict[str, int] = {}
+        bm = model.blocks[blk.id].insns
+        for k in range(blk.first, blk.last + 1):
+            im = bm[k - blk.first]
+            info = infos[k]
+            producer = None
+            for r in info.reads:
+                j = last_writer.get(r)
+                if j is not None and (producer is None or j > producer):
+                    producer = j
+            extra = max(0.0, im.m - 1.0 / width)
+            if im.wait_operands >= im.wait_resources and producer is not None:
+                reason = "dep"
+            elif im.wait_resources > 0:
+                reason = "res"
+            else:
+                reason = "issue"
+            out.append(StaticStall(extra, reason, cfg.insns[producer].address if producer is not None else None))
+            for r in info.writes:
+                last_writer[r] = k
+    return out
+
+
+def dynamic_culprits(
+    cfg: CFG,
+    infos: Sequence[InsnInfo],
+    stall_cycles: Sequence[float],
+    block_freq: Sequence[float | None],
+    edge_freq: Sequence[float | None],
+    events: Mapping[str, Sequence[float] | np.ndarray] | None = None,
+    window: int = 16,
+) -> list[Stall | None]:
+    """Candidate culprits per instruction with a positive dynamic stall (None elsewhere)."""
+    out: list[Stall | None] = [None] * len(cfg.insns)
+    events = events or {}
+    for blk in cfg.blocks:
+        fb = block_freq[blk.id] or 0.0
+        stores_in_block = sum(1 for k in range(blk.first, blk.last + 1) if infos[k].stores)
+        loads_written: dict[str, int] = {}  # register -> index of the load that wrote it
+        slow_written: dict[str, int] = {}  # register -> index of a div/sqrt that wrote it
+        for k in range(blk.first, blk.last + 1):
+            ins = cfg.insns[k]
+            info = infos[k]
+            dyn = stall_cycles[k]
+            if dyn > 0:
+                codes = ""
+                addrs: dict[str, list[int]] = {}
+                # I-cache
+                if k == blk.first:
+                    preds = [cfg.edges[e] for e in blk.preds]
+                    far = False
+                    for e in preds:
+                        f = edge_freq[e.id]
+                        if e.src < 0 or (fb and f is not None and f < RARE_EDGE * fb):
+                            continue
+                        pb = cfg.blocks[e.src]
+                        if _line(cfg.insns[pb.last].address) != _line(ins.address):
+                            far = True
+                    if far or not preds:
+                        codes += "i"
+                elif _line(ins.address) != _line(cfg.insns[k - 1].address):
+                    codes += "i"
+                # D-cache / DTLB
+                producers = sorted({loads_written[r] for r in info.reads if r in loads_written})
+                producers = [j for j in producers if k - j <= window]
+                if info.loads or producers:
+                    codes += "dt"
+                    addrs["d"] = [cfg.insns[j].address for j in producers]
+                # Branch mispredict
+                if k == blk.first:
+                    brs = []
+                    for eid in blk.preds:
+                        edge = cfg.edges[eid]
+                        if edge.src < 0:
+                            continue
+                        last = cfg.insns[cfg.blocks[edge.src].last]
+                        indirect = last.mnemonic in ("jmp", "call") and last.direct_target is None
+                        if is_conditional(last.mnemonic) or indirect:
+                            brs.append(last.address)
+                    if brs:
+                        codes += "p"
+                        addrs["p"] = sorted(set(brs))
+                # Long-latency units
+                slow = [slow_written[r] for r in info.reads if r in slow_written and k - slow_written[r] <= window]
+                if info.kind in ("div", "sqrt") or slow:
+                    codes += "u"
+                    if slow:
+                        addrs["u"] = sorted({cfg.insns[j].address for j in slow})
+                # Store buffer
+                if info.stores and stores_in_block >= 3:
+                    codes += "w"
+                # Event samples bound candidates: none nearby rules a candidate out.
+                for code, ev in EVENT_FOR.items():
+                    if code in codes and ev in events:
+                        lo, hi = max(blk.first, k - 3), min(blk.last, k + 1)
+                        if sum(events[ev][lo : hi + 1]) == 0 and sum(events[ev]) > 0:
+                            codes = codes.replace(code, "")
+                            addrs.pop(code, None)
+                out[k] = Stall(codes, dyn, addrs)
+            if info.loads:
+                for r in info.writes:
+                    if r not in ("rsp", "flags", "rip"):
+                        loads_written[r] = k
+            else:
+                for r in info.writes:
+                    loads_written.pop(r, None)
+            if info.kind in ("div", "sqrt"):
+                for r in info.writes:
+                    if r != "flags":
+                        slow_written[r] = k
+            else:
+                for r in info.writes:
+                    slow_written.pop(r, None)
+    return out

@@ -1,0 +1,310 @@
+"""Estimating how often each block ran, from CYCLES samples alone (DCPI 6.1.3-6.1.5).
+
+F is executions per sampling period: an instruction i with samples S_i and
+static cycles M_i (schedule.py) that suffers no dynamic stall has
+S_i = F * M_i. Per frequency class (equivalence.py), the issue points
+(instructions with M_i > 0) give ratios S_i / M_i; dynamic stalls only
+raise them, so F is estimated from a cluster of the smallest ratios
+(max <= 1.5 min), discarding anomalous clusters: too few of the class's
+issue points, or an F that would imply an unreasonable stall elsewhere.
+When the class has few samples, F = sum S / sum M. The dependence-window
+refinement replaces S_i / M_i by the ratio over the instructions since the
+one i depends on, which dynamic stalls in between cannot shrink.
+
+Classes without estimates get values from the flow constraints (a block's
+frequency equals the sum over its in-edges and over its out-edges) by
+local propagation: linear time, every new value copied to its whole class,
+never negative. Where the estimates violate the constraints, a global
+repair finds the circulation closest to them (minimum-cost flow, as LLVM's
+profile inference does), weighting each estimate by its confidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cyclescope.analysis.cfg import CFG, ENTRY, EXIT
+from cyclescope.analysis.equivalence import Classes
+from cyclescope.analysis.schedule import ProcedureModel
+from cyclescope.images.disasm import InsnInfo
+
+CLUSTER_SPREAD = 1.5  # DCPI: max ratio in a cluster <= 1.5 * min
+MIN_FRACTION = 0.25  # a cluster needs at least this share of the class's issue points
+FEW_SAMPLES = 40  # below this, F = sum S / sum M over the class
+MAX_STALL = 600.0  # cycles: more than any plausible miss per execution
+CONFIDENCE_WEIGHT = {"high": 8, "medium": 3, "low": 1}
+
+
+@dataclass
+class ClassEstimate:
+    value: float | None
+    confidence: str  # high, medium, low
+    method: str  # issue-points, sum-ratio, propagated, repaired, none
+    points_used: int = 0
+    points: int = 0
+    spread: float = 0.0  # max/min of the ratios used
+
+
+@dataclass
+class Frequencies:
+    block: list[float | None]  # F per block (None: no estimate)
+    edge: list[float | None]
+    block_confidence: list[str]
+    block_method: list[str]
+    classes: dict[int, ClassEstimate]
+    violations: int  # blocks whose flow constraint the estimates violated before repair
+    repaired: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def dependence_windows(infos: Sequence[InsnInfo]) -> list[int]:
+    """For each instruction of a block, the index of the nearest earlier one it depends on (-1: none)."""
+    last_writer: dict[str, int] = {}
+    out = []
+    for k, info in enumerate(infos):
+        dep = -1
+        for r in info.reads:
+            if r in ("rip", "rsp") or r not in last_writer:
+                continue
+            dep = max(dep, last_writer[r])
+        out.append(dep)
+        for r in info.writes:
+            last_writer[r] = k
+    return out
+
+
+def issue_point_ratios(samples: Sequence[float], ms: Sequence[float], deps: Sequence[int]) -> list[tuple[float, float]]:
+    """(sum S, sum M) per issue point of one block, with the dependence-window refinement."""
+    out = []
+    for i, m in enumerate(ms):
+        if m <= 0:
+            continue
+        j = deps[i] if i < len(deps) else -1
+        if j >= 0 and j < i - 1:
+            s = sum(samples[j + 1 : i + 1])
+            mm = sum(ms[j + 1 : i + 1])
+        else:
+            s, mm = samples[i], m
+        out.append((float(s), float(mm)))
+    return out
+
+
+def estimate_class(points: list[tuple[float, float]], class_samples: float,
+                   all_insns: list[tuple[float, float]]) -> ClassEstimate:
+    """F for one class from its issue points' (S, M) and all its instructions' (S, M)."""
+    n = len(points)
+    if n == 0:
+        return ClassEstimate(None, "low", "none")
+    total_m = sum(m for _, m in points)
+    if class_samples < FEW_SAMPLES:
+        s = sum(s for s, _ in points)
+        return ClassEstimate(s / total_m if total_m else None, "low", "sum-ratio", n, n)
+    ratios = sorted(((s / m if m else math.inf), s, m) for s, m in points)
+    need = max(1, math.ceil(MIN_FRACTION * n))
+    for start in range(n):
+        r0 = ratios[start][0]
+        cluster = [x for x in ratios[start:] if x[0] <= CLUSTER_SPREAD * r0 + 1e-12]
+        if len(cluster) < need:
+            continue
+        cs = sum(x[1] for x in cluster)
+        cm = sum(x[2] for x in cluster)
+        f = cs / cm if cm else 0.0
+        if f <= 0:
+            continue
+        if any(s / f - m > MAX_STALL for s, m in all_insns):
+            continue  # F this small would mean a stall nothing can cause
+        spread = cluster[-1][0] / cluster[0][0] if cluster[0][0] > 0 else math.inf
+        conf = "high" if len(cluster) >= 3 and cs >= 200 and len(cluster) >= 0.4 * n else (
+            "medium" if len(cluster) >= 2 or cs >= 100 else "low")
+        return ClassEstimate(f, conf, "issue-points", len(cluster), n, spread)
+    s = sum(s for s, _ in points)
+    return ClassEstimate(s / total_m if total_m else None, "low", "sum-ratio", n, n)
+
+
+def estimate_frequencies(cfg: CFG, classes: Classes, model: ProcedureModel, samples: Sequence[float] | np.ndarray,
+                         infos: Sequence[InsnInfo] | None = None, repair: bool = True) -> Frequencies:
+    """Block and edge frequencies for a procedure; ``samples`` is S_i per instruction of cfg.insns."""
+    members = classes.members()
+    estimates: dict[int, ClassEstimate] = {}
+    for c, (blocks, _edges) in members.items():
+        points: list[tuple[float, float]] = []
+        all_insns: list[tuple[float, float]] = []
+        class_samples = 0.0
+        for b in blocks:
+            blk = cfg.blocks[b]
+            bm = model.blocks[b].insns
+            s = [float(samples[k]) for k in range(blk.first, blk.last + 1)]
+            ms = [im.m for im in bm]
+            deps = dependence_windows(infos[blk.first : blk.last + 1]) if infos is not None else [-1] * len(s)
+            points += issue_point_ratios(s, ms, deps)
+            all_insns += list(zip(s, ms, strict=True))
+            class_samples += sum(s)
+        estimates[c] = estimate_class(points, class_samples, all_insns)
+    nb, ne = len(cfg.blocks), len(cfg.edges)
+    block: list[float | None] = [None] * nb
+    edge: list[float | None] = [None] * ne
+    conf = ["low"] * nb
+    method = ["none"] * nb
+    for c, est in estimates.items():
+        if est.value is None:
+            continue
+        bs, es = members[c]
+        for b in bs:
+            block[b], conf[b], method[b] = est.value, est.confidence, est.method
+        for e in es:
+            edge[e] = est.value
+    _propagate(cfg, classes, members, block, edge, conf, method)
+    violations = _violations(cfg, block, edge)
+    result = Frequencies(block, edge, conf, method, estimates, violations, False)
+    if repair and violations:
+        _repair(cfg, classes, result)
+    for b in cfg.unreachable:
+        result.block[b] = 0.0
+    return result
+
+
+def _propagate(cfg: CFG, classes: Classes, members: dict[int, tuple[list[int], list[int]]],
+               block: list[float | None], edge: list[float | None], conf: list[str], method: list[str]) -> None:
+    """Local propagation over the flow equations; new values go to the whole class."""
+    live = [b for b in range(len(cfg.blocks)) if b not in cfg.unreachable]
+    ins = {b: [e.id for e in cfg.in_edges(b)] for b in live}
+    outs = {b: [e.id for e in cfg.out_edges(b)] for b in live}
+    virt = set(classes.virtual_exits)
+
+    def set_edge(e: int, v: float, src_conf: str) -> bool:
+        if edge[e] is not None:
+            return False
+        v = max(0.0, v)
+        c = classes.edge[e]
+        if c >= 0:
+            bs, es = members[c]
+            for x in es:
+                edge[x] = v
+            for b in bs:
+                if block[b] is None:
+                    block[b], conf[b], method[b] = v, _down(src_conf), "propagated"
+        else:
+            edge[e] = v
+        return True
+
+    def set_block(b: int, v: float, src_conf: str) -> bool:
+        if block[b] is not None:
+            return False
+        v = max(0.0, v)
+        c = classes.block[b]
+        bs, es = members.get(c, ([b], []))
+        for x in bs:
+            if block[x] is None:
+                block[x], conf[x], method[x] = v, _down(src_conf), "propagated"
+        for x in es:
+            if edge[x] is None:
+                edge[x] = v
+        return True
+
+    changed = True
+    rounds = 0
+    while changed and rounds < 4 * len(live) + 8:
+        changed = False
+        rounds += 1
+        for b in live:
+            for side in (ins[b], outs[b] if b not in virt else None):
+                if side is None:
+                    continue  # an infinite loop's virtual exit carries unknown flow: no equation on that side
+                known = [edge[e] for e in side if edge[e] is not None]
+                unknown = [e for e in side if edge[e] is None]
+                fb = block[b]
+                if fb is not None and len(unknown) == 1:
+                    changed |= set_edge(unknown[0], fb - sum(known), conf[b])  # type: ignore[arg-type]
+                elif fb is None and not unknown and side:
+                    changed |= set_block(b, sum(known), "medium")  # type: ignore[arg-type]
+
+
+def _down(c: str) -> str:
+    return {"high": "medium", "medium": "low"}.get(c, "low")
+
+
+def _violations(cfg: CFG, block: list[float | None], edge: list[float | None], tol: float = 0.10) -> int:
+    bad = 0
+    for b in range(len(cfg.blocks)):
+        if b in cfg.unreachable or block[b] is None:
+            continue
+        fb = block[b]
+        assert fb is not None
+        for side in (cfg.in_edges(b), cfg.out_edges(b)):
+            vals = [edge[e.id] for e in side]
+            if side and all(v is not None for v in vals):
+                s = sum(v for v in vals if v is not None)
+                if abs(s - fb) > tol * max(fb, s, 1.0):
+                    bad += 1
+                    break
+    return bad
+
+
+def _repair(cfg: CFG, classes: Classes, fr: Frequencies) -> None:
+    """The circulation closest to the estimates: min sum w |x - estimate| (network simplex)."""
+    import networkx as nx
+
+    known = [v for v in fr.block + fr.edge if v is not None and v > 0]
+    if not known:
+        return
+    scale = 1_000_000 / max(known)
+    big = 10**12
+    g = nx.DiGraph()
+    arcs: dict[tuple[str, int], tuple[str, str]] = {}
+
+    def node_in(b: int) -> str:
+        return "ENTRY" if b == ENTRY else "EXIT" if b == EXIT else f"i{b}"
+
+    def node_out(b: int) -> str:
+        return "ENTRY" if b == ENTRY else "EXIT" if b == EXIT else f"o{b}"
+
+    def add_measured(u: str, v: str, tag: str, est: float | None, w: int) -> None:
+        # Flow u -> v, with the cost w * |x - est|: an arc rewarding flow up to est, one charging beyond.
+        if est is None:
+            g.add_edge(u, v, capacity=big, weight=0)
+            return
+        e = max(0, round(est * scale))
+        mid = f"{tag}m"
+        g.add_edge(u, mid, capacity=big, weight=0)
+        g.add_edge(mid, v, capacity=e, weight=-w)
+        x = f"{tag}x"
+        g.add_edge(mid, x, capacity=big, weight=w)
+        g.add_edge(x, v, capacity=big, weight=0)
+
+    for b in range(len(cfg.blocks)):
+        if b in cfg.unreachable:
+            continue
+        w = CONFIDENCE_WEIGHT.get(fr.block_confidence[b], 1) if fr.block_method[b] != "propagated" else 1
+        add_measured(node_in(b), node_out(b), f"b{b}", fr.block[b], w)
+        arcs[("b", b)] = (node_in(b), f"b{b}m")
+    for e in cfg.edges:
+        if (e.src >= 0 and e.src in cfg.unreachable) or (e.dst >= 0 and e.dst in cfg.unreachable):
+            continue
+        tag = f"e{e.id}"
+        u, v = node_out(e.src), node_in(e.dst)
+        g.add_edge(u, f"{tag}n", capacity=big, weight=0)
+        add_measured(f"{tag}n", v, tag, None, 0)
+        arcs[("e", e.id)] = (u, f"{tag}n")
+    for b in classes.virtual_exits:
+        g.add_edge(node_out(b), f"v{b}", capacity=big, weight=0)
+        g.add_edge(f"v{b}", "EXIT", capacity=big, weight=0)
+    g.add_edge("EXIT", "ENTRY", capacity=big, weight=0)
+    try:
+        _, flow = nx.network_simplex(g)
+    except (nx.NetworkXUnfeasible, nx.NetworkXUnbounded, nx.NetworkXError) as err:
+        fr.notes.append(f"global repair failed: {err}")
+        return
+    for (kind, i), (u, v) in arcs.items():
+        x = flow[u][v] / scale
+        if kind == "b":
+            old = fr.block[i]
+            if old is None or abs(old - x) > 1e-9 * max(1.0, x):
+                fr.block_method[i] = "repaired" if old is not None else "propagated"
+            fr.block[i] = x
+        else:
+            fr.edge[i] = x
+    fr.repaired = True

@@ -1,0 +1,180 @@
+"""The static processor model: M_i, the cycles each instruction spends as the
+oldest unretired instruction when nothing stalls dynamically.
+
+DCPI's M_i was "cycles at the head of the issue queue" of an in-order Alpha.
+On an out-of-order x86 a timer interrupt is taken at an instruction
+boundary and reports the next instruction to retire: the oldest unretired
+one. So a sample lands on instruction i for as long as i is what retirement
+waits for, and the static analog of M_i is the gap between i's retirement
+and its predecessor's in a schedule without dynamic stalls.
+
+That schedule comes from llvm-mca (LLVM's machine-code analyzer, with the
+scheduling model of the host CPU): one invocation per procedure, each basic
+block a region, each region run for ITERATIONS iterations; M_i is the mean
+retire-cycle gap over the steady-state iterations. As DCPI did, a block is
+scheduled on its own (code before it is ignored).
+
+Static stall reasons come from the same timeline: an instruction whose
+operands become ready after it was dispatched waits on a dependency (on the
+nearest earlier instruction writing a register it reads); one ready but not
+issued waits on an execution resource.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cyclescope.errors import CycleScopeError
+from cyclescope.images.disasm import Insn
+
+ITERATIONS = 24
+WARMUP = 8
+_TARGET_RE = re.compile(r"(?<=\s)(?:0x[0-9a-f]+)$")
+
+
+@dataclass
+class InsnModel:
+    m: float  # cycles as the oldest unretired instruction, steady state
+    latency: float  # dispatch to executed
+    wait_operands: float  # ready - dispatched: waiting on earlier results
+    wait_resources: float  # issued - ready: waiting on an execution unit
+    replaced: bool = False  # llvm-mca could not model it; M_i defaulted
+
+
+@dataclass
+class BlockModel:
+    insns: list[InsnModel]
+    cycles: float  # sum of M_i: cycles per execution of the block, best case
+
+
+@dataclass
+class ProcedureModel:
+    mcpu: str
+    blocks: list[BlockModel]
+    notes: list[str] = field(default_factory=list)
+
+
+def llvm_mca() -> str:
+    for name in ("llvm-mca", "llvm-mca-14", "llvm-mca-15", "llvm-mca-16", "llvm-mca-17", "llvm-mca-18"):
+        p = shutil.which(name)
+        if p:
+            return p
+    raise CycleScopeError("llvm-mca is not installed (apt-get install llvm)")
+
+
+def host_mcpu() -> str:
+    """The llvm-mca CPU model for this machine (from /proc/cpuinfo; 'native' when unsure)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return "native"
+    fam = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M)
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    if vendor and vendor.group(1) == "AuthenticAMD" and fam:
+        f = int(fam.group(1))
+        model = int(re.search(r"^model\s*:\s*(\d+)", text, re.M).group(1))  # type: ignore[union-attr]
+        if f == 0x17:
+            return "znver2" if model >= 0x30 else "znver1"
+        if f >= 0x19:
+            return "znver3"  # llvm-14's newest AMD model; Zen 4 is close enough for retirement gaps
+    return "native"
+
+
+def asm_line(ins: Insn) -> str:
+    """Capstone's Intel syntax, with direct branch targets turned into a local label llvm-mca accepts."""
+    t = ins.text
+    if ins.direct_target is not None:
+        t = _TARGET_RE.sub(".Ltgt", t)
+    return t
+
+
+def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, timeout_s: float = 120) -> ProcedureModel:
+    """Run llvm-mca once over all blocks (one region each) and derive M_i per instruction."""
+    mcpu = mcpu or host_mcpu()
+    notes: list[str] = []
+    lines = [".intel_syntax noprefix", ".Ltgt:"]
+    where: list[tuple[int, int]] = []  # source line -> (block, insn)
+    for b, blk in enumerate(blocks):
+        lines.append(f"# LLVM-MCA-BEGIN b{b}")
+        for k, ins in enumerate(blk):
+            where.append((len(lines), b * 1_000_000 + k))
+            lines.append(asm_line(ins))
+        lines.append(f"# LLVM-MCA-END b{b}")
+    replaced: set[int] = set()
+    line_of = {src: key for src, key in where}
+    out = None
+    for _ in range(200):
+        p = subprocess.run(
+            [llvm_mca(), f"-mcpu={mcpu}", f"-iterations={ITERATIONS}", "-timeline",
+             f"-timeline-max-iterations={ITERATIONS}", "-timeline-max-cycles=0", "--json"],
+            input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=timeout_s,
+        )
+        m = re.search(r"<stdin>:(\d+):\d+: error", p.stderr)
+        if m:
+            ln = int(m.group(1)) - 1
+            key = line_of.get(ln)
+            if key is None:
+                raise CycleScopeError(f"llvm-mca failed: {p.stderr.strip().splitlines()[0]}")
+            replaced.add(key)
+            lines[ln] = "nop"
+            continue
+        if p.returncode != 0:
+            raise CycleScopeError(f"llvm-mca failed: {(p.stderr.strip().splitlines() or ['?'])[0]}")
+        out = json.loads(p.stdout)
+        break
+    if out is None:
+        raise CycleScopeError("llvm-mca rejected too many instructions")
+    if replaced:
+        notes.append(f"{len(replaced)} instruction(s) llvm-mca cannot model were given 1 cycle")
+    regions = {r.get("Name", ""): r for r in out.get("CodeRegions", [])}
+    models: list[BlockModel] = []
+    for b, blk in enumerate(blocks):
+        r = regions.get(f"b{b}")
+        n = len(blk)
+        if r is None or not n:
+            models.append(BlockModel([InsnModel(1.0, 1.0, 0.0, 0.0, True) for _ in blk], float(n)))
+            continue
+        tl = r["TimelineView"]["TimelineInfo"]
+        its = len(tl) // n
+        lo = min(WARMUP, max(0, its - 2))
+        gaps = [0.0] * n
+        lat = [0.0] * n
+        wop = [0.0] * n
+        wres = [0.0] * n
+        cnt = 0
+        for it in range(lo, its):
+            cnt += 1
+            for k in range(n):
+                row = tl[it * n + k]
+                prev = tl[it * n + k - 1] if it * n + k > 0 else None
+                prev_r = prev["CycleRetired"] if prev is not None else row["CycleDispatched"]
+                gaps[k] += max(0, row["CycleRetired"] - prev_r)
+                lat[k] += max(0, row["CycleExecuted"] - row["CycleDispatched"])
+                wop[k] += max(0, row["CycleReady"] - row["CycleDispatched"])
+                wres[k] += max(0, row["CycleIssued"] - row["CycleReady"])
+        cnt = max(cnt, 1)
+        ins_models = [
+            InsnModel(gaps[k] / cnt, lat[k] / cnt, wop[k] / cnt, wres[k] / cnt, (b * 1_000_000 + k) in replaced)
+            for k in range(n)
+        ]
+        for im in ins_models:
+            if im.replaced:
+                im.m = max(im.m, 1.0)
+        models.append(BlockModel(ins_models, sum(i.m for i in ins_models)))
+    return ProcedureModel(mcpu, models, notes)
+
+
+def model_key(blocks: Sequence[Sequence[Insn]], mcpu: str) -> str:
+    h = hashlib.sha1(mcpu.encode())
+    for blk in blocks:
+        h.update(b"|")
+        for ins in blk:
+            h.update(ins.raw)
+    return h.hexdigest()[:24]

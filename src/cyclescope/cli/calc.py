@@ -1,0 +1,165 @@
+"""`cyclescope calc`: instruction frequency, CPI and stall culprits from samples alone."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_db, register, selection
+from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.report.render import is_tty, write_json, write_table
+
+if TYPE_CHECKING:
+    from cyclescope.analysis.calc import Calc
+    from cyclescope.db.query import ProfileSet
+    from cyclescope.images.symbolize import Symbolizer
+    from cyclescope.report.listing import Target
+
+
+def cycles_event(ps: ProfileSet, wanted: str | None) -> str:
+    evs = ps.event_names
+    if wanted:
+        if wanted not in evs:
+            raise NotFoundError(f"no samples of {wanted}; recorded: {', '.join(evs)}")
+        return wanted
+    for pref in ("cycles", "cycles:u", "cpu-clock", "task-clock"):
+        if pref in evs:
+            return pref
+    return evs[0]
+
+
+def period_cycles(ps: ProfileSet, ev: str) -> float | None:
+    meta = ps.events[ev]
+    if not meta.time_based:
+        return meta.mean_period
+    return meta.mean_period * ps.clock_ghz if ps.clock_ghz else None
+
+
+def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcpu: str | None) -> Calc:
+    import numpy as np
+
+    from cyclescope.analysis.calc import calc_procedure
+    from cyclescope.db.query import query_counts
+    from cyclescope.images.cache import Cache
+    from cyclescope.images.disasm import read_code
+    from cyclescope.images.elf import read_load_info
+    from cyclescope.report.listing import counts_at
+    from cyclescope.report.prof import counts_by_image
+
+    info = target.info
+    b = sym.binary(info)
+    if b.path is None:
+        raise NotFoundError(b.problem or f"{info.path}: no code available for {target.name}")
+    events = ps.event_names
+    per_image = counts_by_image(query_counts(ps, images=[info.key]))
+    off, ev, cnt = per_image.get(info.key, (np.zeros(0, np.uint64), np.zeros(0, object), np.zeros(0, np.int64)))
+    counts = counts_at(events, sym.offsets_to_vaddr(info, off), ev, cnt)
+    elf = read_load_info(b.path)
+    code = read_code(b.path, target.start, target.end, elf)
+    table = sym.table(info)
+
+    def name_at(addr: int) -> str | None:
+        i = int(table.lookup(np.array([addr], np.uint64))[0])
+        return table.names[i] if i >= 0 else None
+
+    def read(addr: int, n: int) -> bytes | None:
+        try:
+            return read_code(b.path or "", addr, addr + n, elf)
+        except Exception:  # an address outside the file: no table there
+            return None
+
+    return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
+                          period_cycles(ps, event), name_at, read, Cache(), info.key, mcpu)
+
+
+@register
+class CalcCommand(Command):
+    name = "calc"
+    help = "instruction frequency, CPI and stall culprits of a procedure, from samples alone (dcpicalc)"
+    description = (
+        "Estimates how many times each basic block ran and how many cycles each instruction spent per\n"
+        "execution, from nothing but CYCLES (or cpu-clock) samples and the binary: CFG, frequency\n"
+        "equivalence classes, a static model of the CPU (llvm-mca), the ratios S_i/M_i of issue\n"
+        "points, flow propagation and repair. Then explains stalls: static reasons from the model and\n"
+        "dynamic culprits that could not be ruled out (I-cache, D-cache, DTLB, mispredicts, dividers,\n"
+        "store buffer). DCPI's dcpicalc, Figures 2 and 4 of the SOSP paper."
+    )
+    epilog = (
+        "examples:\n  cyclescope calc hot\n  cyclescope calc --image ./prog --limit 10\n"
+        "  cyclescope calc hot --json"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("procedure", nargs="?", metavar="PROCEDURE|0xSTART-0xEND", help="what to analyze")
+        p.add_argument("--all", action="store_true", help="with --image: every procedure with samples in it")
+        p.add_argument("--cycles-event", metavar="EVENT",
+                       help="the event whose samples measure time (default: cycles, else cpu-clock)")
+        p.add_argument("--mcpu", metavar="CPU", help="llvm-mca CPU model (default: this machine's)")
+        p.add_argument("--hot", action="store_true", help="only blocks with samples")
+        p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
+                       help="--image: the N procedures with most samples (default: 20 on a terminal)")
+        add_selection_options(p)
+        add_output_options(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.cli.listing import image_totals, resolve_target
+        from cyclescope.db.query import open_profile
+        from cyclescope.images.symbolize import Symbolizer
+        from cyclescope.report.calc import calc_table, calc_to_json, summarize
+
+        db = open_db(args)
+        sel = selection(args)
+        ps = open_profile(db, sel)
+        sym = Symbolizer(db)
+        ev = cycles_event(ps, args.cycles_event)
+        if args.procedure:
+            target, notes = resolve_target(ps, args.procedure, list(sel.images), sym)
+            c = calc_target(ps, target, sym, ev, args.mcpu)
+            c.notes = notes + c.notes
+            s = summarize(c)
+            tot = sum(image_totals(ps).values())
+            s.share_of_all = 100.0 * s.samples / tot if tot else None
+            if args.json:
+                write_json(calc_to_json(c, s))
+            else:
+                write_table(calc_table(c, s, hot_only=args.hot))
+            return 0
+        if not sel.images:
+            raise UsageError("give a PROCEDURE, or --image IMAGE to analyze every procedure with samples in it")
+        return self._image(ps, sym, ev, args)
+
+    def _image(self, ps: ProfileSet, sym: Symbolizer, ev: str, args: argparse.Namespace) -> int:
+        from cyclescope.cli.prof import prof_report
+        from cyclescope.errors import CycleScopeError
+        from cyclescope.report.calc import calc_to_json, image_table, summarize
+        from cyclescope.report.listing import Target
+
+        rep = prof_report(ps, False)
+        i = rep.events.index(ev)
+        rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0]
+        limit = args.limit if args.limit is not None else (20 if is_tty(sys.stdout) else 0)
+        if limit:
+            rows = rows[:limit]
+        results = []
+        failures = []
+        for r in rows:
+            info = ps.images[r.image_key]
+            table = sym.table(info)
+            k = table.names.index(r.procedure) if r.procedure in table.names else -1
+            if k < 0:
+                continue
+            tgt = Target(info, r.procedure, int(table.starts[k]), int(table.ends[k]))
+            try:
+                c = calc_target(ps, tgt, sym, ev, args.mcpu)
+            except CycleScopeError as e:
+                failures.append(f"{r.procedure}: {e}")
+                continue
+            results.append((r.procedure, c, summarize(c)))
+        if args.json:
+            write_json({"procedures": [calc_to_json(c, s) for _, c, s in results], "failures": failures})
+            return 0
+        out = image_table(results, float(rep.totals[i]))
+        out.footer += [f"note: {f}" for f in failures]
+        write_table(out)
+        return 0

@@ -1,0 +1,202 @@
+"""`cyclescope stats` and `cyclescope diff`: is a difference between runs real?"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from cyclescope.cli.base import Command, add_output_options, default_db, register
+from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.report.render import is_tty, write_json, write_table
+
+if TYPE_CHECKING:
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import ProfileSet, Selection
+    from cyclescope.report.compare import Key
+
+
+def _filters(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("selecting samples")
+    g.add_argument("--process", "--comm", metavar="NAME", action="append", default=[], dest="process",
+                   help="only processes named NAME (repeatable)")
+    g.add_argument("--image", metavar="IMAGE", action="append", default=[], help="only samples in IMAGE (repeatable)")
+    g.add_argument("--event", "-e", metavar="EVENT", help="the event to compare (default: the first recorded)")
+    g.add_argument("--images", action="store_true", help="compare images instead of procedures")
+
+
+def set_counts(ps: ProfileSet, event: str | None, by_image: bool) -> tuple[str, dict[Key, int]]:
+    from cyclescope.cli.prof import prof_report
+
+    if not ps.segments:
+        return event or "", {}
+    ev = event or ps.event_names[0]
+    if ev not in ps.events:
+        raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
+                            f"recorded: {', '.join(ps.events)}")
+    rep = prof_report(replace_events(ps, ev), by_image)
+    i = rep.events.index(ev)
+    return ev, {(r.procedure, r.image): r.counts[i] for r in rep.rows if r.counts[i]}
+
+
+def replace_events(ps: ProfileSet, ev: str) -> ProfileSet:
+    ps.selection = replace(ps.selection, events=(ev,))
+    return ps
+
+
+@register
+class Stats(Command):
+    name = "stats"
+    help = "statistics per procedure across sample sets (epochs, hosts or databases): DCPI's dcpistats"
+    description = (
+        "Per procedure across several sample sets: range% ((max-min)/sum), sum, sum%, N, mean, std-dev,\n"
+        "min, max, sorted by range%: the procedures whose time varies most between runs come first\n"
+        "(Figure 3 of the DCPI paper). Sets are epochs by default; --by host or --by db to change that."
+    )
+    epilog = (
+        "examples:\n  cyclescope stats --epoch 1-8\n"
+        "  cyclescope stats --db run1.db --db run2.db --by db --epoch all"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--db", metavar="PATH", action="append", default=[],
+                       help="database(s) (repeatable; default: $CYCLESCOPE_DB or ./cyclescope.db)")
+        p.add_argument("--epoch", "-E", default="all", metavar="SPEC", help="epochs to include (default: all)")
+        p.add_argument("--host", metavar="HOST", action="append", default=[], help="only these hosts")
+        p.add_argument("--by", choices=["epoch", "host", "db"], default="epoch", help="what a sample set is")
+        p.add_argument("--normalize", action="store_true",
+                       help="compare shares (each set scaled to the same total) instead of raw counts")
+        p.add_argument("--limit", "-n", type=int, default=None, metavar="N", help="show the first N rows")
+        _filters(p)
+        add_output_options(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.db.layout import Database
+        from cyclescope.db.query import Selection, open_profile, parse_epochs
+        from cyclescope.report.compare import build_stats, stats_table
+
+        dbs = [Database.open(p) for p in (args.db or [default_db()])]
+        sets: list[tuple[str, Database, Selection]] = []
+        for db in dbs:
+            epochs = parse_epochs(args.epoch, db.epochs())
+            base = Selection(processes=tuple(args.process), images=tuple(args.image))
+            if args.by == "db":
+                spec = ",".join(map(str, epochs))
+                sets.append((str(db.root), db, replace(base, epochs=spec, hosts=tuple(args.host))))
+            elif args.by == "epoch":
+                for e in epochs:
+                    name = f"{db.root}:{e}" if len(dbs) > 1 else f"epoch {e}"
+                    sets.append((name, db, replace(base, epochs=str(e), hosts=tuple(args.host))))
+            else:
+                hosts = sorted({h for e in epochs for h in db.hosts(e)} - set())
+                if args.host:
+                    hosts = [h for h in hosts if h in args.host]
+                for h in hosts:
+                    spec = ",".join(map(str, epochs))
+                    sets.append((f"host {h}", db, replace(base, epochs=spec, hosts=(h,))))
+        if len(sets) < 2:
+            raise UsageError(f"stats needs at least two sample sets; found {len(sets)} (by {args.by})")
+        event = args.event
+        per_set = []
+        for _, db, sel in sets:
+            ev, counts = set_counts(open_profile(db, sel), event, args.images)
+            event = event or ev
+            per_set.append(counts)
+        rep = build_stats(event or "?", [s[0] for s in sets], per_set, normalize=args.normalize)
+        if args.json:
+            write_json(rep.to_json())
+            return 0
+        limit = args.limit if args.limit is not None else (40 if is_tty(sys.stdout) else 0)
+        write_table(stats_table(rep, limit or None))
+        return 0
+
+
+def parse_set(spec: str, default: str) -> tuple[str, str, str | None]:
+    """'[DB:]EPOCHS[@HOST]' -> (db path, epochs, host)."""
+    db = default
+    rest = spec
+    if ":" in spec:
+        db, rest = spec.rsplit(":", 1)
+    host = None
+    if "@" in rest:
+        rest, host = rest.split("@", 1)
+    return db, rest or "latest", host
+
+
+@register
+class Diff(Command):
+    name = "diff"
+    help = "procedures (or instructions) whose share of samples changed significantly between two sets"
+    description = (
+        "Compare two sample sets A and B, each '[DB:]EPOCHS[@HOST]' (default: the two latest epochs).\n"
+        "Shares are normalized by each set's total; a change is flagged when a two-proportion z-test\n"
+        "with Benjamini-Hochberg control of the false discovery rate gives q < --alpha and the share\n"
+        "moved by at least --min-change percentage points."
+    )
+    epilog = (
+        "examples:\n"
+        "  cyclescope diff                        # epoch -2 against epoch -1\n"
+        "  cyclescope diff 3 4 --procedure hot    # instruction by instruction (same binary)\n"
+        "  cyclescope diff before.db:all after.db:all"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("a", nargs="?", default="-2", metavar="A", help="first sample set (default: -2)")
+        p.add_argument("b", nargs="?", default="-1", metavar="B", help="second sample set (default: -1)")
+        p.add_argument("--db", metavar="PATH", default=None, help="database for sets that name none")
+        p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate (default: 0.05)")
+        p.add_argument("--min-change", type=float, default=0.1, metavar="POINTS",
+                       help="smallest change of share worth flagging, in percentage points (default: 0.1)")
+        p.add_argument("--procedure", metavar="NAME", help="compare the instructions of one procedure")
+        p.add_argument("--all", action="store_true", help="also list what did not change significantly")
+        p.add_argument("--limit", "-n", type=int, default=None, metavar="N", help="show the first N rows")
+        _filters(p)
+        add_output_options(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.db.layout import Database
+        from cyclescope.db.query import Selection, open_profile
+        from cyclescope.report.compare import build_diff, diff_table
+
+        if not 0 < args.alpha < 1:
+            raise UsageError("--alpha must be between 0 and 1")
+        default = args.db or default_db()
+        sides = []
+        for spec in (args.a, args.b):
+            dbp, epochs, host = parse_set(spec, default)
+            db = Database.open(dbp)
+            sel = Selection(epochs=epochs, hosts=(host,) if host else (), processes=tuple(args.process),
+                            images=tuple(args.image))
+            sides.append((spec, db, open_profile(db, sel)))
+        event = args.event
+        if args.procedure:
+            (_, adb, aps), (_, bdb, bps) = sides
+            event, a = self._insn_counts(aps, adb, args.procedure, event, args.image)
+            _, b = self._insn_counts(bps, bdb, args.procedure, event, args.image)
+            unit = "instruction"
+        else:
+            event, a = set_counts(sides[0][2], event, args.images)
+            _, b = set_counts(sides[1][2], event, args.images)
+            unit = "image" if args.images else "procedure"
+        rep = build_diff(event or "?", sides[0][0], sides[1][0], a, b, args.alpha, args.min_change / 100, unit)
+        if args.json:
+            write_json(rep.to_json())
+            return 0
+        limit = args.limit if args.limit is not None else (40 if is_tty(sys.stdout) else 0)
+        write_table(diff_table(rep, limit or None, all_rows=args.all))
+        return 0
+
+    def _insn_counts(self, ps: ProfileSet, db: Database, proc: str, event: str | None,
+                     images: list[str]) -> tuple[str, dict[Key, int]]:
+        from cyclescope.cli.listing import make_listing, resolve_target
+        from cyclescope.images.symbolize import Symbolizer
+
+        sym = Symbolizer(db)
+        target, _ = resolve_target(ps, proc, images, sym)
+        ev = event or ps.event_names[0]
+        lst = make_listing(replace_events(ps, ev), target, sym, [], False, [])
+        i = lst.events.index(ev)
+        key_img = f"{target.info.path} ({(target.info.build_id or target.info.key)[:12]})"
+        return ev, {(f"{r.address:x} {r.text}", key_img): r.counts[i] for r in lst.rows
+                    if r.kind == "insn" and r.address is not None}

@@ -1,0 +1,162 @@
+"""Disassembly of x86-64 code with capstone, and reading code bytes from images."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from cyclescope.errors import DataError
+from cyclescope.images.elf import ElfInfo, read_load_info
+
+BRANCH_PREFIXES = ("j", "call", "loop")
+
+
+@dataclass(frozen=True)
+class Insn:
+    address: int
+    size: int
+    mnemonic: str
+    op_str: str
+    raw: bytes
+
+    @property
+    def text(self) -> str:
+        return f"{self.mnemonic} {self.op_str}".rstrip()
+
+    @property
+    def direct_target(self) -> int | None:
+        """The target of a direct jump or call (an immediate operand), else None."""
+        if not self.mnemonic.startswith(BRANCH_PREFIXES):
+            return None
+        op = self.op_str.strip()
+        if op.startswith("0x"):
+            try:
+                return int(op, 16)
+            except ValueError:
+                return None
+        return None
+
+
+@cache
+def _cs(detail: bool) -> Any:
+    import capstone
+
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = detail
+    md.skipdata = True  # data in text (jump tables, padding) decodes as .byte instead of stopping
+    return md
+
+
+def disassemble(code: bytes, address: int) -> list[Insn]:
+    """Every instruction in ``code`` as loaded at ``address`` (undecodable bytes as .byte)."""
+    out = []
+    for addr, size, mnem, ops in _cs(False).disasm_lite(code, address):
+        off = addr - address
+        out.append(Insn(addr, size, mnem, ops, code[off : off + size]))
+    return out
+
+
+def read_code(path: str, start: int, end: int, info: ElfInfo | None = None) -> bytes:
+    """Bytes of [start, end) (ELF virtual addresses) from the file at ``path``."""
+    info = info or read_load_info(path)
+    off = info.file_offset(start)
+    if off is None:
+        raise DataError(f"{path}: address {start:#x} is not in any loaded segment")
+    seg_end = next((s.vaddr + s.filesz for s in info.loads if s.vaddr <= start < s.vaddr + s.filesz), end)
+    end = min(end, seg_end)
+    with open(path, "rb") as f:
+        f.seek(off)
+        return f.read(max(0, end - start))
+
+
+@dataclass(frozen=True)
+class InsnInfo:
+    """What the analysis needs of an instruction beyond its text (capstone details)."""
+
+    reads: frozenset[str]  # registers read (full 64-bit names: eax and ax count as rax)
+    writes: frozenset[str]
+    loads: bool  # reads memory
+    stores: bool  # writes memory
+    mem_regs: frozenset[str]  # registers used to form the memory address
+    kind: str  # "div", "sqrt", "mul", "fp", "branch", "call", "ret", "other"
+
+
+_WIDE = {}
+for _r in ("ax", "bx", "cx", "dx"):
+    _WIDE.update({f"r{_r}": f"r{_r}", f"e{_r}": f"r{_r}", _r: f"r{_r}", f"{_r[0]}l": f"r{_r}", f"{_r[0]}h": f"r{_r}"})
+for _r in ("si", "di", "bp", "sp"):
+    _WIDE.update({f"r{_r}": f"r{_r}", f"e{_r}": f"r{_r}", _r: f"r{_r}", f"{_r}l": f"r{_r}"})
+for _n in range(8, 16):
+    _WIDE.update({f"r{_n}": f"r{_n}", f"r{_n}d": f"r{_n}", f"r{_n}w": f"r{_n}", f"r{_n}b": f"r{_n}"})
+for _n in range(32):
+    _WIDE.update({f"xmm{_n}": f"v{_n}", f"ymm{_n}": f"v{_n}", f"zmm{_n}": f"v{_n}"})
+_WIDE.update({"eflags": "flags", "rflags": "flags", "flags": "flags", "rip": "rip"})
+
+
+_ZERO_IDIOMS = frozenset({"xor", "sub", "pxor", "xorps", "xorpd", "vpxor", "vxorps", "vxorpd", "psubd", "psubq"})
+
+
+def _wide(name: str) -> str:
+    return _WIDE.get(name, name)
+
+
+def _kind(mnem: str) -> str:
+    if mnem.startswith(("div", "idiv")) or mnem in ("divss", "divsd", "divps", "divpd", "vdivss", "vdivsd"):
+        return "div"
+    if "sqrt" in mnem:
+        return "sqrt"
+    if mnem.startswith(("mul", "imul")) or mnem in ("mulx",):
+        return "mul"
+    if mnem == "call":
+        return "call"
+    if mnem.startswith("ret"):
+        return "ret"
+    if mnem.startswith("j") or mnem.startswith("loop"):
+        return "branch"
+    if mnem.startswith(("f", "v", "add", "sub")) and ("ss" in mnem[-3:] or "sd" in mnem[-3:] or mnem.startswith("f")):
+        return "fp"
+    return "other"
+
+
+def insn_info(code: bytes, address: int) -> list[InsnInfo]:
+    """Register and memory access per instruction of ``code`` (same order as disassemble())."""
+    import capstone
+    from capstone import x86_const
+
+    md = _cs(True)
+    out: list[InsnInfo] = []
+    for ins in md.disasm(code, address):
+        if ins.id == 0:  # .byte from skipdata
+            out.append(InsnInfo(frozenset(), frozenset(), False, False, frozenset(), "other"))
+            continue
+        try:
+            r, w = ins.regs_access()
+            reads = {_wide(ins.reg_name(x)) for x in r}
+            writes = {_wide(ins.reg_name(x)) for x in w}
+        except capstone.CsError:
+            reads, writes = set(), set()
+        loads = stores = False
+        mem_regs: set[str] = set()
+        for op in ins.operands:
+            if op.type == x86_const.X86_OP_MEM:
+                if ins.mnemonic in ("lea", "nop") or ins.mnemonic.startswith("nop") or ins.mnemonic == "prefetcht0":
+                    continue
+                acc = op.access
+                if acc & capstone.CS_AC_READ:
+                    loads = True
+                if acc & capstone.CS_AC_WRITE:
+                    stores = True
+                for reg in (op.mem.base, op.mem.index):
+                    if reg:
+                        mem_regs.add(_wide(ins.reg_name(reg)))
+        ops = ins.op_str.split(", ")
+        if ins.mnemonic in _ZERO_IDIOMS and len(ops) == 2 and ops[0] == ops[1]:
+            reads = set()  # xor eax, eax and the like: no input, whatever capstone says
+        if ins.mnemonic.startswith(("push", "call")):
+            stores = True
+        if ins.mnemonic.startswith(("pop", "ret")):
+            loads = True
+        out.append(InsnInfo(frozenset(reads), frozenset(writes), loads, stores, frozenset(mem_regs),
+                            _kind(ins.mnemonic)))
+    return out
