@@ -62,3 +62,15 @@ def test_a_corrupt_database_marker_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "db" / "cyclescope.json").write_text("{nope")
     rc, _, err = run("db", "inspect", "--db", str(tmp_path / "db"))
     assert rc == 3 and len(err.strip().splitlines()) == 1 and "unreadable" in err
+
+
+def test_the_command_table_matches_the_commands() -> None:
+    import importlib
+
+    from cyclescope.cli.base import REGISTRY
+    from cyclescope.cli.main import COMMANDS
+
+    for name, (module, help_) in COMMANDS.items():
+        importlib.import_module(f"cyclescope.cli.{module}")
+        assert REGISTRY[name].help == help_, name
+    assert set(REGISTRY) == set(COMMANDS)

@@ -33,6 +33,8 @@ def test_stats_follow_dcpistats_definitions() -> None:
     assert top.std == pytest.approx(float(np.std(smooth, ddof=1)))
     assert (top.lo, top.hi) == (38155, 88075)
     assert top.share == pytest.approx(441040 / (441040 + sum(other)))
+    assert top.dispersion == pytest.approx(top.std / (top.mean ** 0.5)) and top.dispersion > 50
+    assert rep.rows[1].dispersion < 2  # fftb_-like counts: sampling noise
     assert rep.rows[1].range_share == pytest.approx((9100 - 8900) / sum(other))
 
 
@@ -123,6 +125,10 @@ def test_stats_and_diff_commands(tmp_path: Path) -> None:
     assert top["range_percent"] == pytest.approx(100 * 3000 / 15000)
     text = run("stats", "--db", str(db.root))
     assert text.splitlines()[3].startswith("range%") and "slow" in text.splitlines()[4]
+    assert "disp" in text.splitlines()[3]
+    hidden = run("stats", "--db", str(db.root), "--min-percent", "2")  # x holds 1.1% of the samples
+    assert [ln.split()[-2] for ln in hidden.splitlines()[4:6]] == ["slow", "fast"]
+    assert "1 procedures under 2% of the samples are not shown" in hidden
     d = json.loads(run("diff", "2", "3", "--db", str(db.root), "--json"))
     flagged = {r["procedure"]: r["delta_percent_points"] for r in d["rows"] if r["significant"]}
     # slow grew; the others' shares fell with it (shares are normalized by each set's total).

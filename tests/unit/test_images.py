@@ -145,3 +145,21 @@ def test_resolver_names_images_by_build_id_and_computes_vaddrs(compile_c: Callab
     assert anon.image == -int(Unknown.ANON) - 1
     gone = r.resolve(999999, 0x1000, 0x2000, 0, "/nonexistent/lib.so", None)
     assert table[gone.image].offsets == "file" and gone.bias == 0x1000
+
+
+def test_archived_symbols_outlive_the_binary(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    from cyclescope.db import symbols as symstore
+    from cyclescope.db.layout import Database
+    from cyclescope.images.registry import ImageInfo
+    from cyclescope.images.symbolize import Symbolizer
+
+    exe = tmp_path / "prog"
+    shutil.copy(compile_c("hotcold"), exe)
+    bid = read_elf_info(str(exe)).build_id or ""
+    db = Database.create_or_open(tmp_path / "db")
+    assert symstore.archive_symbols(db, bid, str(exe), bid)
+    exe.unlink()
+    info = ImageInfo(bid, str(exe), "elf", bid)
+    sym = Symbolizer(db)
+    assert "hot" in sym.table(info).names and info.key not in sym.problems
+    assert not symstore.archive_symbols(db, "other", str(exe), "other")  # the file is gone

@@ -30,10 +30,13 @@ def cycles_event(ps: ProfileSet, wanted: str | None) -> str:
 
 
 def period_cycles(ps: ProfileSet, ev: str) -> float | None:
+    """P in cycles. For a clock event: (mean period - what a sample cost) * measured clock."""
     meta = ps.events[ev]
     if not meta.time_based:
         return meta.mean_period
-    return meta.mean_period * ps.clock_ghz if ps.clock_ghz else None
+    if not ps.clock_ghz:
+        return None
+    return max(1.0, meta.mean_period - meta.overhead_ns) * ps.clock_ghz
 
 
 def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcpu: str | None) -> Calc:

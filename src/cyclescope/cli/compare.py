@@ -68,6 +68,8 @@ class Stats(Command):
         p.add_argument("--normalize", action="store_true",
                        help="compare shares (each set scaled to the same total) instead of raw counts")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N", help="show the first N rows")
+        p.add_argument("--min-percent", type=float, default=0.5, metavar="P",
+                       help="hide procedures with less than P%% of all samples (default: 0.5)")
         _filters(p)
         add_output_options(p)
 
@@ -108,7 +110,7 @@ class Stats(Command):
             write_json(rep.to_json())
             return 0
         limit = args.limit if args.limit is not None else (40 if is_tty(sys.stdout) else 0)
-        write_table(stats_table(rep, limit or None))
+        write_table(stats_table(rep, limit or None, args.min_percent / 100))
         return 0
 
 

@@ -68,7 +68,9 @@ class Daemon(Command):
                        help="compact an epoch's segments once it has N (default: 8)")
         p.add_argument("-d", "--duration", type=float, metavar="SECONDS", help="stop after this long")
         p.add_argument("--new-epoch", action="store_true", help="start a new epoch instead of continuing the latest")
-        p.add_argument("--no-archive", action="store_true", help="do not copy profiled binaries into the database")
+        p.add_argument("--archive", choices=["symbols", "binaries", "none"], default="symbols",
+                       help="what to keep of each profiled binary, by build-id: its symbol table (default; prof "
+                            "then survives upgrades), the whole file (list and calc too), or nothing")
         add_sampling_options(p, DEFAULT_DAEMON_HZ)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -83,7 +85,7 @@ class Daemon(Command):
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
-                              new_epoch=args.new_epoch, archive=not args.no_archive,
+                              new_epoch=args.new_epoch, archive=args.archive,
                               rerandomize_s=args.redraw / 1000)
         c = Collector(session, db, cfg)
         c.listen()

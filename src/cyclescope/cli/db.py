@@ -35,6 +35,7 @@ class Db(Command):
         p.add_argument("action", choices=["inspect", "compact"], help="what to do")
         add_db_option(p)
         p.add_argument("--epoch", "-E", default="all", metavar="SPEC", help="epochs (default: all)")
+        p.add_argument("--host", metavar="HOST", action="append", default=[], help="only these hosts")
         p.add_argument("--verbose", "-v", action="store_true", help="inspect: show each segment's metadata")
         p.add_argument("--json", action="store_true", help="inspect: write JSON")
 
@@ -48,6 +49,8 @@ class Db(Command):
             n = 0
             for ep in epochs:
                 for h in db.hosts(ep):
+                    if args.host and h not in args.host:
+                        continue
                     r = compact(db, ep, h)
                     if r is None:
                         continue

@@ -113,7 +113,7 @@ def make_listing(ps: ProfileSet, target: Target, sym: Symbolizer, source_dirs: l
         except (OSError, Exception) as e:  # DataError or a capstone failure: list counts only
             problems.append(f"cannot read code: {e}")
         if with_source:
-            src = dwarf_source(b.path)
+            src = dwarf_source(b.path, info.key)
             if src is not None:
                 dw = DwarfIndex(src, info.key)
             else:
@@ -150,24 +150,26 @@ def make_listing(ps: ProfileSet, target: Target, sym: Symbolizer, source_dirs: l
 
 
 def _stacks(dw: DwarfIndex, addrs: np.ndarray, start: int, end: int) -> list[list[Scope]]:
-    """Inlined-call stacks per address, vectorized over the scopes overlapping [start, end)."""
+    """Inlined-call stacks per address: each scope marks the sorted addresses it covers."""
     import numpy as np
 
     cus = dw.cu_at(addrs)
-    out: list[list[Scope]] = [[] for _ in range(len(addrs))]
+    hits: list[list[Scope]] = [[] for _ in range(len(addrs))]
+    order = np.argsort(addrs, kind="stable")
+    sorted_addrs = addrs[order]
     for cu in np.unique(cus[cus >= 0]).tolist():
-        items = [s for s in dw.scopes(int(cu)).items if s.inlined and s.low < end and s.high > start]
-        if not items:
-            continue
-        lo = np.array([s.low for s in items], np.uint64)
-        hi = np.array([s.high for s in items], np.uint64)
-        sel = np.flatnonzero(cus == cu)
-        for k in sel.tolist():
-            a = addrs[k]
-            hit = np.flatnonzero((lo <= a) & (a < hi))
-            if len(hit):
-                out[k] = sorted((items[i] for i in hit.tolist()), key=lambda s: (s.depth, s.high - s.low))
-    return out
+        for sc in dw.scopes(int(cu)).items:
+            if not sc.inlined or sc.low >= end or sc.high <= start:
+                continue
+            lo = int(np.searchsorted(sorted_addrs, np.uint64(sc.low), side="left"))
+            hi = int(np.searchsorted(sorted_addrs, np.uint64(sc.high), side="left"))
+            for k in order[lo:hi].tolist():
+                if cus[k] == cu:
+                    hits[k].append(sc)
+    for h in hits:
+        if len(h) > 1:
+            h.sort(key=lambda s: (s.depth, s.high - s.low))
+    return hits
 
 
 def make_source_listing(ps: ProfileSet, pattern: str, sym: Symbolizer, source_dirs: list[str]) -> SourceListing:
@@ -192,7 +194,7 @@ def make_source_listing(ps: ProfileSet, pattern: str, sym: Symbolizer, source_di
         if info is None or info.kind not in ("elf", "vdso"):
             continue
         b = sym.binary(info)
-        src = dwarf_source(b.path) if b.path else None
+        src = dwarf_source(b.path, info.key) if b.path else None
         if src is None:
             continue
         dw = DwarfIndex(src, info.key)

@@ -11,17 +11,22 @@ from cyclescope import __version__
 from cyclescope.cli import base
 from cyclescope.errors import CycleScopeError
 
-# Importing the modules registers their commands.
-from cyclescope.cli import calc as _calc  # noqa: F401  isort: skip
-from cyclescope.cli import compare as _compare  # noqa: F401  isort: skip
-from cyclescope.cli import daemon as _daemon  # noqa: F401  isort: skip
-from cyclescope.cli import db as _db  # noqa: F401  isort: skip
-from cyclescope.cli import demo as _demo  # noqa: F401  isort: skip
-from cyclescope.cli import listing as _listing  # noqa: F401  isort: skip
-from cyclescope.cli import prof as _prof  # noqa: F401  isort: skip
-from cyclescope.cli import record as _record  # noqa: F401  isort: skip
-
-ORDER = ["demo", "record", "daemon", "flush", "epoch", "status", "prof", "list", "calc", "stats", "diff", "db"]
+# Subcommands: name -> (module, one-line help). Only the module of the command
+# being run is imported: each pulls in numpy, pyarrow or DuckDB as it needs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "build and profile the bundled demo workload, then show where its cycles went"),
+    "record": ("record", "sample a command, running processes, or the whole system into the database"),
+    "daemon": ("daemon", "profile the whole system continuously into the database"),
+    "flush": ("daemon", "make the running daemon merge its samples into the database now"),
+    "epoch": ("daemon", "start a new epoch (the daemon flushes into the old one first)"),
+    "status": ("daemon", "show what the running daemon is doing"),
+    "prof": ("prof", "samples per procedure (or per image): where have all the cycles gone?"),
+    "list": ("listing", "a procedure's instructions with samples and source lines (or a source file's lines)"),
+    "calc": ("calc", "instruction frequency, CPI and stall culprits of a procedure, from samples alone (dcpicalc)"),
+    "stats": ("compare", "statistics per procedure across sample sets (epochs, hosts or databases): DCPI's dcpistats"),
+    "diff": ("compare", "procedures (or instructions) whose share of samples changed significantly between two sets"),
+    "db": ("db", "inspect or compact the profile database"),
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -31,7 +36,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that subcommand's options are built (and its module imported)."""
+    import importlib
+
     p = Parser(
         prog="cyclescope",
         description="Continuous, system-wide sampling profiler: where have all the cycles gone?",
@@ -39,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"cyclescope {__version__}")
     sub = p.add_subparsers(dest="_command", metavar="COMMAND", parser_class=Parser)
-    names = [n for n in ORDER if n in base.REGISTRY] + sorted(set(base.REGISTRY) - set(ORDER))
-    for name in names:
+    for name, (module, help_) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_)
+            continue
+        importlib.import_module(f"cyclescope.cli.{module}")
         cls = base.REGISTRY[name]
         sp = sub.add_parser(name, help=cls.help, description=cls.description or cls.help, epilog=cls.epilog,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(wanted if wanted in COMMANDS else None)
     args, extra = parser.parse_known_args(argv)
     cmd = getattr(args, "_cmd", None)
     if cmd is None:

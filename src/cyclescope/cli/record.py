@@ -145,7 +145,7 @@ class Record(Command):
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
-                              epoch_name=args.epoch_name, archive=not args.no_archive,
+                              epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
                               rerandomize_s=args.redraw / 1000)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()

@@ -23,14 +23,15 @@ from typing import Any
 import numpy as np
 
 from cyclescope.collect.aggregate import Aggregator, Counts
-from cyclescope.collect.clock import measure_ghz
+from cyclescope.collect.clock import measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer, reply
 from cyclescope.collect.perf_abi import RecordType
 from cyclescope.collect.records import LostRecord, RecordDecoder, SideRecord, TaskRecord, ThrottleRecord
 from cyclescope.collect.session import Command, Processes, Session, SystemWide
 from cyclescope.db import symbols as symstore
-from cyclescope.db.layout import Database
+from cyclescope.db.layout import Database, safe_host
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, merge_clock, write_segment
+from cyclescope.images.cache import Cache
 from cyclescope.images.elf import SymbolTable, symbols_from_bytes
 from cyclescope.images.kernel import KernelMap, kernel_symbols, load_kernel_ranges, read_kallsyms
 from cyclescope.images.maps import Mapper
@@ -52,7 +53,10 @@ class CollectorConfig:
     reap_interval_s: float = 5.0
     new_epoch: bool = False
     epoch_name: str | None = None
-    archive: bool = True  # copy profiled binaries into the database (by build-id)
+    # What of each profiled binary to keep in the database, by build-id, so that reports
+    # survive upgrades and deletions: "binaries" (needed by list and calc), "symbols"
+    # (enough for prof, a few KB each) or "none".
+    archive: str = "binaries"
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Collector:
         self._symbols_written: set[str] = set()
         self._archived: set[str] = set()
         self._clock = 0.0
+        self._overhead: dict[int, float] = {}
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -124,6 +129,10 @@ class Collector:
         else:
             self.epoch = self.db.ensure_epoch()
         self._clock = measure_ghz() or 0.0
+        for i, spec in enumerate(self.session.events):
+            if spec.time_based:  # before the target runs: a quiet machine
+                ns = sample_overhead(int(self.session.randomizers[i].mean), Cache().root)
+                self._overhead[i] = ns or 0.0
         self.session.start()
         if isinstance(self.session.target, SystemWide):
             # DCPI's third source: processes that were running before we started.
@@ -299,7 +308,7 @@ class Collector:
                 nominal_period=self.session.randomizers[i].nominal, band=self.session.band,
                 samples=st.samples, period_sum=st.period_sum, lost=st.lost, throttles=st.throttles,
                 value=max(0, st.value - pv), enabled_ns=max(0, st.enabled_ns - pe),
-                running_ns=max(0, st.running_ns - pr),
+                running_ns=max(0, st.running_ns - pr), overhead_ns=self._overhead.get(i, 0.0),
             )
             self._last_counters[i] = (st.value, st.enabled_ns, st.running_ns)
             st.samples = st.period_sum = st.lost = st.throttles = 0
@@ -315,7 +324,7 @@ class Collector:
             path = str(write_segment(self.db, epoch, self.cfg.host, table, meta))
             self.totals.flushes += 1
             self._store_symbols(counts)
-            if self.cfg.archive:
+            if self.cfg.archive != "none":
                 self._archive(counts)
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
@@ -385,22 +394,21 @@ class Collector:
             if info.kind == "elf" and info.build_id and info.key == info.build_id and info.key not in self._archived:
                 self._archived.add(info.key)
                 todo.append((info.key, info.path, info.build_id))
-        if todo:
+        if not todo:
+            return
+        if self.cfg.archive == "binaries":
             self._pool.submit(lambda: [symstore.archive_binary(self.db, *t) for t in todo])
+        else:
+            self._pool.submit(lambda: [symstore.archive_symbols(self.db, *t) for t in todo])
 
     def _compact_async(self, epoch: int, min_segments: int) -> None:
-        from cyclescope.db.compact import compact
-
+        """Compact in a child process: merging segments briefly needs hundreds of MiB, which a
+        long-running daemon would otherwise keep (allocators rarely give memory back)."""
         if self._compacting is not None and not self._compacting.done():
             return
-        self._compacting = self._pool.submit(compact, self.db, epoch, self.cfg.host, min_segments)
-
-    def compact_now(self) -> None:
-        from cyclescope.db.compact import compact
-
-        if self._compacting is not None:
-            self._compacting.result()
-        compact(self.db, self.epoch, self.cfg.host)
+        cmd = [sys.executable, "-m", "cyclescope", "db", "compact", "--db", str(self.db.root), "--epoch", str(epoch),
+               "--host", safe_host(self.cfg.host)]
+        self._compacting = self._pool.submit(_run_quietly, cmd)
 
     # --- control socket ------------------------------------------------------------------
     def listen(self) -> None:
@@ -445,6 +453,15 @@ class Collector:
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
         }
+
+
+def _run_quietly(cmd: list[str]) -> int:
+    import subprocess
+
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=3600).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return -1
 
 
 def rss_kib() -> int:

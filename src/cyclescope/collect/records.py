@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +28,12 @@ from cyclescope.collect.perf_abi import (
 )
 
 HEADER = struct.Struct("<IHH")
+
+# Plain ints for the hot paths (IntFlag arithmetic is slow).
+_IDENTIFIER, _IP, _TID, _TIME = int(Sample.IDENTIFIER), int(Sample.IP), int(Sample.TID), int(Sample.TIME)
+_ADDR, _ID, _STREAM_ID, _CPU, _PERIOD = (int(Sample.ADDR), int(Sample.ID), int(Sample.STREAM_ID), int(Sample.CPU),
+                                         int(Sample.PERIOD))
+_CALLCHAIN, _REGS_USER, _STACK_USER = int(Sample.CALLCHAIN), int(Sample.REGS_USER), int(Sample.STACK_USER)
 
 # The columns every decoded sample has, whatever the attr asked for. Missing
 # fields are zero.
@@ -106,8 +113,7 @@ class SampleLayout:
 # --- side records ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SampleId:
+class SampleId(NamedTuple):
     """The sample_id trailer of a side record (zeros where not requested)."""
 
     pid: int = 0
@@ -117,8 +123,7 @@ class SampleId:
     cpu: int = 0
 
 
-@dataclass(frozen=True)
-class MmapRecord:
+class MmapRecord(NamedTuple):
     pid: int
     tid: int
     addr: int
@@ -138,8 +143,7 @@ class MmapRecord:
         return self.sid.time
 
 
-@dataclass(frozen=True)
-class CommRecord:
+class CommRecord(NamedTuple):
     pid: int
     tid: int
     comm: str
@@ -151,8 +155,7 @@ class CommRecord:
         return self.sid.time
 
 
-@dataclass(frozen=True)
-class TaskRecord:
+class TaskRecord(NamedTuple):
     """FORK or EXIT."""
 
     kind: RecordType
@@ -168,8 +171,7 @@ class TaskRecord:
         return self.task_time or self.sid.time
 
 
-@dataclass(frozen=True)
-class LostRecord:
+class LostRecord(NamedTuple):
     """LOST (the ring buffer was full) or LOST_SAMPLES (dropped before the buffer)."""
 
     kind: RecordType
@@ -182,8 +184,7 @@ class LostRecord:
         return self.sid.time
 
 
-@dataclass(frozen=True)
-class ThrottleRecord:
+class ThrottleRecord(NamedTuple):
     throttled: bool
     event_time: int
     id: int
@@ -194,8 +195,7 @@ class ThrottleRecord:
         return self.event_time or self.sid.time
 
 
-@dataclass(frozen=True)
-class OtherRecord:
+class OtherRecord(NamedTuple):
     type: int
     size: int
 
@@ -248,28 +248,36 @@ class RecordDecoder:
         self._dtype = None if self._variable else layout.fixed_dtype()
         self._sid_size = layout.sample_id_size()
         self._regs = regs_in_mask(layout.regs_user_mask)
+        # The sample_id trailer as one struct, and where each field sits in it: IntFlag
+        # arithmetic per record costs more than the rest of decoding a side record.
+        st = int(layout.sample_type)
+        fmt = "<"
+        where: dict[str, int] = {}
+        for bit, name, code in ((Sample.TID, "pid", "ii"), (Sample.TIME, "time", "Q"), (Sample.ID, "sid", "Q"),
+                                (Sample.STREAM_ID, "stream", "Q"), (Sample.CPU, "cpu", "II"),
+                                (Sample.IDENTIFIER, "ident", "Q")):
+            if st & int(bit):
+                where[name] = len(fmt) - 1
+                fmt += code
+        self._sid = struct.Struct(fmt)
+        self._sid_where = where
+        self._st = st
 
     # sample_id trailer ----------------------------------------------------------
     def _sample_id(self, buf: memoryview | bytes, end: int) -> SampleId:
-        st = self.layout.sample_type
-        off = end - self._sid_size
+        v = self._sid.unpack_from(buf, end - self._sid_size)
+        w = self._sid_where
         pid = tid = time = sid = cpu = 0
-        if st & Sample.TID:
-            pid, tid = struct.unpack_from("<ii", buf, off)
-            off += 8
-        if st & Sample.TIME:
-            (time,) = struct.unpack_from("<Q", buf, off)
-            off += 8
-        if st & Sample.ID:
-            (sid,) = struct.unpack_from("<Q", buf, off)
-            off += 8
-        if st & Sample.STREAM_ID:
-            off += 8
-        if st & Sample.CPU:
-            (cpu,) = struct.unpack_from("<I", buf, off)
-            off += 8
-        if st & Sample.IDENTIFIER:
-            (sid,) = struct.unpack_from("<Q", buf, off)
+        if "pid" in w:
+            pid, tid = v[w["pid"]], v[w["pid"] + 1]
+        if "time" in w:
+            time = v[w["time"]]
+        if "sid" in w:
+            sid = v[w["sid"]]
+        if "cpu" in w:
+            cpu = v[w["cpu"]]
+        if "ident" in w:
+            sid = v[w["ident"]]
         return SampleId(pid, tid, time, sid, cpu)
 
     # side records ---------------------------------------------------------------
@@ -319,33 +327,33 @@ class RecordDecoder:
     def decode_sample(
         self, buf: memoryview | bytes, off: int, misc: int, size: int
     ) -> tuple[tuple[int, ...], SampleExtras | None]:
-        st = self.layout.sample_type
+        st = self._st
         p = off + 8
         ident = ip = time = cpu = 0
         pid = tid = 0
-        if st & Sample.IDENTIFIER:
+        if st & _IDENTIFIER:
             (ident,) = struct.unpack_from("<Q", buf, p)
             p += 8
-        if st & Sample.IP:
+        if st & _IP:
             (ip,) = struct.unpack_from("<Q", buf, p)
             p += 8
-        if st & Sample.TID:
+        if st & _TID:
             pid, tid = struct.unpack_from("<ii", buf, p)
             p += 8
-        if st & Sample.TIME:
+        if st & _TIME:
             (time,) = struct.unpack_from("<Q", buf, p)
             p += 8
-        if st & Sample.ADDR:
+        if st & _ADDR:
             p += 8
-        if st & Sample.ID:
+        if st & _ID:
             (ident,) = struct.unpack_from("<Q", buf, p)
             p += 8
-        if st & Sample.STREAM_ID:
+        if st & _STREAM_ID:
             p += 8
-        if st & Sample.CPU:
+        if st & _CPU:
             (cpu,) = struct.unpack_from("<I", buf, p)
             p += 8
-        if st & Sample.PERIOD:
+        if st & _PERIOD:
             p += 8
         extras = None
         if self._variable:
@@ -354,21 +362,21 @@ class RecordDecoder:
             regs: tuple[int, ...] = ()
             stack = b""
             dyn = 0
-            if st & Sample.CALLCHAIN:
+            if st & _CALLCHAIN:
                 (nr,) = struct.unpack_from("<Q", buf, p)
                 p += 8
                 if p + 8 * nr > off + size:
                     raise ValueError("callchain longer than its record")
                 chain = struct.unpack_from(f"<{nr}Q", buf, p)
                 p += 8 * nr
-            if st & Sample.REGS_USER:
+            if st & _REGS_USER:
                 (regs_abi,) = struct.unpack_from("<Q", buf, p)
                 p += 8
                 if regs_abi:
                     n = len(self._regs)
                     regs = struct.unpack_from(f"<{n}Q", buf, p)
                     p += 8 * n
-            if st & Sample.STACK_USER:
+            if st & _STACK_USER:
                 (ssize,) = struct.unpack_from("<Q", buf, p)
                 p += 8
                 if ssize:
@@ -431,9 +439,10 @@ class RecordDecoder:
         out = np.zeros(total, dtype=SAMPLE_DTYPE)
         out["extra"] = -1
         pos = 0
-        for c in chunks:
+        if chunks:
+            c = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]  # one copy, then the fields once
             k = len(c)
-            dst = out[pos : pos + k]
+            dst = out[:k]
             names = c.dtype.names or ()
             if "identifier" in names:
                 dst["id"] = c["identifier"]
@@ -443,7 +452,7 @@ class RecordDecoder:
                 if src in names:
                     dst[col] = c[src]
             dst["cpumode"] = c["misc"] & MISC_CPUMODE_MASK
-            pos += k
+            pos = k
         if rows:
             arr = np.array(rows, dtype=[(name, SAMPLE_DTYPE[name]) for name in SAMPLE_DTYPE.names or ()])
             out[pos:] = arr
@@ -453,11 +462,18 @@ class RecordDecoder:
 def _fixed_run(buf: memoryview | bytes, off: int, ssize: int, n: int, sample_t: int) -> int:
     """Number of consecutive fixed-size sample records starting at ``off``.
 
-    Looks at the headers at off, off+ssize, off+2*ssize, ... through strided
-    views and stops at the first one that is not a sample of that size.
+    The first few headers are checked one by one (short runs are common when
+    processes come and go); then headers at off, off+ssize, off+2*ssize, ...
+    are checked through strided views, up to the first that is not a sample of
+    that size.
     """
     limit = (n - off) // ssize
     start = 1
+    while start < min(limit, 16):
+        t, _, sz = HEADER.unpack_from(buf, off + start * ssize)
+        if t != sample_t or sz != ssize:
+            return start
+        start += 1
     window = 256
     while start < limit:
         count = min(window, limit - start)

@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -102,6 +103,7 @@ class ProfileSet:
     end_time: float = 0.0
     hosts: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)
+    memo: dict[tuple[bool, object], pa.Table] = field(default_factory=dict)  # query results
     clock_ghz: float = 0.0  # sample-weighted measured core clock (0: unknown)
 
     @property
@@ -187,16 +189,43 @@ def match_images(ps: ProfileSet, patterns: Iterable[str]) -> list[str]:
     return keys
 
 
-def _connect() -> object:
-    import duckdb
+_CON: Any = None
 
-    con = duckdb.connect(":memory:")
-    con.execute("SET threads TO 2")
-    return con
+
+def _connect() -> Any:
+    """One in-memory DuckDB connection per process (connecting costs ~0.1 s)."""
+    global _CON
+    if _CON is None:
+        import duckdb
+
+        _CON = duckdb.connect(":memory:")
+        _CON.execute("SET threads TO 2")
+    return _CON
 
 
 def query_counts(ps: ProfileSet, by_process: bool = False, images: list[str] | None = None) -> pa.Table:
-    """Summed counts per (image, event, offset[, process]) over the selection."""
+    """Summed counts per (image, event, offset[, process]) over the selection.
+
+    The unfiltered result is computed once per ProfileSet; asking for some
+    images then filters it instead of querying again.
+    """
+    if images is not None and not by_process:
+        full = query_counts(ps)
+        if full.num_rows == 0:
+            return full
+        import numpy as np
+
+        col = np.asarray(full.column("image").to_numpy(zero_copy_only=False), dtype=object)
+        return full.filter(pa.array(np.isin(col, np.array(images, dtype=object))))
+    memo_key = (by_process, None)
+    if memo_key in ps.memo:
+        return ps.memo[memo_key]
+    result = _query_counts(ps, by_process, images)
+    ps.memo[memo_key] = result
+    return result
+
+
+def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) -> pa.Table:
     if not ps.segments:
         return _empty_counts(by_process)
     where = []
@@ -222,15 +251,13 @@ def query_counts(ps: ProfileSet, by_process: bool = False, images: list[str] | N
     for attempt in range(2):
         con = _connect()
         try:
-            return con.sql(sql, params=params).to_arrow_table()  # type: ignore[attr-defined]
+            return con.sql(sql, params=params).to_arrow_table()
         except Exception as e:  # duckdb raises its own IOException when compaction removed a file
             if attempt == 0 and "No files found" not in str(e) and ("IO Error" in str(e) or "No such file" in str(e)):
                 fresh = open_profile(ps.db, ps.selection)
                 params[0] = fresh.files
                 continue
             raise DataError(f"query failed: {str(e).splitlines()[0]}") from None
-        finally:
-            con.close()  # type: ignore[attr-defined]
     raise AssertionError("unreachable")
 
 

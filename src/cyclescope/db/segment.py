@@ -50,6 +50,7 @@ class EventMeta:
     value: int = 0
     enabled_ns: int = 0
     running_ns: int = 0
+    overhead_ns: float = 0.0  # time-based events: what each sample cost the sampled code
 
     @property
     def mean_period(self) -> float:
@@ -64,6 +65,8 @@ class EventMeta:
         return self.running_ns / self.enabled_ns
 
     def merge(self, o: EventMeta) -> None:
+        if o.overhead_ns or self.overhead_ns:
+            self.overhead_ns = merge_clock(self.overhead_ns, self.samples, o.overhead_ns, o.samples)
         for f in ("samples", "period_sum", "lost", "throttles", "value", "enabled_ns", "running_ns"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
         if not self.nominal_period:

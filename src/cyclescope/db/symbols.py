@@ -56,7 +56,7 @@ def read_symbols(db: Database, key: str) -> SymbolTable | None:
     if not p.exists():
         return None
     try:
-        t = pq.read_table(p)
+        t = pq.ParquetFile(p).read()
     except (OSError, pa.ArrowException):
         return None
     return SymbolTable(
@@ -110,4 +110,20 @@ def archive_binary(db: Database, key: str, path: str, build_id: str | None) -> b
         os.replace(tmp, dest)
         return True
     except OSError:
+        return False
+
+
+def archive_symbols(db: Database, key: str, path: str, build_id: str | None) -> bool:
+    """Keep only the symbol table of a binary (when its build-id still matches)."""
+    from cyclescope.errors import DataError
+    from cyclescope.images.elf import read_build_id, read_symbols
+
+    if not build_id or key != build_id or has_symbols(db, key):
+        return bool(build_id) and has_symbols(db, key)
+    try:
+        if read_build_id(path) != build_id:
+            return False
+        write_symbols(db, key, read_symbols(path))
+        return True
+    except (OSError, DataError):
         return False

@@ -127,7 +127,7 @@ class DwarfIndex:
     def __init__(self, path: str, key: str, cache: Cache | None = None) -> None:
         self.path = path
         self.key = key
-        self.cache = cache or Cache(enabled=False)
+        self.cache = cache if cache is not None else Cache()
         self._elf: Any = None
         self._file: Any = None
         self._dwarf: DWARFInfo | None = None
@@ -437,14 +437,34 @@ def _dedupe_addresses(lt: LineTable) -> LineTable:
                      lt.files)
 
 
-def dwarf_source(path: str) -> str | None:
-    """The file that holds the DWARF of ``path``: itself, or its separate debug file."""
+def dwarf_source(path: str, key: str | None = None, cache: Cache | None = None) -> str | None:
+    """The file that holds the DWARF of ``path``: itself, or its separate debug file.
+
+    Remembered per image in the cache: answering it parses the section headers
+    with pyelftools, whose import alone costs a warm `list` 0.1 s.
+    """
+    import json
+
+    cache = cache if cache is not None else Cache()
+    memo = cache.path(key, "dwarf-source").with_suffix(".json") if key and cache.enabled else None
+    if memo is not None:
+        try:
+            got = json.loads(memo.read_text())
+            if got.get("binary") == path and (got["source"] is None or os.path.exists(got["source"])):
+                return got["source"]  # type: ignore[no-any-return]
+        except (OSError, ValueError, KeyError):
+            pass
     from cyclescope.images.elf import find_debug_file, read_elf_info
 
     try:
         info = read_elf_info(path)
     except (OSError, DataError):
         return None
-    if info.has_debug_info:
-        return path
-    return find_debug_file(info)
+    src = path if info.has_debug_info else find_debug_file(info)
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text(json.dumps({"binary": path, "source": src}))
+        except OSError:
+            pass
+    return src

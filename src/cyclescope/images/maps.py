@@ -185,6 +185,9 @@ class Mapper:
             st = self.load_from_proc(pid) if self.lazy_proc else None
             if st is None:
                 st = ProcessState(pid, 0)
+                if self.lazy_proc:
+                    # Gone before we could read its maps: forget it after the usual grace period.
+                    st.exited_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
                 self.procs[pid] = st
         return st
 
@@ -298,7 +301,11 @@ class Mapper:
         for rec in sorted(side, key=lambda r: r.time):
             pid = self._changes_pid(rec)
             if pid is not None:
-                flush(pid, rec.time)
+                g = groups.get(pid)
+                # Only when some of the pid's samples precede the record: an exec brings dozens of
+                # MMAP2 records with no sample in between.
+                if g is not None and cursor[pid] < g[1] and int(times[order[cursor[pid]]]) < rec.time:
+                    flush(pid, rec.time)
             self.apply(rec)
         for pid in groups:
             flush(pid, None)

@@ -18,7 +18,7 @@ from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database
 from cyclescope.errors import DataError
 from cyclescope.images.cache import Cache
-from cyclescope.images.elf import SymbolTable, read_elf_info, read_symbols
+from cyclescope.images.elf import SymbolTable, read_elf_info, read_load_info, read_symbols
 from cyclescope.images.registry import ImageInfo
 
 
@@ -46,7 +46,7 @@ def find_binary(db: Database | None, info: ImageInfo) -> BinaryLookup:
             continue
         if info.build_id:
             try:
-                got = read_elf_info(cand).build_id
+                got = read_load_info(cand).build_id
             except (OSError, DataError):
                 continue
             if got != info.build_id:
@@ -102,6 +102,12 @@ class Symbolizer:
                 return SymbolTable.empty()
         b = self.binary(info)
         if b.path is None:
+            # The binary is gone, but the daemon may have kept its symbol table.
+            if self.db is not None and info.kind == "elf":
+                stored = symstore.read_symbols(self.db, info.key.split("#")[0])
+                if stored is not None:
+                    self.problems.pop(info.key, None)
+                    return stored
             return SymbolTable.empty()
         cacheable = bool(info.build_id) and info.key.split("#")[0] == info.build_id
         if cacheable:

@@ -32,9 +32,15 @@ class StatsRow:
     hi: float
     range_share: float  # (max - min) / sum: DCPI's normalized range
 
+    @property
+    def dispersion(self) -> float:
+        """std-dev / sqrt(mean): about 1 when the counts vary only as sampling (Poisson) noise does."""
+        return self.std / math.sqrt(self.mean) if self.mean > 0 else 0.0
+
     def to_json(self, sets: list[str]) -> dict[str, Any]:
         return {
             "procedure": self.key[0], "image": self.key[1], "range_percent": 100 * self.range_share,
+            "dispersion": self.dispersion,
             "sum": self.total, "sum_percent": 100 * self.share, "n": self.n, "mean": self.mean, "std_dev": self.std,
             "min": self.lo, "max": self.hi, "per_set": dict(zip(sets, self.counts, strict=True)),
         }
@@ -84,22 +90,32 @@ def build_stats(event: str, sets: list[str], per_set: list[dict[Key, int]], norm
     return StatsReport(event, sets, totals, rows, normalize)
 
 
-def stats_table(rep: StatsReport, limit: int | None = None) -> Table:
+def stats_table(rep: StatsReport, limit: int | None = None, min_share: float = 0.0) -> Table:
     pre = [f"cyclescope stats: {rep.event} samples in {len(rep.sets)} sets"
            + (" (normalized to equal totals)" if rep.normalized else "")]
     pre.append("  ".join(f"{s} = {fmt_count(t)}" for s, t in zip(rep.sets, rep.set_totals, strict=True))
                + f"  TOTAL {fmt_count(sum(rep.set_totals))}")
     cols = [Col("range%"), Col("sum"), Col("sum%"), Col("N"), Col("mean"), Col("std-dev"), Col("min"), Col("max"),
-            Col("procedure", "left", style="cyan", wrap=True), Col("image", "left", wrap=True)]
+            Col("disp"), Col("procedure", "left", style="cyan", wrap=True), Col("image", "left", wrap=True)]
     rows = []
-    shown = rep.rows if limit is None else rep.rows[:limit]
+    styles: list[str | None] = []
+    big = [r for r in rep.rows if r.share >= min_share]
+    shown = big if limit is None else big[:limit]
     for r in shown:
         rows.append([fmt_pct(100 * r.range_share), f"{r.total:,.0f}", fmt_pct(100 * r.share), str(r.n),
-                     f"{r.mean:,.2f}", f"{r.std:,.2f}", f"{r.lo:,.0f}", f"{r.hi:,.0f}", r.key[0], r.key[1]])
+                     f"{r.mean:,.2f}", f"{r.std:,.2f}", f"{r.lo:,.0f}", f"{r.hi:,.0f}", f"{r.dispersion:.1f}",
+                     r.key[0], r.key[1]])
+        styles.append("bold red" if not rep.normalized and r.dispersion > 3 else None)
     footer = []
-    if len(shown) < len(rep.rows):
-        footer.append(f"... {len(rep.rows) - len(shown)} more procedures (--limit 0 shows all)")
-    return Table(cols, rows, preamble=pre, footer=footer)
+    if len(shown) < len(big):
+        footer.append(f"... {len(big) - len(shown)} more procedures (--limit 0 shows all)")
+    if len(big) < len(rep.rows):
+        footer.append(f"{len(rep.rows) - len(big)} procedures under {100 * min_share:g}% of the samples are not "
+                      "shown (--min-percent 0 shows them)")
+    if not rep.normalized:
+        footer.append("disp = std-dev / sqrt(mean): about 1 when the differences are sampling noise; "
+                      "above 3, the procedure's time really varies between sets")
+    return Table(cols, rows, preamble=pre, footer=footer, row_styles=styles)
 
 
 # --- diff -------------------------------------------------------------------------------------

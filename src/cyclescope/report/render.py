@@ -62,19 +62,17 @@ def _write_plain(t: Table, out: TextIO) -> None:
         for i, cell in enumerate(r):
             widths[i] = max(widths[i], len(cell))
 
-    def fmt_line(cells: list[str]) -> str:
-        parts = []
-        for i, (c, cell) in enumerate(zip(t.cols, cells, strict=True)):
-            last = i == len(t.cols) - 1
-            if c.align == "right":
-                parts.append(cell.rjust(widths[i]))
-            else:
-                parts.append(cell if last else cell.ljust(widths[i]))
-        return "  ".join(parts).rstrip()
-
-    out.write(fmt_line([c.header for c in t.cols]) + "\n")
-    for r in t.rows:
-        out.write(fmt_line(r) + "\n")
+    last = len(t.cols) - 1
+    specs = []
+    for i, c in enumerate(t.cols):
+        if c.align == "right":
+            specs.append(f"{{:>{widths[i]}}}")
+        else:
+            specs.append("{}" if i == last else f"{{:<{widths[i]}}}")
+    fmt = "  ".join(specs)
+    lines = [fmt.format(*(c.header for c in t.cols)).rstrip()]
+    lines += [fmt.format(*r).rstrip() for r in t.rows]
+    out.write("\n".join(lines) + "\n")
     if t.footer:
         out.write("\n")
         for f in t.footer:

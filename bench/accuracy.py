@@ -1,0 +1,189 @@
+"""Accuracy of `calc`'s frequency estimates against exact counts (DCPI section 6.2).
+
+For each program of the suite (bench/suite.py): callgrind --dump-instr=yes
+--collect-jumps=yes gives the exact execution count of every instruction and
+branch; the program is then profiled --runs times at --rate into one epoch;
+every procedure of its image with at least --min-samples samples is run
+through calc, and each instruction's estimated count F*P is compared with
+the exact count times --runs.
+
+Reported, as DCPI did: the share of CYCLES (cpu-clock) samples whose
+estimate is within 5, 10 and 15% (DCPI on SPEC95: 73, 87, 92%); the share
+of edge executions within 10% (DCPI: 58%); how much of the samples off by
+more than 15% were marked low confidence; and the analysis time.
+
+Usage: python bench/accuracy.py [--programs kernels,demo,bzip2,gzip,xz,zlib] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from common import cyclescope_cmd, machine, run, save  # noqa: E402
+from suite import Program, programs  # noqa: E402
+
+BUCKETS = (0.05, 0.10, 0.15)
+
+
+def callgrind_counts(p: Program, args: list[str], tmp: Path) -> Any:
+    from cyclescope.analysis.callgrind import parse_callgrind
+
+    out = tmp / f"cg-{p.name}.out"
+    r = run(["valgrind", "--tool=callgrind", "--dump-instr=yes", "--collect-jumps=yes",
+             f"--callgrind-out-file={out}", str(p.exe), *args])
+    if r.returncode != 0:
+        raise SystemExit(f"callgrind failed for {p.name}: {r.stderr[-800:]}")
+    prof = parse_callgrind(out.read_text())
+    ob = prof.object_for(str(p.exe))
+    if ob is None:
+        raise SystemExit(f"{p.name}: {p.exe} not in the callgrind profile")
+    return prof, ob
+
+
+def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: int) -> dict[str, Any]:
+    from cyclescope.cli.calc import calc_target, cycles_event
+    from cyclescope.cli.prof import prof_report
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import Selection, open_profile
+    from cyclescope.images.symbolize import Symbolizer
+    from cyclescope.report.listing import Target
+
+    d = Database.open(db)
+    ps = open_profile(d, Selection(epochs="all", images=(p.image,)))
+    sym = Symbolizer(d)
+    ev = cycles_event(ps, None)
+    rep = prof_report(ps, False)
+    i = rep.events.index(ev)
+    counts = prof.counts[ob]
+    jumps = prof.jumps[ob]
+    cond = prof.cond_exec[ob]
+    acc = {"samples": 0.0, "within": [0.0, 0.0, 0.0], "big_err": 0.0, "big_err_low": 0.0,
+           "edge_exec": 0.0, "edge_within10": 0.0, "procedures": [], "time": 0.0}
+    for row in rep.rows:
+        if row.counts[i] < min_samples or row.start is None:
+            continue
+        info = ps.images[row.image_key]
+        table = sym.table(info)
+        k = table.names.index(row.procedure)
+        t = Target(info, row.procedure, int(table.starts[k]), int(table.ends[k]))
+        t0 = time.perf_counter()
+        c = calc_target(ps, t, sym, ev, None)
+        dt = time.perf_counter() - t0
+        acc["time"] += dt
+        if c.period_cycles is None:
+            raise SystemExit("the clock was not measured: cannot compare absolute counts")
+        proc = {"name": row.procedure, "samples": row.counts[i], "seconds": dt, "within": [0.0, 0.0, 0.0],
+                "blocks": []}
+        for blk in c.cfg.blocks:
+            f = c.freq.block[blk.id]
+            exact = counts.get(c.cfg.insns[blk.first].address, 0) * runs
+            est = (f or 0.0) * c.period_cycles
+            s = float(c.samples[blk.first : blk.last + 1, 0 if ev == c.events[0] else c.events.index(ev)].sum())
+            if s <= 0:
+                continue
+            err = (est - exact) / exact if exact else float("inf")
+            proc["blocks"].append({"start": blk.start, "samples": s, "exact": exact, "estimate": est, "error": err,
+                                   "confidence": c.freq.block_confidence[blk.id],
+                                   "method": c.freq.block_method[blk.id]})
+            for kk in range(blk.first, blk.last + 1):
+                si = float(c.samples[kk, c.events.index(ev)])
+                if si <= 0:
+                    continue
+                ex = counts.get(c.cfg.insns[kk].address, 0) * runs
+                e = abs((est - ex) / ex) if ex else float("inf")
+                acc["samples"] += si
+                for b, lim in enumerate(BUCKETS):
+                    if e <= lim:
+                        acc["within"][b] += si
+                        proc["within"][b] += si
+                if e > 0.15:
+                    acc["big_err"] += si
+                    if c.freq.block_confidence[blk.id] == "low":
+                        acc["big_err_low"] += si
+        # Edges: exact counts from callgrind's jumps, fall-throughs from executions minus jumps.
+        for e in c.cfg.edges:
+            if e.src < 0 or e.dst < 0 or c.freq.edge[e.id] is None:
+                continue
+            last = c.cfg.insns[c.cfg.blocks[e.src].last]
+            first_dst = c.cfg.blocks[e.dst].start
+            if e.kind in ("taken", "jump", "table"):
+                ex = jumps.get((last.address, first_dst), 0)
+            elif e.kind == "fall":
+                ran = counts.get(last.address, 0)
+                taken = sum(v for (src, _), v in jumps.items() if src == last.address)
+                ex = ran - taken if last.address in cond or taken else ran
+            else:
+                continue
+            ex *= runs
+            if ex <= 0:
+                continue
+            est = (c.freq.edge[e.id] or 0.0) * c.period_cycles
+            acc["edge_exec"] += ex
+            if abs(est - ex) <= 0.10 * ex:
+                acc["edge_within10"] += ex
+        acc["procedures"].append(proc)
+    return acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--programs", default="kernels,demo,bzip2,gzip,xz,zlib")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rate", type=int, default=5000)
+    ap.add_argument("--min-samples", type=int, default=100)
+    args = ap.parse_args()
+    progs, inp = programs(args.programs.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="cs-acc-"))
+    totals: dict[str, Any] = defaultdict(float)
+    totals["within"] = [0.0, 0.0, 0.0]
+    per_program = {}
+    for p in progs:
+        pargs = [a.replace("{input}", str(inp)) for a in p.args]
+        prof, ob = callgrind_counts(p, pargs, tmp)
+        db = tmp / f"{p.name}.db"
+        for _ in range(args.runs):
+            r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--append", "-F", str(args.rate), "--",
+                                   str(p.exe), *pargs))
+            if r.returncode != 0:
+                raise SystemExit(f"record failed for {p.name}: {r.stderr[-800:]}")
+        acc = analyze(p, db, prof, ob, args.runs, args.min_samples)
+        per_program[p.name] = acc
+        s = acc["samples"] or 1.0
+        print(f"{p.name:>8}: {len(acc['procedures'])} procedures, {acc['samples']:,.0f} samples analyzed: "
+              + ", ".join(f"within {int(100 * b)}% {100 * w / s:5.1f}%" for b, w in zip(BUCKETS, acc["within"],
+                                                                                       strict=True))
+              + f"; edges within 10% {100 * acc['edge_within10'] / max(1, acc['edge_exec']):5.1f}%"
+              + f"; >15% errors marked low {100 * acc['big_err_low'] / max(1, acc['big_err']):5.1f}%"
+              + f"; analysis {acc['time']:.1f} s", flush=True)
+        for k in ("samples", "big_err", "big_err_low", "edge_exec", "edge_within10", "time"):
+            totals[k] += acc[k]
+        for b in range(3):
+            totals["within"][b] += acc["within"][b]
+    s = totals["samples"] or 1.0
+    print("\nall programs: "
+          + ", ".join(f"within {int(100 * b)}% {100 * w / s:.1f}%" for b, w in zip(BUCKETS, totals["within"],
+                                                                                 strict=True))
+          + f" of {totals['samples']:,.0f} samples (DCPI: 73, 87, 92)")
+    print(f"edges: {100 * totals['edge_within10'] / max(1, totals['edge_exec']):.1f}% of edge executions within 10% "
+          "(DCPI: 58)")
+    print(f"low confidence marks {100 * totals['big_err_low'] / max(1, totals['big_err']):.1f}% of the samples whose "
+          f"estimate is off by more than 15%")
+    print(f"analysis time: {totals['time']:.1f} s")
+    path = save("accuracy", {"machine": machine(), "args": vars(args), "programs": per_program,
+                             "totals": dict(totals)})
+    print(f"raw data: {path}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Real programs for the accuracy benchmark: Debian sources built with -O2 -g, plus our own kernels.
+
+Debian packages come from `apt-get source` (a deb-src entry for the
+configured suites is added when missing). Each is built statically so that
+its hot code lives in one image. Nothing built here is committed.
+
+    python bench/suite.py            # fetch and build everything into bench/out/suite/
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import OUT, ROOT
+
+SUITE = OUT / "suite"
+SRC = SUITE / "src"
+BIN = SUITE / "bin"
+CFLAGS = "-O2 -g"
+DEB_SRC = Path("/etc/apt/sources.list.d/cyclescope-deb-src.sources")
+
+
+@dataclass
+class Program:
+    name: str
+    exe: Path
+    args: list[str]  # {input} is replaced by the input file
+    image: str  # file name of the image whose procedures are analyzed
+
+
+def sh(cmd: str, cwd: Path | None = None) -> None:
+    r = subprocess.run(cmd, shell=True, cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"suite: '{cmd}' failed in {cwd}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+
+
+def ensure_deb_src() -> None:
+    if DEB_SRC.exists():
+        return
+    text = (
+        "Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\n"
+        "Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+    )
+    DEB_SRC.write_text(text)
+    sh("apt-get update -qq")
+
+
+def fetch(pkg: str) -> Path:
+    SRC.mkdir(parents=True, exist_ok=True)
+    found = [Path(p) for p in glob.glob(str(SRC / f"{pkg}-*")) if Path(p).is_dir()]
+    if found:
+        return found[0]
+    ensure_deb_src()
+    sh(f"apt-get source -qq {pkg}", cwd=SRC)
+    found = [Path(p) for p in glob.glob(str(SRC / f"{pkg}-*")) if Path(p).is_dir()]
+    if not found:
+        raise SystemExit(f"suite: apt-get source {pkg} produced no directory")
+    return found[0]
+
+
+def build_bzip2() -> Path:
+    out = BIN / "bzip2"
+    if not out.exists():
+        src = fetch("bzip2")
+        sh(f"make -s clean >/dev/null 2>&1; make -s CFLAGS='{CFLAGS} -D_FILE_OFFSET_BITS=64' bzip2", cwd=src)
+        shutil.copy(src / "bzip2", out)
+    return out
+
+
+def build_autotools(pkg: str, binary: str, extra: str = "") -> Path:
+    out = BIN / binary.rsplit("/", 1)[-1]
+    if not out.exists():
+        src = fetch(pkg)
+        sh(f"./configure -q CFLAGS='{CFLAGS}' --disable-shared {extra} >/dev/null", cwd=src)
+        sh(f"make -s -j2 >/dev/null", cwd=src)
+        shutil.copy(src / binary, out)
+    return out
+
+
+def build_zlib() -> Path:
+    out = BIN / "minigzip"
+    if not out.exists():
+        src = fetch("zlib")
+        sh(f"CFLAGS='{CFLAGS}' ./configure --static >/dev/null && make -s minigzip >/dev/null", cwd=src)
+        shutil.copy(src / "minigzip", out)
+    return out
+
+
+def build_own() -> tuple[Path, Path]:
+    demo = BIN / "demo"
+    skid = BIN / "kernels"
+    if not demo.exists():
+        sh(f"gcc {CFLAGS} -o {demo} {ROOT / 'src/cyclescope/demo/workload.c'}")
+    if not skid.exists():
+        sh(f"gcc {CFLAGS} -o {skid} {ROOT / 'bench/kernels.c'}")
+    return demo, skid
+
+
+def make_input() -> Path:
+    """About 6 MB of real text: Python's standard library sources, in a fixed order."""
+    f = SUITE / "input.txt"
+    if f.exists():
+        return f
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    size = 0
+    for p in sorted(lib.rglob("*.py")):
+        try:
+            b = p.read_bytes()
+        except OSError:
+            continue
+        parts.append(b)
+        size += len(b)
+        if size > 6 << 20:
+            break
+    f.write_bytes(b"".join(parts))
+    return f
+
+
+def programs(names: list[str] | None = None) -> tuple[list[Program], Path]:
+    BIN.mkdir(parents=True, exist_ok=True)
+    inp = make_input()
+    out: list[Program] = []
+    want = set(names or ["kernels", "demo", "bzip2", "gzip", "xz", "zlib"])
+    demo, kernels = build_own()
+    if "kernels" in want:
+        out.append(Program("kernels", kernels, ["all"], "kernels"))
+    if "demo" in want:
+        out.append(Program("demo", demo, ["0.25"], "demo"))
+    if "bzip2" in want:
+        out.append(Program("bzip2", build_bzip2(), ["-c", "-9", "{input}"], "bzip2"))
+    if "gzip" in want:
+        out.append(Program("gzip", build_autotools("gzip", "gzip"), ["-c", "-6", "{input}"], "gzip"))
+    if "xz" in want:
+        exe = build_autotools("xz-utils", "src/xz/xz", "--disable-nls --disable-doc")
+        out.append(Program("xz", exe, ["-c", "-3", "-T1", "{input}"], "xz"))
+    if "zlib" in want:
+        out.append(Program("zlib", build_zlib(), ["-c", "-6", "{input}"], "minigzip"))
+    return out, inp
+
+
+if __name__ == "__main__":
+    progs, inp = programs(sys.argv[1:] or None)
+    for p in progs:
+        print(f"{p.name}: {p.exe} ({os.path.getsize(p.exe):,} B)")
+    print(f"input: {inp} ({os.path.getsize(inp):,} B)")
