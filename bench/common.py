@@ -40,7 +40,8 @@ class Run:
 def run(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> Run:
     """Run ``cmd`` and return its resource usage from wait4 (its whole waited-for tree)."""
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+                         cwd=cwd)
     out, err = "", ""
     # communicate() would reap the child itself; read the pipes, then wait4 for the rusage.
     assert p.stdout is not None and p.stderr is not None
@@ -92,10 +93,14 @@ def cyclescope_cmd(*args: str) -> list[str]:
     return [PY, "-m", "cyclescope", *args]
 
 
+def _jsonable(o: Any) -> Any:
+    return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+
+
 def save(name: str, data: Any) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     p = OUT / f"{name}.json"
-    p.write_text(json.dumps(data, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+    p.write_text(json.dumps(data, indent=1, default=_jsonable))
     return p
 
 
@@ -107,10 +112,11 @@ def need(tool: str) -> None:
 def machine() -> dict[str, Any]:
     cpu = ""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
     return {"kernel": os.uname().release, "cpus": os.cpu_count(), "cpu": cpu, "time": time.strftime("%Y-%m-%d %H:%M")}

@@ -22,6 +22,7 @@ from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, s
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
 from cyclescope.analysis.frequency import Frequencies, estimate_frequencies
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
+from cyclescope.analysis.skid import skidded
 from cyclescope.images.cache import Cache
 from cyclescope.images.disasm import Insn, InsnInfo, insn_info
 
@@ -112,7 +113,19 @@ def calc_procedure(
     cfg = build_cfg(insns, start, end, name_at, read)
     classes = cycle_equivalence(cfg)
     blocks = [insns[b.first : b.last + 1] for b in cfg.blocks]
-    model = model_procedure(blocks, cache, cache_key, mcpu)
+    raw = model_procedure(blocks, cache, cache_key, mcpu)
+    # Samples land after the instruction the model says retirement waits on (skid.py): compare
+    # them with the model moved by the skid. Block totals (best-case cycles) stay the model's.
+    model_blocks_skid = []
+    for b in cfg.blocks:
+        bm = raw.blocks[b.id]
+        wraps = any(cfg.edges[e].src == b.id for e in b.preds)
+        moved = skidded([im.m for im in bm.insns], insns[b.first : b.last + 1], infos[b.first : b.last + 1], wraps)
+        model_blocks_skid.append(BlockModel(
+            [InsnModel(m, im.latency, im.wait_operands, im.wait_resources, im.replaced)
+             for m, im in zip(moved, bm.insns, strict=True)],
+            bm.cycles))
+    model = ProcedureModel(raw.mcpu, model_blocks_skid, raw.notes)
     ev = events.index(cycles_event)
     starts = np.array([i.address for i in insns], np.uint64)
     samples = np.zeros((len(insns), len(events)), np.float64)
@@ -139,7 +152,7 @@ def calc_procedure(
         cpi.append(ck)
         dyn.append(max(0.0, ck - ms[k]))
         gain.append(max(0.0, ms[k] - ck))
-    statics = static_stalls(cfg, model, infos)
+    statics = static_stalls(cfg, raw, infos)
     event_cols = {e: samples[:, i] for i, e in enumerate(events) if e != cycles_event}
     culprits = dynamic_culprits(cfg, infos, dyn, freq.block, freq.edge, event_cols)
     notes = list(cfg.notes) + list(model.notes) + list(freq.notes)

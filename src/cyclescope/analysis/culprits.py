@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cyclescope.analysis.cfg import CFG, is_conditional
+from cyclescope.analysis.cfg import CFG, Block, is_conditional
 from cyclescope.analysis.schedule import ProcedureModel
 from cyclescope.images.disasm import InsnInfo
 
 LINE = 64
+SKID = 3  # samples land up to this many instructions after the instruction the core waited on
 RARE_EDGE = 0.05  # predecessors bringing less than this share of a block's executions are ignored
 
 CULPRITS = {
@@ -87,6 +88,48 @@ def static_stalls(cfg: CFG, model: ProcedureModel, infos: Sequence[InsnInfo], wi
     return out
 
 
+def _entering_branches(cfg: CFG, blk: Block) -> list[int]:
+    """Addresses of conditional or indirect branches that can enter ``blk``."""
+    out = []
+    for eid in blk.preds:
+        edge = cfg.edges[eid]
+        if edge.src < 0:
+            continue
+        last = cfg.insns[cfg.blocks[edge.src].last]
+        indirect = last.mnemonic in ("jmp", "call") and last.direct_target is None
+        if is_conditional(last.mnemonic) or indirect:
+            out.append(last.address)
+    return out
+
+
+def _mispredict_sources(cfg: CFG, blk: Block, pos: int) -> list[int]:
+    """Branches whose misprediction could stall the instruction ``pos`` into ``blk``."""
+    if pos > SKID:
+        return []
+    found = set(_entering_branches(cfg, blk))
+    for eid in blk.preds:
+        src = cfg.edges[eid].src
+        if src < 0:
+            continue
+        pb = cfg.blocks[src]
+        if pos + (pb.last - pb.first + 1) <= SKID:  # a short block the samples skidded through
+            found.update(_entering_branches(cfg, pb))
+    return sorted(found)
+
+
+def _far_entry(cfg: CFG, blk: Block, fb: float, edge_freq: Sequence[float | None]) -> bool:
+    """A block head some frequent predecessor reaches from another cache line (or with no predecessor)."""
+    preds = [cfg.edges[e] for e in blk.preds]
+    first = cfg.insns[blk.first]
+    for e in preds:
+        f = edge_freq[e.id]
+        if e.src < 0 or (fb and f is not None and f < RARE_EDGE * fb):
+            continue
+        if _line(cfg.insns[cfg.blocks[e.src].last].address) != _line(first.address):
+            return True
+    return not preds
+
+
 def dynamic_culprits(
     cfg: CFG,
     infos: Sequence[InsnInfo],
@@ -104,56 +147,45 @@ def dynamic_culprits(
         stores_in_block = sum(1 for k in range(blk.first, blk.last + 1) if infos[k].stores)
         loads_written: dict[str, int] = {}  # register -> index of the load that wrote it
         slow_written: dict[str, int] = {}  # register -> index of a div/sqrt that wrote it
+        loads_written_at: dict[int, dict[str, int]] = {}  # per instruction: the map as it stood then
         for k in range(blk.first, blk.last + 1):
-            ins = cfg.insns[k]
+            loads_written_at[k] = dict(loads_written)
             info = infos[k]
             dyn = stall_cycles[k]
             if dyn > 0:
                 codes = ""
                 addrs: dict[str, list[int]] = {}
-                # I-cache
-                if k == blk.first:
-                    preds = [cfg.edges[e] for e in blk.preds]
-                    far = False
-                    for e in preds:
-                        f = edge_freq[e.id]
-                        if e.src < 0 or (fb and f is not None and f < RARE_EDGE * fb):
-                            continue
-                        pb = cfg.blocks[e.src]
-                        if _line(cfg.insns[pb.last].address) != _line(ins.address):
-                            far = True
-                    if far or not preds:
-                        codes += "i"
-                elif _line(ins.address) != _line(cfg.insns[k - 1].address):
+                # I-cache: this instruction, or one the samples skidded past, starts a new line or
+                # heads a block some frequent predecessor reaches from another line.
+                suspects = range(max(blk.first, k - SKID), k + 1)
+                if any(_line(cfg.insns[j].address) != _line(cfg.insns[j - 1].address) for j in suspects
+                       if j > blk.first) or (k - blk.first <= SKID and _far_entry(cfg, blk, fb, edge_freq)):
                     codes += "i"
-                # D-cache / DTLB
-                producers = sorted({loads_written[r] for r in info.reads if r in loads_written})
+                # D-cache / DTLB. Samples land up to SKID instructions after what the core waited
+                # on (skid.py), so the waiting instruction may be one of the few before this one.
+                producers = sorted({loads_written_at[j][r] for j in suspects for r in infos[j].reads
+                                    if r in loads_written_at[j]})
                 producers = [j for j in producers if k - j <= window]
-                if info.loads or producers:
+                direct = [j for j in suspects
+                          if infos[j].loads and not cfg.insns[j].mnemonic.startswith(("pop", "ret"))]
+                if direct or producers:
                     codes += "dt"
-                    addrs["d"] = [cfg.insns[j].address for j in producers]
-                # Branch mispredict
-                if k == blk.first:
-                    brs = []
-                    for eid in blk.preds:
-                        edge = cfg.edges[eid]
-                        if edge.src < 0:
-                            continue
-                        last = cfg.insns[cfg.blocks[edge.src].last]
-                        indirect = last.mnemonic in ("jmp", "call") and last.direct_target is None
-                        if is_conditional(last.mnemonic) or indirect:
-                            brs.append(last.address)
-                    if brs:
-                        codes += "p"
-                        addrs["p"] = sorted(set(brs))
+                    addrs["d"] = sorted({cfg.insns[j].address for j in producers + direct if j != k})
+                # Branch mispredict: the refetch after a mispredicted branch shows up on the first
+                # instructions of the path taken, up to SKID past it, even across a short block.
+                brs = _mispredict_sources(cfg, blk, k - blk.first)
+                if brs:
+                    codes += "p"
+                    addrs["p"] = brs
                 # Long-latency units
                 slow = [slow_written[r] for r in info.reads if r in slow_written and k - slow_written[r] <= window]
+                slow += [j for j in suspects if j != k and infos[j].kind in ("div", "sqrt")]
                 if info.kind in ("div", "sqrt") or slow:
                     codes += "u"
                     if slow:
                         addrs["u"] = sorted({cfg.insns[j].address for j in slow})
                 # Store buffer
-                if info.stores and stores_in_block >= 3:
+                if any(infos[j].stores for j in suspects) and stores_in_block >= 3:
                     codes += "w"
                 # Event samples bound candidates: none nearby rules a candidate out.
                 for code, ev in EVENT_FOR.items():

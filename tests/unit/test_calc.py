@@ -1,0 +1,64 @@
+"""calc on the committed binary tests/data/inl with synthetic samples: structure and accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis.calc import calc_procedure
+from cyclescope.analysis.skid import skidded
+from cyclescope.images.disasm import disassemble, insn_info, read_code
+from cyclescope.report.calc import calc_to_json, summarize
+from tests.unit.test_listing import DATA
+
+
+def test_skid_moves_cycles_to_where_samples_land() -> None:
+    code = read_code(str(DATA / "inl"), 0x11A0, 0x11BD)
+    insns = disassemble(code, 0x11A0)
+    infos = insn_info(code, 0x11A0)
+    ms = [0, 1, 1, 0, 0, 0, 1, 0, 0]  # llvm-mca: shl, sub and xor are waited on
+    assert skidded(ms, insns, infos, wraps=True) == [0, 0, 1, 1, 0, 0, 0, 1, 0]  # one instruction later
+    assert sum(skidded([*ms[:7], 0, 1], insns, infos, wraps=False)) == 3  # the last one's cycles leave the block
+
+
+@pytest.fixture
+def calc() -> object:
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    f = 100.0
+    # Samples drawn from the skidded model at F=100 per P: a stall-free loop.
+    counts = {0x11A7: np.array([f]), 0x11AA: np.array([f]), 0x11B8: np.array([f]), 0x1190: np.array([1.0])}
+    return calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0)
+
+
+def test_a_stall_free_loop_gets_its_frequency_in_high_confidence(calc: object) -> None:
+    c = calc
+    loop = next(b for b in c.cfg.blocks if b.start == 0x11A0)
+    assert c.freq.block[loop.id] == pytest.approx(100.0, rel=0.02)
+    assert c.freq.block_confidence[loop.id] == "high" and c.freq.block_method[loop.id] == "clean-blocks"
+    assert c.executions(loop.id) == pytest.approx(1e8, rel=0.02)
+    assert all(d < 0.5 for d in c.dyn[c.cfg.block_of.index(loop.id) :][:9])  # no dynamic stall to explain
+
+
+def test_the_procedure_summary_adds_up(calc: object) -> None:
+    s = summarize(calc)
+    parts = s.execution + s.static_total + s.dynamic_total - s.gain
+    assert parts == pytest.approx(s.tallied, rel=1e-6)
+    assert s.best_cpi <= s.actual_cpi + 1e-9
+    doc = calc_to_json(calc, s)
+    assert doc["summary"]["execution_percent"] + sum(doc["summary"]["static_percent"].values()) + doc["summary"][
+        "dynamic_percent_total"] == pytest.approx(100.0, abs=0.01)
+    assert {b["start"] for b in doc["blocks"]} >= {0x1190, 0x11A0, 0x11BD}
+    assert all(e["frequency"] is None or e["frequency"] >= 0 for e in doc["edges"])
+
+
+def test_a_stalled_instruction_gets_culprits_and_a_lower_confidence() -> None:
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    counts = {0x11A7: np.array([100.0]), 0x11AA: np.array([100.0]), 0x11B8: np.array([100.0]),
+              0x11A0: np.array([3000.0])}  # a stall at the loop head, 30 cycles per iteration
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0)
+    loop = next(b for b in c.cfg.blocks if b.start == 0x11A0)
+    k = loop.first
+    assert c.dyn[k] > 10 and c.culprits[k] is not None
+    assert "p" in c.culprits[k].codes  # the head of a block entered by a conditional branch
+    assert 0x11BB in c.culprits[k].culprit_addrs["p"]
+    assert c.freq.block_confidence[loop.id] == "low"

@@ -1,0 +1,79 @@
+"""Hotlists (Gibbons-Matias, as the value-sampling paper uses them): accuracy and merging."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from cyclescope.values.hotlist import Hotlist
+
+
+def stream(n: int, seed: int) -> list[int]:
+    """70% the value 7, 20% the value 42, 10% spread over 5000 others."""
+    rng = np.random.default_rng(seed)
+    u = rng.random(n)
+    other = rng.integers(1000, 6000, n)
+    return np.where(u < 0.7, 7, np.where(u < 0.9, 42, other)).tolist()
+
+
+def test_the_hot_values_are_found_with_their_shares() -> None:
+    h = Hotlist(rng=random.Random(1))
+    h.extend(stream(50000, 1))
+    top = h.top(3)
+    assert [v for v, _, _ in top[:2]] == [7, 42]
+    # The stated tolerance: three standard errors of the binomial count C[v]/p. With 5,000
+    # distinct rare values in the stream, p falls to about 14/5000 and C[7] is about 100, so
+    # the paper's hotlist knows the top share to about +-10% relative, not better.
+    for (v, est, share), truth in zip(top[:2], (0.70, 0.20), strict=True):
+        assert abs(est - truth * 50000) <= 3 * h.stderr(v)
+        assert share == pytest.approx(truth, rel=0.35)
+    assert len(h.counts) <= 16 and h.total == 50000 and h.p < 1
+
+
+def test_counts_are_unbiased_over_many_runs() -> None:
+    est = []
+    for seed in range(40):
+        h = Hotlist(rng=random.Random(seed))
+        h.extend(stream(5000, seed))
+        est.append(h.estimate(42) / 5000)
+    assert np.mean(est) == pytest.approx(0.20, abs=0.01)
+
+
+def test_a_short_stream_is_exact() -> None:
+    h = Hotlist()
+    h.extend([1, 2, 2, 3, 3, 3])
+    assert h.p == 1.0 and h.counts == {1: 1, 2: 2, 3: 3} and h.estimate(3) == 3
+
+
+def test_merging_matches_a_single_pass() -> None:
+    data = stream(60000, 3)
+    merged_shares = []
+    single_shares = []
+    for seed in range(40):
+        parts = [Hotlist(rng=random.Random(seed * 10 + i)) for i in range(3)]
+        for i, h in enumerate(parts):
+            h.extend(data[i * 20000 : (i + 1) * 20000])
+        m = parts[0].merge(parts[1]).merge(parts[2])
+        one = Hotlist(rng=random.Random(seed))
+        one.extend(data)
+        assert m.total == one.total == 60000 and len(m.counts) <= 16
+        merged_shares.append([m.estimate(7) / 60000, m.estimate(42) / 60000])
+        single_shares.append([one.estimate(7) / 60000, one.estimate(42) / 60000])
+    merged, single = np.array(merged_shares), np.array(single_shares)
+    # Both estimators are unbiased: their means agree, and agree with the truth, within
+    # three standard errors of the mean over the runs.
+    se = np.sqrt(merged.var(axis=0, ddof=1) / len(merged) + single.var(axis=0, ddof=1) / len(single))
+    assert np.all(np.abs(merged.mean(axis=0) - single.mean(axis=0)) <= 3 * se)
+    se_m = merged.std(axis=0, ddof=1) / np.sqrt(len(merged))
+    assert np.all(np.abs(merged.mean(axis=0) - [0.70, 0.20]) <= 3 * se_m + 0.005)
+    # Merging thins to the lowest p but loses no more than a single pass does.
+    assert merged.std(axis=0).max() <= 1.5 * single.std(axis=0).max() + 0.02
+
+
+def test_rows_round_trip() -> None:
+    h = Hotlist(rng=random.Random(2))
+    h.extend(stream(3000, 2))
+    back = Hotlist.from_rows(h.to_rows(), h.p, h.total)
+    assert back.counts == h.counts and back.estimate(7) == h.estimate(7)
