@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from cyclescope.values.hotlist import Hotlist
+from cyclescope.values.hotlist import VALUE_DTYPE, Hotlist, HotlistSet, merge_sets, reduce_set
 
 
 def stream(n: int, seed: int) -> list[int]:
@@ -77,3 +77,43 @@ def test_rows_round_trip() -> None:
     h.extend(stream(3000, 2))
     back = Hotlist.from_rows(h.to_rows(), h.p, h.total)
     assert back.counts == h.counts and back.estimate(7) == h.estimate(7)
+
+
+def _set_of(stream_values: list[int], key: int = 0) -> HotlistSet:
+    keys = np.zeros(len(stream_values), dtype=[("k", "<i8")])
+    keys["k"] = key
+    vals = np.zeros(len(stream_values), dtype=VALUE_DTYPE)
+    vals["v0"] = stream_values
+    return HotlistSet.exact(keys, vals)
+
+
+def test_vectorized_merge_agrees_with_the_single_pass_hotlist() -> None:
+    data = stream(60000, 5)
+    rng = np.random.default_rng(7)
+    est7, est42, single7 = [], [], []
+    for seed in range(30):
+        parts = [reduce_set(_set_of(data[i * 6000 : (i + 1) * 6000]), rng=rng) for i in range(10)]
+        m = parts[0]
+        for q in parts[1:]:  # flush after flush, as the daemon merges
+            m = merge_sets([m, q], rng=rng)
+        h = m.hotlist(0)
+        assert m.total[0] == 60000 and len(h.counts) <= 16
+        est7.append(h.estimate((7, 0, 0)) / 60000)
+        est42.append(h.estimate((42, 0, 0)) / 60000)
+        one = Hotlist(rng=random.Random(seed))
+        one.extend(data)
+        single7.append(one.estimate(7) / 60000)
+    se = np.std(est7, ddof=1) / np.sqrt(len(est7))
+    assert abs(np.mean(est7) - 0.70) <= 3 * se + 0.005
+    assert abs(np.mean(est42) - 0.20) <= 3 * np.std(est42, ddof=1) / np.sqrt(len(est42)) + 0.005
+    assert abs(np.mean(est7) - np.mean(single7)) <= 3 * np.sqrt(se**2 + np.var(single7, ddof=1) / 30) + 0.005
+
+
+def test_merging_keeps_hotlists_apart_and_small_ones_exact() -> None:
+    a = _set_of([1, 1, 2], key=1)
+    b = _set_of([5] * 10, key=2)
+    c = _set_of([1, 3], key=1)
+    m = merge_sets([a, b, c])
+    assert m.keys["k"].tolist() == [1, 2] and m.p.tolist() == [1.0, 1.0] and m.total.tolist() == [5, 10]
+    h1, h2 = m.hotlist(0), m.hotlist(1)
+    assert h1.counts == {(1, 0, 0): 3, (2, 0, 0): 1, (3, 0, 0): 1} and h2.counts == {(5, 0, 0): 10}

@@ -69,7 +69,8 @@ def test_samples_map_with_the_maps_in_force_at_their_time() -> None:
     out = m.map_batch(samples, side)
     assert out.image.tolist() == [2, 1]
     assert out.offset.tolist() == [0x1020, 0x1010]
-    assert [m.comms.names[c] for c in out.comm.tolist()] == ["new", "new"]
+    # Each sample carries the name in force when it was taken.
+    assert [m.comms.names[c] for c in out.comm.tolist()] == ["new", "old"]
 
 
 def test_fork_copies_maps_and_exit_reaps_after_grace() -> None:

@@ -8,7 +8,15 @@ import time
 from typing import Any
 
 from cyclescope.cli.base import Command, add_db_option, db_path, eprint, register
-from cyclescope.cli.record import add_sampling_options, make_events
+from cyclescope.cli.record import (
+    VALUE_DRAIN_S,
+    add_sampling_options,
+    add_value_options,
+    list_value_modules,
+    make_events,
+    value_options,
+    value_summary,
+)
 from cyclescope.collect import control
 from cyclescope.db.layout import Database
 from cyclescope.errors import CycleScopeError, UsageError
@@ -72,21 +80,27 @@ class Daemon(Command):
                        help="what to keep of each profiled binary, by build-id: its symbol table (default; prof "
                             "then survives upgrades), the whole file (list and calc too), or nothing")
         add_sampling_options(p, DEFAULT_DAEMON_HZ)
+        add_value_options(p, exact=False)
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.collect.daemon import Collector, CollectorConfig, peak_rss_kib
         from cyclescope.collect.session import Session, SystemWide
 
+        if args.values == "list":
+            return list_value_modules()
+        vopts = value_options(args)
         events, rate = make_events(args)
         rate = rate if rate is not None or args.period is not None else DEFAULT_DAEMON_HZ
         if args.flush_interval <= 0:
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
-        session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force)
+        session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
+                          user_stack=vopts.stack if vopts is not None else None)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
                               new_epoch=args.new_epoch, archive=args.archive,
-                              rerandomize_s=args.redraw / 1000)
+                              rerandomize_s=args.redraw / 1000, values=vopts,
+                              drain_s=VALUE_DRAIN_S if vopts is not None else 1.0)
         c = Collector(session, db, cfg)
         c.listen()
         try:
@@ -106,6 +120,8 @@ class Daemon(Command):
         share = 100.0 * totals.unknown / totals.samples if totals.samples else 0.0
         eprint(f"cyclescope daemon: stopped after {time.monotonic() - t0:.1f} s: {fmt_count(totals.samples)} samples, "
                f"lost {fmt_count(lost)}, unknown {share:.2f}%, peak RSS {peak_rss_kib() / 1024:.1f} MiB")
+        if c.values is not None:
+            eprint(f"cyclescope daemon: {value_summary(c)}")
         return 0
 
 

@@ -42,6 +42,8 @@ class Db(Command):
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.compact import compact
         from cyclescope.db.query import parse_epochs
+        from cyclescope.db.values import compact_values
+        from cyclescope.db.values import uids as value_uids
 
         db = open_db(args)
         epochs = parse_epochs(args.epoch, db.epochs())
@@ -51,6 +53,11 @@ class Db(Command):
                 for h in db.hosts(ep):
                     if args.host and h not in args.host:
                         continue
+                    for uid in value_uids(db, ep, h):
+                        out = compact_values(db, ep, h, uid)
+                        if out is not None:
+                            n += 1
+                            print(f"epoch {ep} host {h}: value files of uid {uid} -> {out.name}")
                     r = compact(db, ep, h)
                     if r is None:
                         continue
@@ -91,6 +98,13 @@ class Db(Command):
                          "start_time": m.start_time, "end_time": m.end_time, "unknown": m.unknown}
                     out.append(d)
                     if args.verbose and not args.json:
+                        from cyclescope.db.values import uids as value_uids
+                        from cyclescope.db.values import value_files
+
+                        for uid in value_uids(db, ep, h):
+                            files = value_files(db, ep, h, uid)
+                            rows.append(["", "", f"  values uid={uid}", f"{len(files)} file(s)", "", "",
+                                         _size(sum(f.path.stat().st_size for f in files)), ""])
                         rows.append(["", "", "  events", ", ".join(f"{k}={v.samples}" for k, v in m.events.items()),
                                      "", "", "", f"{len(m.images)} images"])
         if args.json:

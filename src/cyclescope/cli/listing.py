@@ -254,6 +254,10 @@ class List(Command):
         p.add_argument("--no-source", action="store_true", help="do not interleave source lines")
         p.add_argument("--bytes", action="store_true", help="show instruction bytes")
         p.add_argument("--sampled-lines", action="store_true", help="--source: only lines with samples")
+        p.add_argument("--values", action="store_true",
+                       help="a column with each instruction's most telling value hotlist (from value sampling)")
+        p.add_argument("--value-kind", action="append", default=[], metavar="KIND",
+                       help="with --values: only these kinds (repeatable, e.g. in: out: load)")
         add_selection_options(p)
         add_output_options(p)
 
@@ -277,6 +281,13 @@ class List(Command):
         sel = selection(args)
         target, notes = resolve_target(ps, args.procedure, list(sel.images), sym)
         lst = make_listing(ps, target, sym, args.source_dir, not args.no_source, notes)
+        if args.values:
+            from cyclescope.cli.values import value_columns_for_listing
+
+            cols, cells, vnotes = value_columns_for_listing(args, ps, sym, target.info.key, target.start,
+                                                            target.end)
+            lst.value_columns, lst.values = cols, cells
+            lst.problems += vnotes
         if args.json:
             write_json(lst.to_json())
         else:

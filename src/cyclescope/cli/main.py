@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calc": ("calc", "instruction frequency, CPI and stall culprits of a procedure, from samples alone (dcpicalc)"),
     "stats": ("compare", "statistics per procedure across sample sets (epochs, hosts or databases): DCPI's dcpistats"),
     "diff": ("compare", "procedures (or instructions) whose share of samples changed significantly between two sets"),
+    "values": ("values", "hotlists of the values instructions saw, per instruction (value sampling)"),
+    "invariants": ("values", "hot instructions whose values are (nearly) always the same: specialization candidates"),
     "db": ("db", "inspect or compact the profile database"),
 }
 

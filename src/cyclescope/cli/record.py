@@ -17,8 +17,12 @@ from cyclescope.report.render import fmt_count
 
 if TYPE_CHECKING:
     from cyclescope.collect.daemon import Collector, RunTotals
+    from cyclescope.values.capture import ValueOptions
 
 DEFAULT_RECORD_HZ = 5000.0
+# With value capture, drain often: the interpreter reads the process's memory when it runs, and
+# the closer that is to the interrupt, the fewer values have changed since.
+VALUE_DRAIN_S = 0.1
 
 
 def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
@@ -37,6 +41,91 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
     g.add_argument("--redraw", type=float, default=200.0, metavar="MS",
                    help="draw a new random period every MS milliseconds (default: 200)")
     g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
+
+
+def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
+    from cyclescope.values.modules import DEFAULT_MODULES
+
+    g = p.add_argument_group("value sampling (opt-in: values are the sampled programs' data)")
+    g.add_argument("--values", nargs="?", const=",".join(DEFAULT_MODULES), default=None, metavar="MODULES",
+                   help="capture values at each interrupt into per-instruction hotlists; MODULES is a "
+                        f"comma-separated list (default: {','.join(DEFAULT_MODULES)}; entry points of the "
+                        "'cyclescope.values' group or package.module:Class; 'list' shows them)")
+    g.add_argument("--interpret", type=int, default=4, metavar="L",
+                   help="interpret the next L instructions after a sample (default: 4; 0: only the "
+                        "interrupt's registers)")
+    g.add_argument("--interpret-every", type=int, default=2, metavar="K",
+                   help="interpret one value sample in K (default: 2)")
+    g.add_argument("--interpret-budget", type=float, default=0.5, metavar="SHARE",
+                   help="most of one CPU interpretation may use (default: 0.5); samples past it are "
+                        "captured but not interpreted, and counted, so that PC samples are never lost to "
+                        "it; 0: no limit")
+    g.add_argument("--value-stack", type=int, default=512, metavar="BYTES",
+                   help="bytes of user stack copied at each interrupt (default: 512)")
+    g.add_argument("--values-users", metavar="USER[,USER]",
+                   help="capture values only from processes of these users (names or uids)")
+    g.add_argument("--values-commands", metavar="COMM[,COMM]",
+                   help="capture values only from processes with these command names")
+    if exact:
+        g.add_argument("--exact", action="store_true",
+                       help="exact mode (with a command only): stop the thread at each sample and single-step "
+                            "L instructions with ptrace (about 95 us a step: for targeted capture and ground "
+                            "truth, not everyday use)")
+
+
+def value_options(args: argparse.Namespace) -> ValueOptions | None:
+    """The ValueOptions the value flags ask for (None without --values)."""
+    from cyclescope.values.capture import ValueOptions
+
+    if args.values is None:
+        for flag in ("values_users", "values_commands"):
+            if getattr(args, flag, None):
+                raise UsageError(f"--{flag.replace('_', '-')} needs --values")
+        if getattr(args, "exact", False):
+            raise UsageError("--exact needs --values")
+        return None
+    if args.interpret < 0 or args.interpret > 1024:
+        raise UsageError("--interpret must be between 0 and 1024")
+    if args.interpret_every < 1:
+        raise UsageError("--interpret-every must be at least 1")
+    if not 0 <= args.interpret_budget <= 1:
+        raise UsageError("--interpret-budget must be a share of one CPU between 0 (no limit) and 1")
+    if args.value_stack < 0 or args.value_stack % 8 or args.value_stack > 16384:
+        raise UsageError("--value-stack must be a multiple of 8 between 0 and 16384")
+    from cyclescope.values.modules import load_modules
+
+    names = tuple(x.strip() for x in args.values.split(",") if x.strip())
+    load_modules(names)  # unknown names fail here, with the list of known ones
+    users = None
+    if args.values_users:
+        import pwd
+
+        uids = set()
+        for u in args.values_users.split(","):
+            u = u.strip()
+            if u.isdigit():
+                uids.add(int(u))
+            else:
+                try:
+                    uids.add(pwd.getpwnam(u).pw_uid)
+                except KeyError:
+                    raise UsageError(f"--values-users: no user '{u}'") from None
+        users = frozenset(uids)
+    commands = frozenset(c.strip() for c in args.values_commands.split(",")) if args.values_commands else None
+    return ValueOptions(modules=names, length=args.interpret, every=args.interpret_every, stack=args.value_stack,
+                        users=users, commands=commands, budget=args.interpret_budget)
+
+
+def list_value_modules() -> int:
+    from cyclescope.values.modules import available, load_module
+
+    for name, where in sorted(available().items()):
+        try:
+            desc = load_module(name).description
+        except UsageError as e:
+            desc = f"(does not load: {e})"
+        print(f"{name:<10} {desc}  [{where}]")
+    return 0
 
 
 def make_events(args: argparse.Namespace) -> tuple[list[EventSpec], float | None]:
@@ -95,6 +184,7 @@ class Record(Command):
         t.add_argument("-p", "--pid", metavar="PID[,PID]", help="running process(es) and their future children")
         t.add_argument("-d", "--duration", type=float, metavar="SECONDS", help="stop after this long")
         add_sampling_options(p, DEFAULT_RECORD_HZ)
+        add_value_options(p, exact=True)
         o = p.add_argument_group("storing")
         o.add_argument("--append", action="store_true", help="add to the latest epoch instead of starting a new one")
         o.add_argument("--epoch-name", metavar="NAME", help="a name for the new epoch")
@@ -116,6 +206,11 @@ class Record(Command):
         cmd = list(args.command)
         if cmd and cmd[0] == "--":
             cmd = cmd[1:]
+        if args.values == "list":
+            return list_value_modules()
+        vopts = value_options(args)
+        if args.exact and (not cmd or args.pid or args.all_cpus):
+            raise UsageError("--exact needs a command (and neither -p nor -a)")
         if args.pid and cmd:
             raise UsageError("give either -p PID or a command, not both")
         if not cmd and not args.pid and not args.all_cpus:
@@ -142,11 +237,18 @@ class Record(Command):
 
             if shutil.which(cmd[0]) is None:
                 raise CycleScopeError(f"{cmd[0]}: command not found")
-        session = Session(events, target, rate_hz=rate, band=args.band, force=args.force)
+        if args.exact:
+            from cyclescope.cli.exact import run_exact
+
+            assert vopts is not None
+            return int(run_exact(args, cmd, events, rate, vopts))
+        session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
+                          user_stack=vopts.stack if vopts is not None else None)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                              rerandomize_s=args.redraw / 1000)
+                              rerandomize_s=args.redraw / 1000, values=vopts,
+                              drain_s=VALUE_DRAIN_S if vopts is not None else 1.0)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()
         collector = Collector(session, db, cfg, progress=progress_printer(start) if show else None)
@@ -175,6 +277,8 @@ class Record(Command):
             sys.stderr.write("\r\x1b[K")
         if not args.quiet:
             eprint(f"cyclescope record: {summary_line(totals, elapsed, collector.epoch, db_path(args))}")
+            if collector.values is not None:
+                eprint(f"cyclescope record: {value_summary(collector)}")
             if totals.lost_records or totals.lost_samples:
                 eprint("cyclescope record: some samples were lost (the ring buffer filled); "
                        "lower the rate or add CPUs to the drain")
@@ -182,6 +286,22 @@ class Record(Command):
         if child_session is not None:
             status = child_session.status
         return _exit_code(status)
+
+
+def value_summary(c: Collector) -> str:
+    v = c.values
+    assert v is not None
+    it = v.interp
+    parts = [f"values in {len(c.value_files)} file(s) readable by their owners only"]
+    if it is not None and it.runs:
+        from cyclescope.values.interp import describe_stops
+
+        parts.append(f"{fmt_count(it.runs)} interpreted runs, {it.steps / it.runs:.1f} steps each "
+                     f"(stops: {describe_stops(it.stops)})")
+    skipped = {k: n for k, n in v.skipped.items() if n}
+    if skipped:
+        parts.append("skipped: " + ", ".join(f"{k} {fmt_count(n)}" for k, n in skipped.items()))
+    return "; ".join(parts)
 
 
 def _exit_code(status: int | None) -> int:

@@ -26,7 +26,14 @@ from cyclescope.collect.aggregate import Aggregator, Counts
 from cyclescope.collect.clock import measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer, reply
 from cyclescope.collect.perf_abi import RecordType
-from cyclescope.collect.records import LostRecord, RecordDecoder, SideRecord, TaskRecord, ThrottleRecord
+from cyclescope.collect.records import (
+    CommRecord,
+    LostRecord,
+    RecordDecoder,
+    SideRecord,
+    TaskRecord,
+    ThrottleRecord,
+)
 from cyclescope.collect.session import Command, Processes, Session, SystemWide
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database, safe_host
@@ -37,6 +44,7 @@ from cyclescope.images.kernel import KernelMap, kernel_symbols, load_kernel_rang
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
+from cyclescope.values.capture import ValueCapture, ValueOptions
 
 
 @dataclass
@@ -57,6 +65,8 @@ class CollectorConfig:
     # survive upgrades and deletions: "binaries" (needed by list and calc), "symbols"
     # (enough for prof, a few KB each) or "none".
     archive: str = "binaries"
+    # Value capture (opt-in): registers and stack at each interrupt, hotlists per owner.
+    values: ValueOptions | None = None
 
 
 @dataclass
@@ -101,6 +111,11 @@ class Collector:
         if vdso:
             self.resolver.set_vdso(vdso)
         self.decoder = RecordDecoder(session.layout)
+        self.values: ValueCapture | None = None
+        if config.values is not None:
+            self.values = ValueCapture(config.values, self.mapper, self.table)
+        self.value_files: list[str] = []
+        self._values_since = time.time()
         self.agg = Aggregator()
         self.totals = RunTotals()
         self.epoch = 0
@@ -232,10 +247,22 @@ class Collector:
         chunks = self.session.drain()
         samples_list = []
         side: list[SideRecord] = []
+        regs_parts: list[np.ndarray] = []
+        stack_parts: list[np.ndarray] = []
+        len_parts: list[np.ndarray] = []
+        nregs = 0
         for raw in chunks:
             if not raw:
                 continue
             batch = self.decoder.decode(raw)
+            if len(batch.regs):
+                # Row indices into this batch's register arrays → into the concatenated ones.
+                has = batch.samples["regs"] >= 0
+                batch.samples["regs"][has] += nregs
+                nregs += len(batch.regs)
+                regs_parts.append(batch.regs)
+                stack_parts.append(batch.stack)
+                len_parts.append(batch.stack_len)
             samples_list.append(batch.samples)
             side.extend(batch.side)
             if batch.malformed:
@@ -253,6 +280,10 @@ class Collector:
                 self.session.note_fork(rec.pid, rec.ppid, rec.time)
             elif isinstance(rec, TaskRecord) and rec.kind == RecordType.EXIT and rec.pid == rec.tid:
                 self.session.forget_pid(rec.pid)
+                if self.values is not None:
+                    self.values.forget(rec.pid)
+            elif isinstance(rec, CommRecord) and rec.exec and self.values is not None:
+                self.values.forget(rec.pid)
         if not samples_list:
             if side:
                 self.mapper.map_batch(np.zeros(0, dtype=self._sample_dtype()), side)
@@ -265,6 +296,11 @@ class Collector:
         self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
         self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
+        if self.values is not None and regs_parts:
+            regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
+            stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
+            slen = np.concatenate(len_parts) if len(len_parts) > 1 else len_parts[0]
+            self.values.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
         n = len(samples)
         self.totals.samples += n
         unk = mapped.image == 0
@@ -326,6 +362,8 @@ class Collector:
             self._store_symbols(counts)
             if self.cfg.archive != "none":
                 self._archive(counts)
+        if self.values is not None:
+            self._flush_values(epoch)
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
         for k, v in meta.unknown.items():
@@ -359,6 +397,18 @@ class Collector:
         by_comm = np.bincount(counts.comm, weights=counts.count.astype(np.float64))
         top = np.argsort(by_comm)[::-1][:200]
         meta.processes = {self.mapper.comms.names[i]: int(by_comm[i]) for i in top.tolist() if by_comm[i] > 0}
+
+    def _flush_values(self, epoch: int) -> None:
+        from cyclescope.db.values import write_values
+
+        assert self.values is not None
+        now = time.time()
+        for _uid, (hotlists, vmeta) in self.values.take(self._values_since, now).items():
+            if not len(hotlists.hl) and not vmeta.samples:
+                continue
+            path = write_values(self.db, epoch, self.cfg.host, hotlists, vmeta)
+            self.value_files.append(str(path))  # compacted with the segments (`db compact`, in a child)
+        self._values_since = now
 
     def _store_symbols(self, counts: Counts) -> None:
         """Kernel, module, vdso and JIT symbols go into the database (their sources are transient)."""
@@ -452,7 +502,16 @@ class Collector:
             "unknown": self.totals.unknown, "pending_rows": len(self.agg), "processes": len(self.mapper.procs),
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
+            "values": self._value_status(),
         }
+
+    def _value_status(self) -> dict[str, Any] | None:
+        v = self.values
+        if v is None:
+            return None
+        interp = v.interp
+        return {"hotlist_rows_pending": v._pending_rows, "skipped": dict(v.skipped),
+                "interpreted": interp.runs if interp else 0, "stops": dict(interp.stops) if interp else {}}
 
 
 def _run_quietly(cmd: list[str]) -> int:

@@ -47,6 +47,7 @@ SAMPLE_DTYPE = np.dtype(
         ("cpu", "<u4"),
         ("cpumode", "u1"),
         ("extra", "<i4"),  # index into DecodedBatch.extras, or -1
+        ("regs", "<i4"),  # row of DecodedBatch.regs / .stack (user registers and stack), or -1
     ]
 )
 
@@ -58,12 +59,34 @@ class SampleLayout:
     sample_type: int
     regs_user_mask: int = 0
     read_format: int = 0
+    stack_user: int = 0  # bytes of user stack asked for (attr.sample_stack_user)
 
     @property
     def variable(self) -> bool:
         """True when sample records do not all have the same size."""
         var = Sample.CALLCHAIN | Sample.REGS_USER | Sample.STACK_USER | Sample.RAW | Sample.BRANCH_STACK
         return bool(self.sample_type & var) or bool(self.sample_type & Sample.READ)
+
+    @property
+    def regs_fixed(self) -> bool:
+        """User registers and stack but no callchain: the records of user-mode samples all have one
+        size (the kernel copies the asked stack size and says in dyn_size how much was valid), so
+        they decode in bulk too; samples without user registers (kernel threads) come one by one."""
+        st = self.sample_type
+        return (bool(st & Sample.REGS_USER) and not st & (Sample.CALLCHAIN | Sample.RAW | Sample.BRANCH_STACK
+                                                           | Sample.READ)
+                and (not st & Sample.STACK_USER or self.stack_user % 8 == 0))
+
+    def regs_dtype(self) -> np.dtype:
+        """numpy dtype of a sample record with user registers (abi != 0) and a full stack copy."""
+        base = self._fixed_fields()
+        n = len(regs_in_mask(self.regs_user_mask))
+        base += [("abi", "<u8"), ("uregs", "<u8", (n,))]
+        if self.sample_type & Sample.STACK_USER:
+            base.append(("ssize", "<u8"))
+            if self.stack_user:
+                base += [("stack", "u1", (self.stack_user,)), ("dyn", "<u8")]
+        return np.dtype(base)
 
     @property
     def unsupported(self) -> int:
@@ -78,6 +101,9 @@ class SampleLayout:
         """numpy dtype of a whole fixed-size sample record (header included)."""
         if self.variable:
             raise ValueError("sample records of this layout vary in size")
+        return np.dtype(self._fixed_fields())
+
+    def _fixed_fields(self) -> list[tuple[str, str] | tuple[str, str, tuple[int, ...]]]:
         st = self.sample_type
         fields: list[tuple[str, str]] = [("type", "<u4"), ("misc", "<u2"), ("size", "<u2")]
         if st & Sample.IDENTIFIER:
@@ -98,7 +124,7 @@ class SampleLayout:
             fields += [("cpu", "<u4"), ("res", "<u4")]
         if st & Sample.PERIOD:
             fields.append(("period", "<u8"))
-        return np.dtype(fields)
+        return fields  # type: ignore[return-value]
 
     def sample_id_size(self) -> int:
         """Size of the sample_id trailer that side records carry (sample_id_all)."""
@@ -223,6 +249,11 @@ class DecodedBatch:
     samples: np.ndarray
     side: list[SideRecord] = field(default_factory=list)
     extras: list[SampleExtras] = field(default_factory=list)
+    # User registers (one row per sample with registers, columns in regs_in_mask order), the
+    # user stack copies (zero-padded to the asked size) and how many bytes of each are valid.
+    regs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint64))
+    stack: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))
+    stack_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     truncated: int = 0  # bytes at the end that did not hold a whole record
     malformed: int = 0  # records whose size field was impossible
 
@@ -245,7 +276,11 @@ class RecordDecoder:
             raise ValueError(f"unsupported sample_type bits: {layout.unsupported:#x}")
         self.layout = layout
         self._variable = layout.variable
-        self._dtype = None if self._variable else layout.fixed_dtype()
+        self._regs_fixed = layout.regs_fixed
+        if self._regs_fixed:
+            self._dtype: np.dtype | None = layout.regs_dtype()
+        else:
+            self._dtype = None if self._variable else layout.fixed_dtype()
         self._sid_size = layout.sample_id_size()
         self._regs = regs_in_mask(layout.regs_user_mask)
         # The sample_id trailer as one struct, and where each field sits in it: IntFlag
@@ -431,13 +466,20 @@ class RecordDecoder:
                 except (ValueError, struct.error, IndexError):
                     malformed += 1
             off += size
-        samples = self._assemble(chunks, rows)
-        return DecodedBatch(samples, side, extras, truncated=n - off, malformed=malformed)
+        samples, regs, stack, slen = self._assemble(chunks, rows, extras)
+        return DecodedBatch(samples, side, extras, regs, stack, slen, truncated=n - off, malformed=malformed)
 
-    def _assemble(self, chunks: list[np.ndarray], rows: list[tuple[int, ...]]) -> np.ndarray:
+    def _assemble(self, chunks: list[np.ndarray], rows: list[tuple[int, ...]], extras: list[SampleExtras]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         total = sum(len(c) for c in chunks) + len(rows)
         out = np.zeros(total, dtype=SAMPLE_DTYPE)
         out["extra"] = -1
+        out["regs"] = -1
+        nregs = len(self._regs)
+        ssz = self.layout.stack_user if self._st & _STACK_USER else 0
+        regs_parts: list[np.ndarray] = []
+        stack_parts: list[np.ndarray] = []
+        len_parts: list[np.ndarray] = []
         pos = 0
         if chunks:
             c = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]  # one copy, then the fields once
@@ -452,11 +494,50 @@ class RecordDecoder:
                 if src in names:
                     dst[col] = c[src]
             dst["cpumode"] = c["misc"] & MISC_CPUMODE_MASK
+            if "uregs" in names:
+                dst["regs"] = np.arange(k, dtype=np.int32)
+                regs_parts.append(c["uregs"])
+                if "stack" in names:
+                    stack_parts.append(c["stack"])
+                    len_parts.append(np.minimum(c["dyn"], ssz).astype(np.uint32))
+                elif ssz:
+                    stack_parts.append(np.zeros((k, ssz), np.uint8))
+                    len_parts.append(np.zeros(k, np.uint32))
             pos = k
         if rows:
-            arr = np.array(rows, dtype=[(name, SAMPLE_DTYPE[name]) for name in SAMPLE_DTYPE.names or ()])
-            out[pos:] = arr
-        return out
+            arr = np.array(rows, dtype=[(name, SAMPLE_DTYPE[name]) for name in SAMPLE_DTYPE.names or ()
+                                        if name != "regs"])
+            dst = out[pos:]
+            for name in arr.dtype.names or ():
+                dst[name] = arr[name]
+            if nregs:
+                # Samples decoded one by one: their registers and stacks join the bulk rows.
+                base = sum(len(r) for r in regs_parts)
+                ex_idx = arr["extra"]
+                rr, ss, ll, which = [], [], [], []
+                for j, e in enumerate(ex_idx.tolist()):
+                    if e < 0:
+                        continue
+                    ex = extras[e]
+                    if not ex.regs_abi or len(ex.regs) != nregs:
+                        continue
+                    which.append(j)
+                    rr.append(ex.regs)
+                    st_row = np.zeros(ssz, np.uint8)
+                    if ssz and ex.stack:
+                        b = np.frombuffer(ex.stack[:ssz], np.uint8)
+                        st_row[: len(b)] = b
+                    ss.append(st_row)
+                    ll.append(min(len(ex.stack), ssz))
+                if which:
+                    dst["regs"][np.array(which)] = base + np.arange(len(which), dtype=np.int32)
+                    regs_parts.append(np.array(rr, dtype=np.uint64).reshape(len(which), nregs))
+                    stack_parts.append(np.array(ss, dtype=np.uint8).reshape(len(which), ssz))
+                    len_parts.append(np.array(ll, dtype=np.uint32))
+        regs = np.concatenate(regs_parts) if regs_parts else np.zeros((0, nregs), np.uint64)
+        stack = np.concatenate(stack_parts) if stack_parts else np.zeros((0, ssz), np.uint8)
+        slen = np.concatenate(len_parts) if len_parts else np.zeros(0, np.uint32)
+        return out, regs, stack, slen
 
 
 def _fixed_run(buf: memoryview | bytes, off: int, ssize: int, n: int, sample_t: int) -> int:

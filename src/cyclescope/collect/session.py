@@ -36,6 +36,7 @@ from cyclescope.collect.events import (
 )
 from cyclescope.collect.perf_abi import (
     PERF_ATTR_SIZE,
+    X86_REGS_USER_MASK,
     AttrFlag,
     PerfEventAttr,
     ReadFormat,
@@ -170,6 +171,8 @@ class Session:
         ring_pages: int = 256,
         exclude_idle: bool = True,
         seed: int | None = None,
+        user_stack: int | None = None,
+        traceme: bool = False,
     ) -> None:
         if not events:
             raise UsageError("no events to sample")
@@ -181,6 +184,7 @@ class Session:
         self.ring_pages = ring_pages
         self.exclude_idle = exclude_idle
         self.seed = seed
+        self.traceme = traceme  # the command asks to be traced before its exec (exact value mode)
         self.cpu_hz = cpu_hz()
         self.events: list[EventSpec] = []
         self.randomizers: list[PeriodRandomizer] = []
@@ -196,7 +200,14 @@ class Session:
         self._id_index: tuple[np.ndarray, np.ndarray] | None = None
         self._fork_time: dict[int, int] = {}  # per-task mode: pid -> when its period was fixed
         self.root_pids: set[int] = set()
-        self.layout = SampleLayout(int(BASE_SAMPLE_TYPE))
+        if user_stack is None:
+            self.layout = SampleLayout(int(BASE_SAMPLE_TYPE))
+        else:
+            # Value capture: the user registers and the top of the user stack at each interrupt.
+            if user_stack < 0 or user_stack % 8 or user_stack > 16384:
+                raise UsageError("the user stack snapshot must be a multiple of 8 bytes, at most 16384")
+            st = BASE_SAMPLE_TYPE | Sample.REGS_USER | (Sample.STACK_USER if user_stack else 0)
+            self.layout = SampleLayout(int(st), X86_REGS_USER_MASK, stack_user=user_stack)
         self.started_ns = 0
 
     # --- set-up --------------------------------------------------------------------
@@ -226,6 +237,8 @@ class Session:
         a.config = spec.config
         a.sample_period = period
         a.sample_type = int(self.layout.sample_type)
+        a.sample_regs_user = self.layout.regs_user_mask
+        a.sample_stack_user = self.layout.stack_user
         a.read_format = int(ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING)
         flags = AttrFlag.DISABLED | AttrFlag.SAMPLE_ID_ALL | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK
         if tracking:
@@ -363,6 +376,10 @@ class Session:
                 os.close(err_r)
                 os.read(go_r, 1)
                 os.close(go_r)
+                if self.traceme:
+                    from cyclescope.values.ptrace import traceme
+
+                    traceme()
                 os.execvp(exe, list(argv))
             except OSError as e:
                 os.write(err_w, f"{e.errno}".encode())

@@ -273,6 +273,7 @@ class Mapper:
         ends = np.concatenate((bounds, [len(order)])) if len(order) else np.zeros(0, np.int64)
         groups = {int(upids[s]): (int(s), int(e)) for s, e in zip(starts, ends, strict=True)}
         cursor = {p: s for p, (s, _) in groups.items()}
+        named = np.zeros(n, dtype=bool)
 
         def flush(pid: int, until: int | None) -> None:
             g = groups.get(pid)
@@ -288,6 +289,9 @@ class Mapper:
             st = self.procs.get(pid)
             if st is None and pid > 0:
                 st = self._state(pid)
+            if st is not None:
+                comm[pos] = st.comm  # the name in force when these samples were taken
+                named[pos] = True
             if st is None or (not st.starts and st.comm == 0):
                 image[pos] = 0
                 offset[pos] = np.uint64(Unknown.NO_PROCESS)
@@ -310,8 +314,7 @@ class Mapper:
         for pid in groups:
             flush(pid, None)
 
-        # comm per sample (the process's name after this batch: good enough for
-        # the rare sample that precedes an exec within the same batch).
+        # comm of the other samples (kernel mode): the process's name after this batch.
         all_pids = pids.astype(np.int64)
         uniq, inv = np.unique(all_pids, return_inverse=True)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
@@ -323,7 +326,7 @@ class Mapper:
                 st.last_seen_ns = now
             elif p == 0:
                 cidx[i] = self.comms.intern("swapper")
-        comm = cidx[inv]
+        comm = np.where(named, comm, cidx[inv])
         return MappedSamples(image, offset, comm, np.arange(n, dtype=np.int64))
 
     # --- memory -----------------------------------------------------------------

@@ -1,0 +1,277 @@
+"""Hotlist accuracy: the paper's Gibbons-Matias hotlist against other summaries at equal memory.
+
+Contenders, each keeping 16 counters:
+  gm          the value-sampling paper's hotlist (N = 16, f = 16/15), cyclescope's
+  calder      a Calder-style top-N table with an "other" count and periodic cleaning of its lower
+              half (interval 1000, then 1000 + the last steady entry's count), as in section 3
+              of ../shared/seeds/002_704d1f54f0e04446.txt
+  spacesaving Metwally et al.'s Space-Saving (a miss replaces the minimum counter, count = min + 1)
+  sketch      Apache DataSketches' frequent-items sketch, lg_max_map_size = 4 (a 16-slot map, at
+              most 12 counters at its 0.75 load factor)
+
+Streams: synthetic distributions with a known truth, and real value streams recorded by exact
+mode (single-stepping) from programs, whose complete counts are the truth. Reported per
+contender: mean absolute error of the estimated probabilities of the true top 3 values, and how
+often the estimated top value is the true one.
+
+Usage: python bench/hotlists.py [--trials 20] [--length 100000] [--programs values,gzip]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Hashable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import ROOT, build, machine, save
+
+sys.path.insert(0, str(ROOT / "src"))
+from cyclescope.values.hotlist import Hotlist
+
+N = 16
+
+
+class Summary:
+    name = ""
+
+    def add(self, v: Hashable) -> None:
+        raise NotImplementedError
+
+    def estimates(self) -> dict[Hashable, float]:
+        """Estimated probability per kept value."""
+        raise NotImplementedError
+
+
+class GM(Summary):
+    name = "gm"
+
+    def __init__(self, seed: int) -> None:
+        self.h = Hotlist(N, rng=random.Random(seed))
+
+    def add(self, v: Hashable) -> None:
+        self.h.add(v)
+
+    def estimates(self) -> dict[Hashable, float]:
+        return {v: share for v, _, share in self.h.top()}
+
+
+class Calder(Summary):
+    name = "calder"
+
+    def __init__(self, seed: int) -> None:
+        self.table: dict[Hashable, int] = {}
+        self.other = 0
+        self.total = 0
+        self.next_clean = 1000
+        self.since = 0
+
+    def add(self, v: Hashable) -> None:
+        self.total += 1
+        self.since += 1
+        if v in self.table:
+            self.table[v] += 1
+        elif len(self.table) < N:
+            self.table[v] = 1
+        else:
+            self.other += 1
+        if self.since >= self.next_clean:
+            ranked = sorted(self.table.items(), key=lambda kv: -kv[1])
+            steady, evicted = ranked[: N // 2], ranked[N // 2 :]
+            self.other += sum(c for _, c in evicted)
+            self.table = dict(steady)
+            self.since = 0
+            self.next_clean = 1000 + (steady[-1][1] if steady else 0)
+
+    def estimates(self) -> dict[Hashable, float]:
+        return {v: c / self.total for v, c in self.table.items()} if self.total else {}
+
+
+class SpaceSaving(Summary):
+    name = "spacesaving"
+
+    def __init__(self, seed: int) -> None:
+        self.table: dict[Hashable, int] = {}
+        self.total = 0
+
+    def add(self, v: Hashable) -> None:
+        self.total += 1
+        if v in self.table:
+            self.table[v] += 1
+        elif len(self.table) < N:
+            self.table[v] = 1
+        else:
+            victim = min(self.table, key=self.table.__getitem__)
+            c = self.table.pop(victim)
+            self.table[v] = c + 1
+
+    def estimates(self) -> dict[Hashable, float]:
+        return {v: c / self.total for v, c in self.table.items()} if self.total else {}
+
+
+class Sketch(Summary):
+    name = "sketch"
+
+    def __init__(self, seed: int) -> None:
+        import datasketches
+
+        self.ds = datasketches
+        self.s = datasketches.frequent_strings_sketch(4)
+        self.total = 0
+
+    def add(self, v: Hashable) -> None:
+        self.total += 1
+        self.s.update(repr(v))
+
+    def estimates(self) -> dict[Hashable, float]:
+        items = self.s.get_frequent_items(self.ds.frequent_items_error_type.NO_FALSE_NEGATIVES)
+        return {k: est / self.total for k, est, _lo, _hi in items} if self.total else {}
+
+
+CONTENDERS: list[type[Summary]] = [GM, Calder, SpaceSaving, Sketch]
+
+
+def score(stream: list[Hashable], summary: Summary) -> tuple[float, bool]:
+    truth = Counter(stream)
+    n = len(stream)
+    for v in stream:
+        summary.add(v)
+    est = summary.estimates()
+    if isinstance(summary, Sketch):
+        est = {k: e for k, e in est.items()}
+        top3 = [v for v, _ in truth.most_common(3)]
+        errs = [abs(est.get(repr(v), 0.0) - truth[v] / n) for v in top3]
+        best = max(est, key=est.__getitem__) if est else None
+        return float(np.mean(errs)), best == repr(truth.most_common(1)[0][0])
+    top3 = [v for v, _ in truth.most_common(3)]
+    errs = [abs(est.get(v, 0.0) - truth[v] / n) for v in top3]
+    best = max(est, key=est.__getitem__) if est else None
+    return float(np.mean(errs)), best == truth.most_common(1)[0][0]
+
+
+def synthetic(kind: str, n: int, rng: np.random.Generator) -> list[Hashable]:
+    if kind == "70/20/10-spread":
+        u = rng.random(n)
+        return np.where(u < 0.7, 7, np.where(u < 0.9, 42, rng.integers(1000, 6000, n))).tolist()
+    if kind == "zipf-1.2":
+        return rng.zipf(1.2, n).tolist()
+    if kind == "uniform-8":
+        return rng.integers(0, 8, n).tolist()
+    if kind == "phase-change":
+        # One value dominates the first third, another the rest: the rest's value is the true top.
+        a = np.where(rng.random(n // 3) < 0.9, 1, rng.integers(100, 10000, n // 3))
+        b = np.where(rng.random(n - n // 3) < 0.6, 2, rng.integers(100, 10000, n - n // 3))
+        return np.concatenate([a, b]).tolist()
+    raise ValueError(kind)
+
+
+def exact_streams(exe: Path, argv: list[str], length: int, rate: float, min_len: int) -> dict[str, list[int]]:
+    """Value streams per (pc, kind) from exact-mode single-stepping of ``exe``."""
+    from cyclescope.values.exact import WALL, ExactTracer
+    from cyclescope.values.modules import Addresses, Operands, Results
+    from cyclescope.values.ptrace import traceme
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            traceme()
+            os.execv(str(exe), [str(exe), *argv])
+        finally:
+            os._exit(127)
+    tracer = ExactTracer(pid, length, 512, int(1e9 / rate), check=False)
+    mods = [Operands(per_call_site=False), Addresses(), Results()]
+    streams: dict[str, list[int]] = defaultdict(list)
+    try:
+        while tracer.exited is None:
+            _, status = os.waitpid(pid, WALL)
+            tracer.on_stop(status)
+            for st in tracer.stops:
+                for m in mods:
+                    for e in m.transform(st.steps):
+                        streams[f"{e.pc:#x} {e.kind}"].append(e.value.v0)
+            tracer.stops.clear()
+    finally:
+        if tracer.exited is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        tracer.close()
+    return {k: v for k, v in streams.items() if len(v) >= min_len}
+
+
+def run_all(streams: Iterable[tuple[str, list[Hashable]]], trials: int) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for label, stream in streams:
+        res: dict[str, Any] = {}
+        for cls in CONTENDERS:
+            errs, right = [], []
+            for t in range(trials if cls is GM else 1):  # the others are deterministic
+                e, r = score(stream, cls(t))
+                errs.append(e)
+                right.append(r)
+            res[cls.name] = {"mae_top3": float(np.mean(errs)), "top1_right": float(np.mean(right))}
+        out[label] = res
+    return out
+
+
+def print_table(title: str, results: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{title}: mean abs. error of the top-3 probabilities (points) / top value right")
+    print(f"{'stream':<28}" + "".join(f"{c.name:>20}" for c in CONTENDERS))
+    for label, res in results.items():
+        cells = "".join(f"{100 * res[c.name]['mae_top3']:>11.2f} / {100 * res[c.name]['top1_right']:>4.0f}%"
+                        for c in CONTENDERS)
+        print(f"{label:<28}{cells}")
+    if len(results) > 1:
+        cells = ""
+        for c in CONTENDERS:
+            mae = np.mean([r[c.name]["mae_top3"] for r in results.values()])
+            right = np.mean([r[c.name]["top1_right"] for r in results.values()])
+            cells += f"{100 * mae:>11.2f} / {100 * right:>4.0f}%"
+        print(f"{'mean':<28}{cells}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=20, help="runs of the (randomized) GM hotlist per stream")
+    ap.add_argument("--length", type=int, default=100_000, help="values per synthetic stream")
+    ap.add_argument("--programs", default="values,gzip", help="programs to stream real values from (exact mode)")
+    ap.add_argument("--exact-rate", type=float, default=2000.0)
+    ap.add_argument("--exact-length", type=int, default=8)
+    ap.add_argument("--min-stream", type=int, default=300, help="real streams with at least this many values")
+    args = ap.parse_args()
+    rng = np.random.default_rng(1)
+    syn = [(k, synthetic(k, args.length, rng)) for k in ("70/20/10-spread", "zipf-1.2", "uniform-8", "phase-change")]
+    results = {"synthetic": run_all(syn, args.trials)}
+    print_table(f"synthetic streams of {args.length:,} values, {args.trials} GM trials", results["synthetic"])
+    real: list[tuple[str, list[Hashable]]] = []
+    tmp = Path("/tmp/cs-bench-hotlists")
+    for prog in [p for p in args.programs.split(",") if p]:
+        if prog == "values":
+            exe = build("../tests/programs/values.c", tmp / "values")
+            argv = ["3000000"]
+        else:
+            exe = ROOT / "bench" / "out" / "suite" / "bin" / prog
+            inp = ROOT / "bench" / "out" / "suite" / "input.txt"
+            if not exe.exists() or not inp.exists():
+                print(f"skipping {prog}: build it first with bench/suite.py", file=sys.stderr)
+                continue
+            argv = ["-c", "-6", str(inp)] if prog in ("gzip", "minigzip") else ["-c", "-9", str(inp)]
+        streams = exact_streams(exe, argv, args.exact_length, args.exact_rate, args.min_stream)
+        # The streams with the most values, at most 12 per program.
+        for key in sorted(streams, key=lambda k: -len(streams[k]))[:12]:
+            real.append((f"{prog} {key}", streams[key]))  # type: ignore[arg-type]
+    if real:
+        results["real"] = run_all(real, args.trials)
+        print_table("real value streams from exact mode", results["real"])
+    path = save("hotlists", {"machine": machine(), "args": vars(args), "results": results,
+                             "stream_lengths": {k: len(v) for k, v in real}})
+    print(f"\nraw data: {path}")
+
+
+if __name__ == "__main__":
+    main()

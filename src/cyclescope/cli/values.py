@@ -1,0 +1,236 @@
+"""`cyclescope values` and `cyclescope invariants`: what sampled instructions computed."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_db, register, selection
+from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.report.render import write_json, write_table
+
+if TYPE_CHECKING:
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import ProfileSet
+    from cyclescope.db.values import ValueSelection
+    from cyclescope.images.symbolize import Symbolizer
+    from cyclescope.values.api import ValueModule
+
+
+def add_value_report_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modules", metavar="MODULES", default=None,
+                   help="value modules that format the values (default: those that captured them)")
+    p.add_argument("--uid", type=int, metavar="UID",
+                   help="only values of processes owned by UID (root reads everyone's; others their own)")
+
+
+def load_selection(args: argparse.Namespace) -> tuple[Database, ProfileSet, ValueSelection, Symbolizer,
+                                                       list[ValueModule]]:
+    from cyclescope.db.query import open_profile
+    from cyclescope.db.values import load_values
+    from cyclescope.images.symbolize import Symbolizer
+    from cyclescope.values.modules import DEFAULT_MODULES, load_modules
+
+    db = open_db(args)
+    ps = open_profile(db, selection(args))
+    hosts = list(args.host) if args.host else None
+    vs = load_values(db, ps.epochs, hosts, uid=args.uid)
+    if not vs.files:
+        hint = ""
+        if vs.unreadable:
+            hint = f" ({vs.unreadable} value file(s) of other users are not readable by you)"
+        raise NotFoundError(f"no value samples in epoch(s) {','.join(map(str, ps.epochs))}{hint}; record with "
+                            "--values to capture them")
+    names = args.modules.split(",") if args.modules else list(vs.meta.modules if vs.meta else DEFAULT_MODULES)
+    try:
+        modules = load_modules(names)
+    except UsageError:
+        modules = load_modules(DEFAULT_MODULES)  # a module that is gone: format with the built-ins
+    return db, ps, vs, Symbolizer(db), modules
+
+
+def _image_filter(ps: ProfileSet, patterns: list[str]) -> set[str] | None:
+    from cyclescope.db.query import match_images
+
+    if not patterns:
+        return None
+    keys = set(match_images(ps, patterns))
+    if not keys:
+        raise NotFoundError(f"no image matching {', '.join(patterns)} in the selection")
+    return keys
+
+
+@register
+class Values(Command):
+    name = "values"
+    help = "hotlists of the values instructions saw, per instruction (value sampling)"
+    description = (
+        "The most frequent values each sampled instruction read, addressed, loaded or produced, from\n"
+        "value sampling (record or daemon with --values): one row per instruction and kind of value,\n"
+        "with vtot (values seen), thld (the hotlist's sampling probability), nv (values kept) and the\n"
+        "hotlist with estimated shares, as in Figure 1 of the value-sampling paper."
+    )
+    epilog = (
+        "kinds: in:REG (operands), addr (effective addresses), load/store (memory values), out:REG (results),\n"
+        "ctx (call sites, at procedure entries), edge (branch outcomes), alias (same-address or 4K-aliased\n"
+        "pairs), KIND@ctx (per call site)\n\n"
+        "examples:\n"
+        "  cyclescope values                      # the most-sampled hotlists\n"
+        "  cyclescope values scale                # one procedure, instruction by instruction\n"
+        "  cyclescope values scale --kind in: --kind out:"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("procedure", nargs="?", help="only this procedure (or 0xSTART-0xEND with --image)")
+        p.add_argument("--kind", action="append", default=[], metavar="KIND",
+                       help="only these kinds of value (repeatable; 'in:' matches every operand)")
+        p.add_argument("--call-sites", action="store_true", help="include the per-call-site hotlists (KIND@ctx)")
+        p.add_argument("--top", type=int, default=4, metavar="N", help="values shown per hotlist (default: 4)")
+        p.add_argument("--min-vtot", type=int, default=1, metavar="N", help="hotlists with at least N values")
+        p.add_argument("--limit", type=int, default=40, metavar="N",
+                       help="at most N rows without a procedure (default: 40; 0: all)")
+        add_value_report_options(p)
+        add_selection_options(p, events=False)
+        add_output_options(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        import numpy as np
+
+        from cyclescope.report.summary import summarize
+        from cyclescope.report.values import Namer, ValuesReport, hot_rows, kind_matches, selection_notes
+
+        if args.top < 1:
+            raise UsageError("--top must be at least 1")
+        _db, ps, vs, sym, modules = load_selection(args)
+        nh = vs.hotlists
+        hl = nh.hl
+        namer = Namer(ps, sym, nh.images)
+        keep = hl.total >= args.min_vtot
+        kind_ok = np.array([kind_matches(k, args.kind or None, args.call_sites) for k in nh.kinds], bool)
+        keep &= kind_ok[hl.keys["kind"]]
+        allowed = _image_filter(ps, list(args.image))
+        if allowed is not None:
+            img_ok = np.array([k in allowed for k in nh.images], bool)
+            keep &= img_ok[hl.keys["image"]]
+        title = "cyclescope values: "
+        if args.procedure:
+            from cyclescope.cli.listing import resolve_target
+
+            target, _ = resolve_target(ps, args.procedure, list(args.image), sym)
+            img = nh.images.index(target.info.key) if target.info.key in nh.images else -1
+            keep &= (hl.keys["image"] == img) & (hl.keys["offset"] >= target.start) & (hl.keys["offset"] < target.end)
+            title += f"{target.name} in {target.info.path}"
+        else:
+            title += "the hotlists whose top value was seen most"
+        rows = hot_rows(nh, modules, namer, args.top, keep)
+        for r in rows:
+            r.where = namer.where(r.image, r.offset)
+            d = namer.insn(r.image, r.offset)
+            r.insn = d.text if d is not None else ""
+        if args.procedure:
+            rows.sort(key=lambda r: (r.offset, r.kind))
+        else:
+            # The most telling first: hotlists whose top value accounts for the most values.
+            rows.sort(key=lambda r: -(r.vtot * (r.values[0].share if r.values else 0.0)))
+            if args.limit:
+                rows = rows[: args.limit]
+        if not rows:
+            raise NotFoundError("no hotlist matches (try --kind, --min-vtot, or a procedure with samples)")
+        totals = {e: int(m.samples) for e, m in ps.events.items()}
+        rep = ValuesReport(rows, vs.meta, summarize(ps, totals), title, selection_notes(vs), args.top)
+        if args.json:
+            write_json(rep.to_json())
+        else:
+            from cyclescope.report.values import values_table
+
+            write_table(values_table(rep))
+        return 0
+
+
+@register
+class Invariants(Command):
+    name = "invariants"
+    help = "hot instructions whose values are (nearly) always the same: specialization candidates"
+    description = (
+        "Instructions in hot procedures whose operand, result, loaded value or address is dominated by\n"
+        "one value (per call site when the call context was captured), with the source line and an\n"
+        "upper estimate of the cycles that specializing the code for that value could remove: the\n"
+        "value-sampling paper's search for semi-invariant values."
+    )
+    epilog = (
+        "examples:\n"
+        "  cyclescope invariants\n"
+        "  cyclescope invariants --min-prob 0.9 --min-share 5"
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--min-prob", type=float, default=0.6, metavar="P",
+                       help="the top value's estimated probability at least P (default: 0.6)")
+        p.add_argument("--min-share", type=float, default=1.0, metavar="PCT",
+                       help="in procedures with at least PCT%% of the samples (default: 1)")
+        p.add_argument("--min-vtot", type=int, default=30, metavar="N",
+                       help="hotlists with at least N values (default: 30)")
+        p.add_argument("--limit", type=int, default=30, metavar="N", help="at most N rows (default: 30; 0: all)")
+        add_value_report_options(p)
+        add_selection_options(p, events=False)
+        add_output_options(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        import numpy as np
+
+        from cyclescope.report.summary import summarize
+        from cyclescope.report.values import (
+            InvariantsReport,
+            Namer,
+            find_invariants,
+            invariants_table,
+            selection_notes,
+        )
+
+        if not 0 < args.min_prob <= 1:
+            raise UsageError("--min-prob must be in (0, 1]")
+        if not 0 <= args.min_share <= 100:
+            raise UsageError("--min-share is a percentage")
+        _db, ps, vs, sym, modules = load_selection(args)
+        nh = vs.hotlists
+        allowed = _image_filter(ps, list(args.image))
+        if allowed is not None:
+            from cyclescope.values.hotlist import HotlistSet
+
+            hl = nh.hl
+            keep = np.array([k in allowed for k in nh.images], bool)[hl.keys["image"]]
+            idx = np.flatnonzero(keep)
+            remap = np.full(len(hl), -1, np.int64)
+            remap[idx] = np.arange(len(idx))
+            rows = remap[hl.hot] >= 0
+            nh.hl = HotlistSet(hl.keys[idx], hl.p[idx], hl.total[idx], remap[hl.hot[rows]], hl.values[rows],
+                               hl.counts[rows])
+        namer = Namer(ps, sym, nh.images)
+        items = find_invariants(nh, modules, namer, ps, args.min_prob, args.min_vtot, args.min_share / 100,
+                                args.limit)
+        totals = {e: int(m.samples) for e, m in ps.events.items()}
+        crit = (f"procedures with >= {args.min_share:g}% of the samples, hotlists of >= {args.min_vtot} values, "
+                f"top value >= {100 * args.min_prob:.0f}%")
+        rep = InvariantsReport(items, vs.meta, summarize(ps, totals), crit, selection_notes(vs))
+        if args.json:
+            write_json(rep.to_json())
+        else:
+            write_table(invariants_table(rep))
+        return 0
+
+
+def value_columns_for_listing(args: argparse.Namespace, ps: ProfileSet, sym: Symbolizer, image_key: str,
+                              start: int, end: int) -> tuple[list[str], dict[int, list[str]], list[str]]:
+    """`list --values`: (columns, per-address cells, notes)."""
+    from cyclescope.db.values import load_values
+    from cyclescope.report.values import Namer, listing_values, selection_notes
+    from cyclescope.values.modules import DEFAULT_MODULES, load_modules
+
+    hosts = list(args.host) if args.host else None
+    vs = load_values(ps.db, ps.epochs, hosts)
+    if not vs.files:
+        return [], {}, ["no value samples in this selection (record with --values)", *selection_notes(vs)]
+    modules = load_modules(list(vs.meta.modules if vs.meta else DEFAULT_MODULES))
+    namer = Namer(ps, sym, vs.hotlists.images)
+    cols, cells = listing_values(vs.hotlists, modules, namer, image_key, start, end, args.value_kind or None)
+    return cols, cells, selection_notes(vs)

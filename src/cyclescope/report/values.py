@@ -1,0 +1,480 @@
+"""Value reports: hotlists per instruction (the paper's Figure 1), value columns for `list`,
+and semi-invariant candidates (`invariants`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cyclescope.db.query import ProfileSet, query_counts
+from cyclescope.db.values import NamedHotlists, ValueSelection, ValuesMeta
+from cyclescope.images.registry import ImageInfo
+from cyclescope.images.symbolize import Symbolizer
+from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
+from cyclescope.report.summary import Summary
+from cyclescope.values.api import FormatContext, Value, ValueModule
+from cyclescope.values.insn import REG_VIEWS, InsnDetail, decode
+from cyclescope.values.modules import format_value
+
+PER_CALL_SITE = "@ctx"
+NOT_INVARIANT_KINDS = ("ctx", "edge", "alias")  # what a program is, not values an optimizer folds
+
+
+@dataclass
+class HotValue:
+    text: str
+    share: float  # estimated share of the values seen
+    count: float  # estimated count
+    value: Value
+    se: float = 0.0  # standard error of share: the hotlist's thinning and the sampling of values
+
+
+@dataclass
+class HotRow:
+    image: str  # image key
+    offset: int
+    kind: str
+    vtot: int
+    p: float
+    nv: int
+    values: list[HotValue]
+    where: str = ""  # procedure+offset
+    insn: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"image": self.image, "offset": self.offset, "where": self.where, "instruction": self.insn,
+                "kind": self.kind, "vtot": self.vtot, "thld": self.p, "nv": self.nv,
+                "hotlist": [{"value": v.text, "share": round(v.share, 6), "se": round(v.se, 6),
+                             "count": round(v.count, 2), "raw": [v.value.v0, v.value.v1]} for v in self.values]}
+
+
+class Namer:
+    """'procedure+0x12' for (image key, offset), and instruction text from the binaries."""
+
+    def __init__(self, ps: ProfileSet, sym: Symbolizer, images: list[str]) -> None:
+        self.ps = ps
+        self.sym = sym
+        self.images = images
+        self._code: dict[str, tuple[str, Any] | None] = {}
+
+    def info(self, key: str) -> ImageInfo | None:
+        return self.ps.images.get(key)
+
+    def where(self, key: str, off: int) -> str:
+        info = self.info(key)
+        if info is None:
+            return f"{off:#x}"
+        t = self.sym.table(info)
+        i = int(t.lookup(np.array([off], np.uint64))[0]) if len(t) else -1
+        if i < 0:
+            return f"{os.path.basename(info.path)}+{off:#x}"
+        s = int(t.starts[i])
+        return t.names[i] + (f"+{off - s:#x}" if off != s else "")
+
+    def by_index(self, img: int, off: int) -> str:
+        if 0 <= img < len(self.images):
+            return self.where(self.images[img], off)
+        return f"{off:#x}"
+
+    def insn(self, key: str, off: int) -> InsnDetail | None:
+        from cyclescope.images.disasm import read_code
+        from cyclescope.images.elf import read_load_info
+
+        if key not in self._code:
+            info = self.info(key)
+            entry = None
+            if info is not None and info.kind == "elf":
+                path = self.sym.binary(info).path
+                if path:
+                    try:
+                        entry = (path, read_load_info(path))
+                    except Exception:  # a damaged binary: no instruction text, values still shown
+                        entry = None
+            self._code[key] = entry
+        entry = self._code[key]
+        if entry is None:
+            return None
+        try:
+            raw = read_code(entry[0], off, off + 16, entry[1])
+        except Exception:
+            return None
+        return decode(raw, off) if raw else None
+
+    def fmt(self) -> FormatContext:
+        return FormatContext(self.by_index)
+
+
+def hot_rows(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, top: int,
+             keep: np.ndarray | None = None) -> list[HotRow]:
+    """A row per hotlist (those ``keep`` selects), values most frequent first."""
+    hl = nh.hl
+    if not len(hl):
+        return []
+    fctx = namer.fmt()
+    idx = np.flatnonzero(keep) if keep is not None else np.arange(len(hl))
+    order = np.argsort(hl.hot, kind="stable")
+    starts = np.searchsorted(hl.hot[order], idx, side="left")
+    ends = np.searchsorted(hl.hot[order], idx, side="right")
+    out = []
+    for i, a, b in zip(idx.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        rows = order[a:b]
+        k = hl.keys[i]
+        kind = nh.kinds[int(k["kind"])]
+        p = float(hl.p[i])
+        total = int(hl.total[i])
+        cnt = hl.counts[rows]
+        rank = rows[np.argsort(-cnt, kind="stable")]
+        vals = []
+        for r in rank[:top].tolist():
+            v = hl.values[r]
+            val = Value(int(v["v0"]), int(v["v1"]), int(v["vimg"]))
+            c = float(hl.counts[r])
+            est = c / p
+            share = est / total if total else 0.0
+            se = ((c * (1 - p)) ** 0.5 / p / total + (share * (1 - share) / total) ** 0.5) if total else 0.0
+            vals.append(HotValue(format_value(modules, kind, val, fctx), share, est, val, se))
+        key = nh.images[int(k["image"])]
+        out.append(HotRow(key, int(k["offset"]), kind, total, p, len(rows), vals))
+    return out
+
+
+def kind_matches(kind: str, patterns: list[str] | None, call_sites: bool) -> bool:
+    if patterns:
+        return any(kind == p or (p.endswith(":") and kind.startswith(p)) or kind.split(":")[0] == p
+                   for p in patterns)
+    return call_sites or not kind.endswith(PER_CALL_SITE)
+
+
+@dataclass
+class ValuesReport:
+    rows: list[HotRow]
+    meta: ValuesMeta | None
+    summary: Summary | None
+    title: str
+    notes: list[str] = field(default_factory=list)
+    top: int = 4
+
+    def to_json(self) -> dict[str, Any]:
+        from cyclescope.db.values import describe
+
+        return {"title": self.title, "capture": describe(self.meta), "rows": [r.to_json() for r in self.rows],
+                "notes": self.notes, "summary": self.summary.to_json() if self.summary else None}
+
+
+def capture_line(meta: ValuesMeta | None) -> str:
+    if meta is None:
+        return "no value samples"
+    from cyclescope.values.interp import describe_stops
+
+    s = f"value samples {fmt_count(meta.samples)}"
+    if meta.exact:
+        s += f" (exact mode: {fmt_count(meta.interpreted)} single-stepped, {meta.length} steps each"
+        if meta.check.get("compared"):
+            s += (f"; the interpreter agreed on {fmt_count(meta.check.get('agree', 0))} of "
+                  f"{fmt_count(meta.check['compared'])} steps")
+        s += ")"
+    elif meta.interpreted:
+        from collections import Counter
+
+        s += (f" ({fmt_count(meta.interpreted)} interpreted, L={meta.length}, 1 in {meta.every}; "
+              f"{meta.steps / meta.interpreted:.1f} steps each, stops: {describe_stops(Counter(meta.stops))})")
+    if meta.over_budget:
+        s += f"; {fmt_count(meta.over_budget)} not interpreted (over the CPU budget)"
+    return s + " · modules " + ",".join(meta.modules)
+
+
+def values_table(rep: ValuesReport) -> Table:
+    cols = [Col("address", style="dim"), Col("where", align="left"), Col("instruction", align="left"),
+            Col("kind", align="left", style="cyan"), Col("vtot"), Col("thld"), Col("nv"),
+            Col("hotlist", align="left", wrap=True, style="magenta")]
+    rows = []
+    for r in rep.rows:
+        hot = "  ".join(f"{v.text} {fmt_pct(100 * v.share, 1)}" for v in r.values)
+        if r.nv > len(r.values):
+            hot += f"  (+{r.nv - len(r.values)})"
+        rows.append([f"{r.offset:x}", r.where, r.insn, r.kind, fmt_count(r.vtot), f"{r.p:.3g}", str(r.nv), hot])
+    pre = [rep.title]
+    if rep.summary:
+        pre += rep.summary.lines("values")[1:]
+    pre.append(capture_line(rep.meta))
+    footer = ["vtot: values seen · thld: probability a value entered the hotlist (Gibbons-Matias p) · nv: values "
+              "kept; shares are count/p/vtot"] + [f"note: {n}" for n in rep.notes]
+    return Table(cols, rows, preamble=pre, footer=footer)
+
+
+# --- value columns for list ------------------------------------------------------------------
+
+
+def listing_values(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, image_key: str, start: int,
+                   end: int, kinds: list[str] | None) -> tuple[list[str], dict[int, list[str]]]:
+    """Per instruction of [start, end) in ``image_key``: its most informative hotlist's top values."""
+    hl = nh.hl
+    if not len(hl) or image_key not in nh.images:
+        return [], {}
+    img = nh.images.index(image_key)
+    k = hl.keys
+    sel = (k["image"] == img) & (k["offset"] >= start) & (k["offset"] < end)
+    kind_ok = np.array([kind_matches(n, kinds, False) and not n.startswith("ctx") for n in nh.kinds], bool)
+    sel &= kind_ok[k["kind"]] if len(kind_ok) else sel
+    rows = hot_rows(nh, modules, namer, 2, sel)
+    best: dict[int, HotRow] = {}
+    for r in rows:
+        cur = best.get(r.offset)
+        # Prefer the hotlist whose top value explains most: that is what a reader wants to see.
+        if cur is None or (r.values and (not cur.values or r.values[0].share * min(r.vtot, 50)
+                                         > cur.values[0].share * min(cur.vtot, 50))):
+            best[r.offset] = r
+    out = {}
+    for off, r in best.items():
+        vals = ", ".join(f"{v.text} {fmt_pct(100 * v.share, 0)}" for v in r.values)
+        out[off] = [f"{r.kind}: {vals}" if vals else r.kind]
+    return ["values (top hotlist)"], out
+
+
+# --- invariants ------------------------------------------------------------------------------
+
+
+@dataclass
+class Invariant:
+    image: str
+    offset: int
+    where: str
+    insn: str
+    kind: str
+    value: str
+    prob: float
+    prob_low: float  # two standard errors below
+    vtot: int
+    proc_share: float  # the procedure's share of the selection's samples
+    save: float  # upper estimate of the cycles specializing it could remove, as a share of all samples
+    source: str
+    call_site: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class InvariantsReport:
+    items: list[Invariant]
+    meta: ValuesMeta | None
+    summary: Summary | None
+    criteria: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        from cyclescope.db.values import describe
+
+        return {"criteria": self.criteria, "capture": describe(self.meta),
+                "invariants": [i.to_json() for i in self.items], "notes": self.notes,
+                "summary": self.summary.to_json() if self.summary else None}
+
+
+def _slice_samples(insns: list[InsnDetail], counts: dict[int, int], at: int, regs: set[str],
+                   include_self: bool) -> int:
+    """Samples on the instructions that depend, through registers, on ``regs`` as they are at ``at``.
+
+    A forward slice over the procedure in address order, from ``at`` to the end and around once
+    more (loops), ignoring memory: an upper-bound guide to what constant-folding the value could
+    touch, not an exact dataflow analysis.
+    """
+    pos = {d.address: i for i, d in enumerate(insns)}
+    i0 = pos.get(at)
+    if i0 is None:
+        return counts.get(at, 0)
+    tainted = set(regs)
+    hit: set[int] = set()
+    n = len(insns)
+    for step in range(2 * n):
+        d = insns[(i0 + step) % n]
+        uses = {r.full for r in d.reads}
+        if (step == 0 and include_self) or (uses & tainted):
+            hit.add(d.address)
+            tainted |= {r.full for r in d.writes}
+        elif step > 0:
+            tainted -= {r.full for r in d.writes}
+        if not tainted:
+            break
+    return sum(counts.get(a, 0) for a in hit)
+
+
+def ctx_shares(nh: NamedHotlists, image_key: str, entry: int) -> dict[tuple[int, int], float]:
+    """P(call site) from the ctx hotlist at a procedure's entry: {(image index, offset): share}."""
+    hl = nh.hl
+    if "ctx" not in nh.kinds or image_key not in nh.images or not len(hl):
+        return {}
+    k = hl.keys
+    hit = np.flatnonzero((k["image"] == nh.images.index(image_key)) & (k["offset"] == entry)
+                         & (k["kind"] == nh.kinds.index("ctx")))
+    if not len(hit):
+        return {}
+    i = int(hit[0])
+    rows = np.flatnonzero(hl.hot == i)
+    total = float(hl.total[i]) or 1.0
+    return {(int(hl.values[r]["vimg"]), int(hl.values[r]["v0"])): float(hl.counts[r]) / float(hl.p[i]) / total
+            for r in rows.tolist()}
+
+
+def find_invariants(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, ps: ProfileSet,
+                    min_prob: float, min_vtot: int, min_proc_share: float, limit: int) -> list[Invariant]:
+    from cyclescope.images.disasm import read_code
+    from cyclescope.images.dwarf import DwarfIndex, dwarf_source
+
+    hl = nh.hl
+    if not len(hl):
+        return []
+    # Flat samples (first event) per (image, offset) and per procedure.
+    t = query_counts(ps)
+    events = ps.event_names
+    ev0 = events[0] if events else None
+    per: dict[str, dict[int, int]] = {}
+    grand = 0
+    for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
+                               t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
+        if ev != ev0:
+            continue
+        grand += int(c)
+        d = per.setdefault(img, {})
+        d[int(off)] = d.get(int(off), 0) + int(c)
+    if not grand:
+        return []
+    kinds = nh.kinds
+    cand = np.array([not k.startswith(NOT_INVARIANT_KINDS) for k in kinds], bool)[hl.keys["kind"]]
+    cand &= hl.total >= min_vtot
+    rows = hot_rows(nh, modules, namer, 16, cand)
+    proc_cache: dict[tuple[str, int], tuple[float, list[InsnDetail], dict[int, int]]] = {}
+    dwarf: dict[str, DwarfIndex | None] = {}
+    out: list[Invariant] = []
+    for r in rows:
+        info = namer.info(r.image)
+        if info is None or not r.values:
+            continue
+        table = namer.sym.table(info)
+        i = int(table.lookup(np.array([r.offset], np.uint64))[0]) if len(table) else -1
+        if i < 0:
+            continue
+        start, end = int(table.starts[i]), int(table.ends[i])
+        counts = per.get(r.image, {})
+        pk = (r.image, start)
+        if pk not in proc_cache:
+            share = sum(c for o, c in counts.items() if start <= o < end) / grand
+            insns: list[InsnDetail] = []
+            b = namer.sym.binary(info)
+            if b.path and end - start <= 1 << 18:
+                try:
+                    code = read_code(b.path, start, end)
+                except Exception:
+                    code = b""
+                a = start
+                while a < end and code:
+                    ins = decode(code[a - start : a - start + 16], a)
+                    if ins is None:
+                        break
+                    insns.append(ins)
+                    a += ins.size
+            proc_cache[pk] = (share, insns, {o: c for o, c in counts.items() if start <= o < end})
+        share, insns, pcounts = proc_cache[pk]
+        if share < min_proc_share:
+            continue
+        me = next((d for d in insns if d.address == r.offset), None)
+        if me is not None and me.mem is None and not me.reads and r.kind.startswith("out:"):
+            continue  # an immediate move: constant by construction, nothing to learn
+        groups: list[tuple[str, list[HotValue], float, float]] = []  # (site, top, values, site share)
+        if r.kind.endswith(PER_CALL_SITE):
+            # Per call site: P(value | site) = est(value, site) / (vtot * P(site)), P(site) from the
+            # procedure's ctx hotlist (the pairs kept in this hotlist alone would overstate it).
+            site_p = ctx_shares(nh, r.image, start)
+            by_site: dict[tuple[int, int], list[HotValue]] = {}
+            for v in r.values:
+                by_site.setdefault((v.value.image, v.value.v1), []).append(v)
+            for (simg, soff), vs in by_site.items():
+                ps_ = site_p.get((simg, soff))
+                site_total = r.vtot * ps_ if ps_ else sum(v.count for v in vs)
+                if site_total < min_vtot / 2:
+                    continue
+                top = max(vs, key=lambda v: v.count)
+                prob = min(1.0, top.count / site_total)
+                se = top.se * (r.vtot / site_total) if site_total else 1.0
+                groups.append((namer.by_index(simg, soff), [HotValue(top.text.split(" from ")[0], prob, top.count,
+                                                                     top.value, se)], site_total,
+                               site_total / r.vtot if r.vtot else 0.0))
+        else:
+            groups.append(("", r.values[:1], float(r.vtot), 1.0))
+        for site, vs, _n, site_share in groups:
+            top = vs[0]
+            if top.share < min_prob:
+                continue
+            base = r.kind.split(":", 1)[-1].split("@", 1)[0]
+            view = REG_VIEWS.get(base)
+            regs = {view.full} if view is not None else set()
+            if (r.kind.startswith(("load", "out:")) or r.kind == "addr") and me is not None:
+                regs = {w.full for w in me.writes}
+            save = site_share * top.share * _slice_samples(insns, pcounts, r.offset, regs, True) / grand
+            src = ""
+            if r.image not in dwarf:
+                b = namer.sym.binary(info)
+                path = dwarf_source(b.path, info.key) if b.path else None
+                dwarf[r.image] = DwarfIndex(path, info.key) if path else None
+            dw = dwarf[r.image]
+            if dw is not None:
+                pos = dw.positions(np.array([r.offset], np.uint64))[0]
+                if pos is not None:
+                    src = f"{os.path.basename(pos.file)}:{pos.line}"
+            here = namer.insn(r.image, r.offset)
+            out.append(Invariant(r.image, r.offset, namer.where(r.image, r.offset), here.text if here else "", r.kind,
+                                 top.text, top.share, max(0.0, top.share - 2 * top.se), r.vtot, share, save, src,
+                                 site))
+    for dw in dwarf.values():
+        if dw is not None:
+            dw.close()
+    # A call-site row that says no more than the row for all sites (one caller) is dropped.
+    overall = {(x.image, x.offset, x.kind.split("@")[0], x.value): x.prob for x in out if not x.call_site}
+    out = [x for x in out if not x.call_site
+           or x.prob_low > overall.get((x.image, x.offset, x.kind.split("@")[0], x.value), 0.0)]
+    out.sort(key=lambda x: (-x.save, -x.prob))
+    # The same instruction and value through several kinds (rdi in, and per call site): keep the best.
+    seen: set[tuple[str, int, str, str]] = set()
+    uniq = []
+    for x in out:
+        k = (x.image, x.offset, x.value, x.call_site)
+        if k in seen:
+            continue
+        seen.add(k)
+        uniq.append(x)
+    return uniq[:limit] if limit else uniq
+
+
+def invariants_table(rep: InvariantsReport) -> Table:
+    cols = [Col("save<=", style="bold"), Col("proc%"), Col("address", style="dim"), Col("where", align="left"),
+            Col("kind", align="left", style="cyan"), Col("value", align="left", style="magenta"), Col("prob"),
+            Col("vtot"), Col("call site", align="left"), Col("source", align="left", style="green"),
+            Col("instruction", align="left", wrap=True)]
+    rows = []
+    for x in rep.items:
+        rows.append([fmt_pct(100 * x.save, 2), fmt_pct(100 * x.proc_share, 1), f"{x.offset:x}", x.where, x.kind,
+                     x.value, f"{fmt_pct(100 * x.prob, 0)} (>={fmt_pct(100 * x.prob_low, 0)})", fmt_count(x.vtot),
+                     x.call_site or "any", x.source, x.insn])
+    pre = ["cyclescope invariants: " + rep.criteria]
+    if rep.summary:
+        pre += rep.summary.lines("invariants")[1:]
+    pre.append(capture_line(rep.meta))
+    footer = ["save<=: the top value's probability times the samples of the instructions that depend on it "
+              "(a register slice of the procedure), as a share of all samples: what specializing for that value "
+              "could remove at most",
+              "prob: estimated probability of the top value (>= two standard errors below)"]
+    footer += [f"note: {n}" for n in rep.notes]
+    if not rep.items:
+        footer.insert(0, "no instruction meets the criteria")
+    return Table(cols, rows, preamble=pre, footer=footer)
+
+
+def selection_notes(vs: ValueSelection) -> list[str]:
+    notes = []
+    if vs.unreadable:
+        notes.append(f"{vs.unreadable} value file(s) or directories of other users are not readable by you "
+                     "(values are private to the sampled processes' owners)")
+    notes += [f"skipped: {c}" for c in vs.corrupt]
+    return notes

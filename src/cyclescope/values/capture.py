@@ -1,0 +1,631 @@
+"""Value capture at the sampling interrupt, in bulk, and the daemon's in-memory hotlists.
+
+For every user-mode sample that carries registers and a stack snapshot (and whose
+process may be value-sampled), the instruction at the sampled PC is decoded once
+(per image and offset) into a plan: what each customization module wants of it.
+Plans are evaluated over all samples of that PC at once with numpy:
+
+- the registers the instruction reads (its inputs: the interrupt precedes it);
+- the effective address of its memory operand;
+- the outputs of the instruction before it, when PC is not a branch target (the
+  previous instruction has just retired, so its destination registers hold its
+  results); at a return point that is the call, and rax is what the callee returned;
+- the call context: a return address into the caller, from the word at the top of
+  the stack at a procedure's entry, else [rbp+8] when rbp frames the snapshot, else
+  the first word of the snapshot that points just after a call instruction.
+
+One sample in ``every`` is also interpreted for ``length`` instructions (see
+interp.py); the tuple sequence goes through each module's ``transform``.
+
+All observations of a drain become exact counts per (owner, image, offset, kind,
+value), are reduced to hotlists, and merged into the hotlists held since the last
+flush (hotlist.merge_sets): no Python runs per value.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cyclescope.collect.perf_abi import MISC_USER
+from cyclescope.db.values import NamedHotlists, ValuesMeta
+from cyclescope.images.disasm import read_code
+from cyclescope.images.elf import ElfInfo, read_load_info
+from cyclescope.images.registry import ImageTable
+from cyclescope.images.symbolize import Symbolizer
+from cyclescope.values.api import Capture, Emit, Step, Value, ValueModule
+from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, merge_sets, reduce_set, unique_struct
+from cyclescope.values.insn import PERF_COLUMNS, InsnDetail, decode
+from cyclescope.values.interp import Interpreter
+from cyclescope.values.modules import DEFAULT_MODULES, MAP_CODE, load_modules
+
+MEM_KEY_DTYPE = np.dtype([("uid", "<i4"), ("image", "<i8"), ("offset", "<u8"), ("kind", "<i4")])
+MAX_PROC_BYTES = 1 << 18  # disassemble procedures up to 256 KiB for boundaries and branch targets
+SCAN_WORDS = 32  # stack words searched for a return address when nothing better is known
+_RSP, _RBP, _RIP = PERF_COLUMNS["rsp"], PERF_COLUMNS["rbp"], PERF_COLUMNS["rip"]
+
+
+@dataclass
+class ValueOptions:
+    modules: tuple[str, ...] = DEFAULT_MODULES
+    length: int = 4  # instructions interpreted after a sample (0: no interpretation)
+    every: int = 2  # interpret one sample in this many
+    stack: int = 512  # bytes of user stack copied at each interrupt
+    users: frozenset[int] | None = None  # only processes of these uids (None: any)
+    commands: frozenset[str] | None = None  # only processes with these command names
+    seed: int | None = None
+    # Interpretation may use at most this share of one CPU, measured per drain; past it the chosen
+    # samples are not interpreted (counted as "over budget"), so that a long L never stalls draining
+    # and costs PC samples. Capture at the interrupt is not limited: it is cheap and vectorized.
+    budget: float = 0.5
+    exact: bool = False  # sequences come from single-stepping (values/exact.py), not the interpreter
+
+
+@dataclass
+class ProcCode:
+    start: int
+    end: int
+    addrs: np.ndarray  # instruction addresses (ELF vaddr), sorted
+    targets: frozenset[int]  # direct branch targets inside the procedure
+
+
+@dataclass
+class Plan:
+    entry: int | None  # the procedure's first address
+    here: list[tuple[int, Capture]]  # (kind id, capture) at this PC
+    prev_off: int | None
+    prev: list[tuple[int, Capture]]  # captures of the previous instruction's outputs
+
+
+class CodeIndex:
+    """Instructions, procedure boundaries and return-address checks, per image, from the binaries."""
+
+    def __init__(self, table: ImageTable, symbolizer: Symbolizer | None = None) -> None:
+        self.table = table
+        self.sym = symbolizer or Symbolizer(None)
+        self._elf: dict[int, tuple[str, ElfInfo] | None] = {}
+        self._procs: dict[tuple[int, int], ProcCode | None] = {}
+        self._insns: dict[tuple[int, int], InsnDetail | None] = {}
+        self._ret: dict[tuple[int, int], bool] = {}
+
+    def _image(self, img: int) -> tuple[str, ElfInfo] | None:
+        if img in self._elf:
+            return self._elf[img]
+        out = None
+        info = self.table[img]
+        if info.kind == "elf" and info.offsets == "vaddr":
+            path = self.sym.binary(info).path
+            if path:
+                try:
+                    out = (path, read_load_info(path))
+                except (OSError, ValueError, Exception):
+                    out = None
+        self._elf[img] = out
+        return out
+
+    def code(self, img: int, start: int, end: int) -> bytes:
+        im = self._image(img)
+        if im is None:
+            return b""
+        try:
+            return read_code(im[0], start, end, im[1])
+        except (OSError, ValueError, Exception):
+            return b""
+
+    def insn(self, img: int, off: int) -> InsnDetail | None:
+        k = (img, off)
+        if k in self._insns:
+            return self._insns[k]
+        raw = self.code(img, off, off + 16)
+        d = decode(raw, off) if raw else None
+        if len(self._insns) > 1 << 18:
+            self._insns.clear()
+        self._insns[k] = d
+        return d
+
+    def proc(self, img: int, off: int) -> ProcCode | None:
+        info = self.table[img]
+        table = self.sym.table(info)
+        if not len(table):
+            return None
+        i = int(table.lookup(np.array([off], np.uint64))[0])
+        if i < 0:
+            return None
+        start, end = int(table.starts[i]), int(table.ends[i])
+        k = (img, start)
+        if k in self._procs:
+            return self._procs[k]
+        pc = None
+        if end - start <= MAX_PROC_BYTES:
+            from cyclescope.images.disasm import _cs
+
+            raw = self.code(img, start, end)
+            if raw:
+                addrs, targets = [], set()
+                for a, _size, mnem, ops in _cs(False).disasm_lite(raw, start):
+                    addrs.append(a)
+                    if mnem.startswith(("j", "loop")) and ops.startswith("0x"):
+                        try:
+                            t = int(ops, 16)
+                        except ValueError:
+                            continue
+                        if start <= t < end:
+                            targets.add(t)
+                pc = ProcCode(start, end, np.array(addrs, np.uint64), frozenset(targets))
+        self._procs[k] = pc
+        return pc
+
+    def prev(self, img: int, off: int, proc: ProcCode | None) -> InsnDetail | None:
+        """The instruction before ``off`` when control can only have come from it."""
+        if proc is None or off == proc.start or off in proc.targets:
+            return None
+        i = int(np.searchsorted(proc.addrs, off))
+        if i <= 0 or i >= len(proc.addrs) or int(proc.addrs[i]) != off:
+            return None
+        p = self.insn(img, int(proc.addrs[i - 1]))
+        if p is None or p.kind in ("jump", "ijump", "ret", "syscall") or p.next_address != off:
+            return None
+        return p
+
+    def is_return_address(self, img: int, off: int) -> bool:
+        """``off`` follows a call instruction (2 to 7 bytes long, ending exactly at ``off``)."""
+        k = (img, off)
+        r = self._ret.get(k)
+        if r is not None:
+            return r
+        r = False
+        if off >= 7:
+            raw = self.code(img, off - 7, off)
+            if len(raw) == 7:
+                for n in (5, 6, 2, 3, 7, 4):
+                    d = decode(raw[7 - n :] + b"\x90" * 8, off - n)
+                    if d is not None and d.size == n and d.mnemonic == "call":
+                        r = True
+                        break
+        if len(self._ret) > 1 << 18:
+            self._ret.clear()
+        self._ret[k] = r
+        return r
+
+
+@dataclass
+class OwnerStats:
+    samples: int = 0
+    interpreted: int = 0
+    steps: int = 0
+    over_budget: int = 0
+    stops: Counter[str] = field(default_factory=Counter)
+
+
+class ValueCapture:
+    """Turns sampled registers and stacks into hotlists, per owner; flushes hand them over."""
+
+    def __init__(self, opts: ValueOptions, mapper: Any, table: ImageTable, code: CodeIndex | None = None,
+                 interpreter: Interpreter | None = None, modules: list[ValueModule] | None = None) -> None:
+        self.opts = opts
+        self.mapper = mapper
+        self.table = table
+        self.code = code or CodeIndex(table)
+        self.modules = modules if modules is not None else load_modules(opts.modules)
+        self.interp = interpreter or (Interpreter() if opts.length > 0 and not opts.exact else None)
+        self.check: Counter[str] = Counter()
+        self.kinds: list[str] = []
+        self._kind_ids: dict[str, int] = {}
+        self._plans: dict[tuple[int, int], Plan | None] = {}
+        self._owners: dict[int, int | None] = {}
+        self._pinned: dict[int, int | None] = {}
+        self._pending: list[HotlistSet] = []
+        self._pending_rows = 0
+        self.stats: dict[int, OwnerStats] = defaultdict(OwnerStats)
+        self.skipped = Counter[str]()
+        self._rng = np.random.default_rng(opts.seed)
+        self._pyrng = random.Random(opts.seed)
+        self._prev_capturers: list[Any] = [m for m in self.modules if hasattr(m, "prev_plan")]
+        self.started = 0.0
+        self._last_interp = time.perf_counter()
+
+    # --- owners and filters ---------------------------------------------------------------
+    def pin_owner(self, pid: int) -> int | None:
+        """Look up and keep the owner of ``pid`` past its exit (exact mode hands over its last stops
+        after the process is gone)."""
+        uid = self._uid(pid)
+        self._pinned[pid] = uid
+        return uid
+
+    def _uid(self, pid: int, by_command: bool = True) -> int | None:
+        """The uid whose values these are; -1: not to be sampled; None: unknown. ``by_command``:
+        apply the command filter with the process's current name (callers that know each sample's
+        command filter by it themselves)."""
+        if pid in self._pinned:
+            return self._pinned[pid]
+        if pid in self._owners:
+            uid = self._owners[pid]
+        else:
+            uid = None
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("Uid:"):
+                            uid = int(line.split()[1])
+                            break
+            except (OSError, ValueError, IndexError):
+                uid = None
+            if uid is not None and self.opts.users is not None and uid not in self.opts.users:
+                uid = -1  # not ours to sample
+            if len(self._owners) > 65536:
+                self._owners.clear()
+            self._owners[pid] = uid
+        if by_command and uid is not None and uid >= 0 and self.opts.commands is not None:
+            st = self.mapper.procs.get(pid)
+            name = self.mapper.comms.names[st.comm] if st is not None else ""
+            if name not in self.opts.commands:
+                uid = -1
+        return uid
+
+    def forget(self, pid: int) -> None:
+        """A process exited or exec'd (its name, owner and memory may change)."""
+        self._owners.pop(pid, None)
+        if self.interp is not None:
+            self.interp.forget(pid)
+
+    def _kind(self, name: str) -> int:
+        k = self._kind_ids.get(name)
+        if k is None:
+            k = len(self.kinds)
+            self.kinds.append(name)
+            self._kind_ids[name] = k
+        return k
+
+    # --- plans ------------------------------------------------------------------------------
+    def _plan(self, img: int, off: int) -> Plan | None:
+        key = (img, off)
+        if key in self._plans:
+            return self._plans[key]
+        insn = self.code.insn(img, off)
+        plan = None
+        if insn is not None:
+            proc = self.code.proc(img, off)
+            here = [(self._kind(c.kind), c) for m in self.modules for c in m.plan(insn)]
+            prev_off, prev_caps = None, []
+            prev = self.code.prev(img, off, proc)
+            if prev is not None:
+                prev_off = prev.address
+                prev_caps = [(self._kind(c.kind), c) for m in self._prev_capturers
+                             for c in m.prev_plan(prev)]
+            plan = Plan(proc.start if proc is not None else None, here, prev_off, prev_caps)
+        if len(self._plans) > 1 << 18:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    # --- one drain ----------------------------------------------------------------------------
+    def process(self, samples: np.ndarray, image: np.ndarray, offset: np.ndarray, regs: np.ndarray,
+                stack: np.ndarray, stack_len: np.ndarray, comm: np.ndarray | None = None) -> int:
+        """Capture values from the samples of one drain; returns how many samples gave values.
+
+        ``comm``: each sample's command (CommTable index) when it was taken. With a command filter
+        it decides per sample, since one drain may hold a process's samples from before and after
+        an exec (a forked profiler child, say, before it becomes the profiled command)."""
+        rows = samples["regs"]
+        sel = np.flatnonzero((rows >= 0) & (samples["cpumode"] == MISC_USER) & (image > 0))
+        if not len(sel):
+            return 0
+        pids = samples["pid"][sel].astype(np.int64)
+        upids, pinv = np.unique(pids, return_inverse=True)
+        owner = np.array([(-2 if (u := self._uid(int(p), comm is None)) is None else u)
+                          for p in upids.tolist()], np.int64)[pinv]
+        if comm is not None and self.opts.commands is not None:
+            ucomm, cinv = np.unique(comm[sel], return_inverse=True)
+            names = self.mapper.comms.names
+            allowed = np.array([0 <= c < len(names) and names[c] in self.opts.commands
+                                for c in ucomm.tolist()], bool)[cinv]
+            owner = np.where((owner >= 0) & ~allowed, -1, owner)
+        ok = owner >= 0
+        self.skipped["not allowed"] += int((owner == -1).sum())
+        self.skipped["owner unknown"] += int((owner == -2).sum())
+        sel, pids, owner = sel[ok], pids[ok], owner[ok]
+        if not len(sel):
+            return 0
+        r = rows[sel]
+        R = regs[r]
+        S = stack[r] if stack.shape[1] else np.zeros((len(r), 0), np.uint8)
+        L = stack_len[r].astype(np.int64)
+        img = image[sel].astype(np.int64)
+        off = offset[sel].astype(np.uint64)
+        n = len(sel)
+
+        # Group by PC; plans and procedure entries per group.
+        pcs = np.empty(n, dtype=[("i", "<i8"), ("o", "<u8")])
+        pcs["i"], pcs["o"] = img, off
+        upc, ginv, _ = unique_struct(pcs)
+        plans = [self._plan(int(u["i"]), int(u["o"])) for u in upc]
+        entry = np.array([(p.entry if p is not None and p.entry is not None else -1) for p in plans],
+                         np.int64)[ginv]
+        at_entry = entry == off.astype(np.int64)
+        ctx_img, ctx_off = self._contexts(pids, R, S, L, at_entry)
+
+        keys_parts: list[np.ndarray] = []
+        vals_parts: list[np.ndarray] = []
+
+        def emit(idx: np.ndarray, koff: np.ndarray | int, kind: int, v0: np.ndarray, v1: np.ndarray | int = 0,
+                 vimg: np.ndarray | int = -1, kimg: np.ndarray | None = None) -> None:
+            k = np.empty(len(idx), MEM_KEY_DTYPE)
+            k["uid"] = owner[idx]
+            k["image"] = img[idx] if kimg is None else kimg
+            k["offset"] = koff
+            k["kind"] = kind
+            v = np.empty(len(idx), VALUE_DTYPE)
+            v["v0"], v["v1"], v["vimg"] = v0, v1, vimg
+            keys_parts.append(k)
+            vals_parts.append(v)
+
+        order = np.argsort(ginv, kind="stable")
+        bounds = np.flatnonzero(np.diff(ginv[order])) + 1
+        for grp in np.split(order, bounds):
+            if not len(grp):
+                continue
+            plan = plans[int(ginv[grp[0]])]
+            if plan is None:
+                continue
+            for kind, cap in plan.here:
+                self._evaluate(emit, grp, kind, cap, R, S, L, img, off, plan, ctx_img, ctx_off)
+            if plan.prev_off is not None:
+                for kind, cap in plan.prev:
+                    assert cap.reg is not None
+                    v = (R[grp, PERF_COLUMNS[cap.reg.full]] >> np.uint64(cap.reg.shift)) & np.uint64(cap.reg.mask)
+                    emit(grp, plan.prev_off, kind, v)
+
+        for o in np.unique(owner).tolist():
+            self.stats[o].samples += int((owner == o).sum())
+        if self.interp is not None and self.opts.length > 0:
+            self._interpret(pids, owner, R, S, L, ctx_img, ctx_off, keys_parts, vals_parts)
+        if keys_parts:
+            keys = np.concatenate(keys_parts)
+            vals = np.concatenate(vals_parts)
+            batch = reduce_set(HotlistSet.exact(keys, vals), rng=self._rng)
+            self._pending.append(batch)
+            self._pending_rows += batch.rows
+            if self._pending_rows > 400_000 and len(self._pending) > 1:
+                merged = merge_sets(self._pending, rng=self._rng)
+                self._pending = [merged]
+                self._pending_rows = merged.rows
+        return n
+
+    def _evaluate(self, emit: Any, grp: np.ndarray, kind: int, cap: Capture, R: np.ndarray, S: np.ndarray,
+                  L: np.ndarray, img: np.ndarray, off: np.ndarray, plan: Plan, ctx_img: np.ndarray,
+                  ctx_off: np.ndarray) -> None:
+        src = cap.source
+        if src == "reg":
+            assert cap.reg is not None
+            v = (R[grp, PERF_COLUMNS[cap.reg.full]] >> np.uint64(cap.reg.shift)) & np.uint64(cap.reg.mask)
+            if cap.with_ctx:
+                has = ctx_img[grp] >= 0
+                g = grp[has]
+                if len(g):
+                    emit(g, off[g], kind, v[has], ctx_off[g], ctx_img[g])
+            else:
+                emit(grp, off[grp], kind, v)
+        elif src == "addr":
+            insn = self.code.insn(int(img[grp[0]]), int(off[grp[0]]))
+            m = insn.mem if insn is not None else None
+            if m is None or m.segment or m.base == "rip":
+                return
+            ea = np.full(len(grp), np.uint64(m.disp & 0xFFFFFFFFFFFFFFFF), np.uint64)
+            with np.errstate(over="ignore"):
+                if m.base:
+                    ea = ea + R[grp, PERF_COLUMNS[m.base]]
+                if m.index:
+                    ea = ea + R[grp, PERF_COLUMNS[m.index]] * np.uint64(m.scale)
+            emit(grp, off[grp], kind, ea)
+        elif src == "ctx":
+            if plan.entry is None:
+                return
+            has = ctx_img[grp] >= 0
+            g = grp[has]
+            if len(g):
+                emit(g, plan.entry, kind, ctx_off[g], 0, ctx_img[g])
+        elif src == "stack":
+            o = cap.offset
+            if o < 0 or o + 8 > S.shape[1]:
+                return
+            inside = L[grp] >= o + 8
+            g = grp[inside]
+            if len(g):
+                emit(g, off[g], kind, np.ascontiguousarray(S[g, o : o + 8]).view("<u8").reshape(-1))
+
+    # --- call context -----------------------------------------------------------------------------
+    def _contexts(self, pids: np.ndarray, R: np.ndarray, S: np.ndarray, L: np.ndarray, at_entry: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        n = len(pids)
+        ctx_img = np.full(n, -1, np.int64)
+        ctx_off = np.zeros(n, np.uint64)
+        nw = min(S.shape[1] // 8, SCAN_WORDS)
+        if not nw:
+            return ctx_img, ctx_off
+        words = np.ascontiguousarray(S[:, : nw * 8]).view("<u8").reshape(n, nw)
+        valid_words = np.minimum(L // 8, nw)
+        # Candidate columns, best first: [rsp] at entry; [rbp+8] when rbp frames the snapshot; a scan.
+        rsp, rbp = R[:, _RSP].astype(np.int64), R[:, _RBP].astype(np.int64)
+        d = rbp - rsp
+        fp_col = np.where((d >= 0) & (d % 8 == 0) & (d // 8 + 1 < valid_words), d // 8 + 1, -1)
+        cand_img = np.full((n, nw), -1, np.int64)
+        cand_off = np.zeros((n, nw), np.uint64)
+        upids = np.unique(pids)
+        for p in upids.tolist():
+            st = self.mapper.procs.get(p)
+            if st is None:
+                continue
+            rows = np.flatnonzero(pids == p)
+            w = words[rows].reshape(-1)
+            ci, co = st.lookup(w)
+            cand_img[rows] = ci.reshape(len(rows), nw)
+            cand_off[rows] = co.reshape(len(rows), nw)
+        cols = np.arange(nw)
+        plausible = (cand_img > 0) & (cols[None, :] < valid_words[:, None])
+        ok = np.zeros((n, nw), bool)
+        if plausible.any():
+            pairs = np.empty(int(plausible.sum()), dtype=[("i", "<i8"), ("o", "<u8")])
+            pairs["i"], pairs["o"] = cand_img[plausible], cand_off[plausible]
+            up, inv, _ = unique_struct(pairs)
+            good = np.array([self.code.is_return_address(int(u["i"]), int(u["o"])) for u in up], bool)
+            ok[plausible] = good[inv]
+        # Entry: only [rsp] counts. Frame pointer next. Then the first plausible word.
+        first = np.where(ok.any(axis=1), ok.argmax(axis=1), -1)
+        fp_ok = (fp_col >= 0) & ok[np.arange(n), np.maximum(fp_col, 0)]
+        col = np.where(at_entry, np.where(ok[:, 0], 0, -1), np.where(fp_ok, fp_col, first))
+        has = col >= 0
+        idx = np.flatnonzero(has)
+        ctx_img[idx] = cand_img[idx, col[idx]]
+        ctx_off[idx] = cand_off[idx, col[idx]]
+        return ctx_img, ctx_off
+
+    # --- interpretation -------------------------------------------------------------------------
+    def _interpret(self, pids: np.ndarray, owner: np.ndarray, R: np.ndarray, S: np.ndarray, L: np.ndarray,
+                   ctx_img: np.ndarray, ctx_off: np.ndarray, keys_parts: list[np.ndarray],
+                   vals_parts: list[np.ndarray]) -> None:
+        assert self.interp is not None
+        k = max(1, self.opts.every)
+        chosen = np.flatnonzero(self._rng.random(len(pids)) < 1.0 / k)
+        now = time.perf_counter()
+        # The budget is a share of the time since the last drain (bounded, so that a long pause
+        # does not buy an unbounded stall now).
+        deadline = now + self.opts.budget * min(max(now - self._last_interp, 0.01), 0.5)
+        self._last_interp = now
+        if not len(chosen):
+            return
+        self._rng.shuffle(chosen)  # when the budget runs out, the ones left out are a random subset
+        cols = [(name, c) for name, c in PERF_COLUMNS.items() if name not in ("cs", "ss")]
+        emits: list[tuple[int, int, Emit]] = []  # (pid, uid, emit)
+        chosen_l = chosen.tolist()
+        for j, i in enumerate(chosen_l):
+            if self.opts.budget > 0 and j % 8 == 0 and time.perf_counter() > deadline:
+                for rest in chosen_l[j:]:
+                    self.stats[int(owner[rest])].over_budget += 1
+                self.skipped["interpretation over CPU budget"] += len(chosen_l) - j
+                break
+            pid, uid = int(pids[i]), int(owner[i])
+            row = R[i].tolist()
+            regs = {name: row[c] for name, c in cols}
+            res = self.interp.run(pid, regs, S[i, : int(L[i])].tobytes(), self.opts.length)
+            st = self.stats[uid]
+            st.interpreted += 1
+            st.steps += len(res.steps)
+            st.stops[res.reason] += 1
+            if not res.steps:
+                continue
+            if ctx_img[i] >= 0:
+                ctx = Value(int(ctx_off[i]), 0, int(ctx_img[i]))
+                for step in res.steps:
+                    step.context = ctx
+            for m in self.modules:
+                try:
+                    for e in m.transform(res.steps):
+                        emits.append((pid, uid, e))
+                except Exception:
+                    self.skipped[f"module {m.name} failed"] += 1
+        if emits:
+            self._emit_interpreted(emits, keys_parts, vals_parts)
+
+    def _emit_interpreted(self, emits: list[tuple[int, int, Emit]], keys_parts: list[np.ndarray],
+                          vals_parts: list[np.ndarray]) -> None:
+        n = len(emits)
+        m = 0xFFFFFFFFFFFFFFFF
+        kid = self._kind
+        flat = [(p, u, e.pc, e.value.v0 & m, e.value.v1 & m, e.value.image, kid(e.kind)) for p, u, e in emits]
+        cols = list(zip(*flat, strict=True))
+        pid = np.array(cols[0], np.int64)
+        uid = np.array(cols[1], np.int64)
+        pc = np.array(cols[2], np.uint64)
+        v0 = np.array(cols[3], np.uint64)
+        v1 = np.array(cols[4], np.uint64)
+        vimg = np.array(cols[5], np.int64)
+        kind = np.array(cols[6], np.int32)
+        img = np.full(n, -1, np.int64)
+        off = np.zeros(n, np.uint64)
+        code = vimg == MAP_CODE
+        for p in np.unique(pid).tolist():
+            st = self.mapper.procs.get(p)
+            if st is None:
+                continue
+            rows = np.flatnonzero(pid == p)
+            i1, o1 = st.lookup(pc[rows])
+            img[rows], off[rows] = i1, o1
+            crow = rows[code[rows]]
+            if len(crow):
+                i2, o2 = st.lookup(v0[crow])
+                vimg[crow] = np.where(i2 > 0, i2, -1)
+                v0[crow] = np.where(i2 > 0, o2, v0[crow])
+        vimg[vimg == MAP_CODE] = -1
+        keep = img > 0
+        k = np.empty(int(keep.sum()), MEM_KEY_DTYPE)
+        k["uid"], k["image"], k["offset"], k["kind"] = uid[keep], img[keep], off[keep], kind[keep]
+        v = np.empty(len(k), VALUE_DTYPE)
+        v["v0"], v["v1"], v["vimg"] = v0[keep], v1[keep], vimg[keep]
+        keys_parts.append(k)
+        vals_parts.append(v)
+
+    def add_sequences(self, pid: int, seqs: list[tuple[list[Step], str]]) -> None:
+        """Tuple sequences from elsewhere (exact mode): each (steps, why it stopped)."""
+        uid = self._uid(pid)
+        if uid is None or uid < 0:
+            self.skipped["owner unknown" if uid is None else "not allowed"] += len(seqs)
+            return
+        emits: list[tuple[int, int, Emit]] = []
+        st = self.stats[uid]
+        for steps, reason in seqs:
+            st.interpreted += 1
+            st.steps += len(steps)
+            st.stops[reason] += 1
+            for m in self.modules:
+                try:
+                    emits.extend((pid, uid, e) for e in m.transform(steps))
+                except Exception:
+                    self.skipped[f"module {m.name} failed"] += 1
+        if not emits:
+            return
+        keys_parts: list[np.ndarray] = []
+        vals_parts: list[np.ndarray] = []
+        self._emit_interpreted(emits, keys_parts, vals_parts)
+        if keys_parts and len(keys_parts[0]):
+            batch = reduce_set(HotlistSet.exact(np.concatenate(keys_parts), np.concatenate(vals_parts)),
+                               rng=self._rng)
+            self._pending.append(batch)
+            self._pending_rows += batch.rows
+
+    # --- flushing -----------------------------------------------------------------------------
+    def take(self, start: float, end: float) -> dict[int, tuple[NamedHotlists, ValuesMeta]]:
+        """Everything since the last take, per owner uid."""
+        if not self._pending and not self.stats:
+            return {}
+        merged = merge_sets(self._pending, rng=self._rng) if self._pending else HotlistSet.empty(MEM_KEY_DTYPE)
+        self._pending, self._pending_rows = [], 0
+        out: dict[int, tuple[NamedHotlists, ValuesMeta]] = {}
+        images = self.table.keys()
+        owners = set(self.stats) | set(np.unique(merged.keys["uid"]).tolist() if len(merged) else [])
+        for uid in sorted(owners):
+            sel = np.flatnonzero(merged.keys["uid"] == uid) if len(merged) else np.zeros(0, np.int64)
+            remap = np.full(len(merged.keys), -1, np.int64)
+            remap[sel] = np.arange(len(sel))
+            rows = np.flatnonzero(remap[merged.hot] >= 0) if len(merged) else np.zeros(0, np.int64)
+            keys = np.zeros(len(sel), dtype=[("image", "<i8"), ("offset", "<u8"), ("kind", "<i4")])
+            if len(sel):
+                keys["image"] = merged.keys["image"][sel]
+                keys["offset"] = merged.keys["offset"][sel]
+                keys["kind"] = merged.keys["kind"][sel]
+            hs = HotlistSet(keys, merged.p[sel], merged.total[sel], remap[merged.hot[rows]],
+                            merged.values[rows], merged.counts[rows])
+            st = self.stats.get(uid, OwnerStats())
+            meta = ValuesMeta(uid, samples=st.samples, interpreted=st.interpreted, steps=st.steps,
+                              over_budget=st.over_budget,
+                              stops=dict(st.stops), modules=[m.name for m in self.modules],
+                              length=self.opts.length, every=self.opts.every, start_time=start, end_time=end,
+                              exact=self.opts.exact, check=dict(self.check))
+            out[uid] = (NamedHotlists(hs, images, list(self.kinds)), meta)
+        self.stats = defaultdict(OwnerStats)
+        self.check = Counter()
+        return out

@@ -1,0 +1,396 @@
+"""Value capture without the kernel: instruction plans, the interpreter, modules, capture in bulk, storage."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, Sample
+from cyclescope.collect.records import RecordDecoder, SampleLayout
+from cyclescope.db.layout import Database
+from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValuesMeta, compact_values, load_values, value_files
+from cyclescope.db.values import write_values as write_value_file
+from cyclescope.errors import UsageError
+from cyclescope.images.registry import ImageInfo, ImageTable
+from cyclescope.values.api import Step, Value
+from cyclescope.values.capture import CodeIndex, ProcCode, ValueCapture, ValueOptions
+from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
+from cyclescope.values.insn import PERF_COLUMNS, decode, effective_address
+from cyclescope.values.interp import Interpreter
+from cyclescope.values.modules import MAP_CODE, Addresses, Edges, Operands, Results, VReplay, load_module, load_modules
+from tests import perfbytes as pb
+
+# --- instructions ---------------------------------------------------------------------------
+
+
+def test_decode_names_registers_memory_and_kind() -> None:
+    d = decode(bytes.fromhex("f20f1004c7") + b"\x90" * 8, 0x1000)  # movsd xmm0, [rdi + rax*8]
+    assert d is not None and d.mem is not None
+    assert (d.mem.base, d.mem.index, d.mem.scale, d.mem.disp, d.mem.size) == ("rdi", "rax", 8, 0, 8)
+    assert d.fp == "f64" and d.vwrites == ("xmm0",) and d.mem.read and not d.mem.write
+    assert effective_address(d.mem, {"rdi": 0x1000, "rax": 3}, d.next_address) == 0x1018
+    imul = decode(bytes.fromhex("480fafc7") + b"\x90" * 8, 0)  # imul rax, rdi
+    assert imul is not None and {r.name for r in imul.reads} == {"rax", "rdi"}
+    assert [w.name for w in imul.writes] == ["rax"]
+    e = decode(bytes.fromhex("8b4f08") + b"\x90" * 8, 0)  # mov ecx, [rdi + 8]
+    assert e is not None and e.writes[0].name == "ecx" and e.writes[0].bits == 32
+    assert decode(bytes.fromhex("0f05"), 0).kind == "syscall"  # type: ignore[union-attr]
+    assert decode(bytes.fromhex("74fe"), 0x10).target == 0x10  # type: ignore[union-attr]
+    tls = decode(bytes.fromhex("64488b042528000000"), 0)  # mov rax, fs:[0x28]
+    assert tls is not None and tls.mem is not None and tls.mem.segment == "fs"
+    assert effective_address(tls.mem, {}, 9) is None
+    nop = decode(bytes.fromhex("0f1f4000"), 0)
+    assert nop is not None and not nop.reads and nop.mem is None
+
+
+# --- the interpreter --------------------------------------------------------------------------
+
+CODE = 0x400000
+HEAP = 0x600000
+STACK = 0x7FF000
+
+
+def _memory(code: bytes) -> tuple[bytearray, bytearray]:
+    text = bytearray(4096)
+    text[: len(code)] = code
+    return text, bytearray(range(256)) * 16
+
+
+def _reader(text: bytearray, heap: bytearray):  # type: ignore[no-untyped-def]
+    def make(pid: int):  # type: ignore[no-untyped-def]
+        def rd(a: int, n: int) -> bytes | None:
+            if a >= CODE and a + n <= CODE + 4096:
+                return bytes(text[a - CODE : a - CODE + n])
+            if a >= HEAP and a + n <= HEAP + 4096:
+                return bytes(heap[a - HEAP : a - HEAP + n])
+            if a >= STACK - 4096 and a + n <= STACK + 4096:
+                return bytes(n)  # the stack: zeros (the snapshot covers its top)
+            return None
+
+        return rd
+
+    return make
+
+
+def _regs(**kw: int) -> dict[str, int]:
+    names = ["rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
+             "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "flags"]
+    r = {n: 0 for n in names}
+    r.update(rip=CODE, rsp=STACK)
+    r.update(kw)
+    return r
+
+
+def test_interpreter_records_results_loads_and_stores_without_side_effects() -> None:
+    code = bytes.fromhex("4801d8" "488b0424" "488907" "480fafc7" "0f05")
+    text, heap = _memory(code)
+    before = bytes(heap)
+    it = Interpreter(reader=_reader(text, heap))
+    run = it.run(1, _regs(rax=5, rbx=7, rdi=HEAP), struct.pack("<Q", 99) + bytes(56), 8)
+    assert run.reason == "syscall" and len(run.steps) == 4
+    add, load, store, mul = run.steps
+    assert add.results == {"rax": 12} and add.sampled and add.next_pc == CODE + 3
+    assert load.ea == STACK and load.loaded == 99 and load.results == {"rax": 99}
+    assert store.ea == HEAP and store.stored == 99
+    assert mul.regs_in["rdi"] == HEAP and mul.results == {"rax": (99 * HEAP) & (2**64 - 1)}
+    assert bytes(heap) == before  # the process's memory is never written
+    again = it.run(1, _regs(rax=1, rbx=1, rdi=HEAP), bytes(64), 3)
+    # The next run sees the process's memory again, not the previous run's store.
+    assert again.steps[1].loaded == 0 and again.reason == "length"
+    assert it.stops["syscall"] == 1 and it.stops["length"] == 1
+
+
+def test_interpreter_stops_cleanly_and_says_why() -> None:
+    text, heap = _memory(bytes.fromhex("488b07"))  # mov rax, [rdi]
+    it = Interpreter(reader=_reader(text, heap))
+    assert it.run(1, _regs(rdi=0x1234000), b"", 4).reason == "unmapped"
+    text2, _ = _memory(bytes.fromhex("f20f58c1"))  # addsd xmm0, xmm1: xmm values are not sampled
+    assert Interpreter(reader=_reader(text2, heap)).run(2, _regs(), b"", 4).reason == "vector"
+    text3, _ = _memory(bytes.fromhex("64488b042528000000"))
+    assert Interpreter(reader=_reader(text3, heap)).run(3, _regs(), b"", 4).reason == "tls"
+    text4, _ = _memory(bytes.fromhex("f3a4"))  # rep movsb
+    assert Interpreter(reader=_reader(text4, heap)).run(4, _regs(), b"", 4).reason == "unsupported"
+    assert Interpreter(reader=_reader(text, heap)).run(5, _regs(rip=0x9000), b"", 4).reason == "unmapped"
+
+
+def test_interpreter_follows_branches_and_calls() -> None:
+    # cmp rdi, 3; jne +3; add rax, 1; call +0 (pushes onto the stack); ret would read it back
+    code = bytes.fromhex("4883ff03" "7504" "4883c001" "e800000000" "c3")
+    text, heap = _memory(code)
+    it = Interpreter(reader=_reader(text, heap))
+    taken = it.run(1, _regs(rdi=4), bytes(64), 3)
+    assert [hex(s.pc) for s in taken.steps] == [hex(CODE), hex(CODE + 4), hex(CODE + 10)]
+    fall = it.run(1, _regs(rdi=3, rax=41), bytes(64), 5)
+    assert fall.steps[2].results == {"rax": 42}
+    call, ret = fall.steps[3], fall.steps[4]
+    assert call.next_pc == CODE + 15 and ret.next_pc == CODE + 15  # ret pops what call pushed
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+
+def _step(pc: int, hexcode: str, regs: dict[str, int], **kw: object) -> Step:
+    d = decode(bytes.fromhex(hexcode) + b"\x90" * 8, pc)
+    assert d is not None
+    return Step(pc, d, regs, **kw)  # type: ignore[arg-type]
+
+
+def test_modules_turn_steps_into_values() -> None:
+    st = _step(0x10, "488907", {"rdi": 0x5000, "rax": 7}, ea=0x5000, stored=7, next_pc=0x13, sampled=True)
+    ld = _step(0x13, "488b4f08", {"rdi": 0x5000}, ea=0x5008, loaded=9, results={"rcx": 9}, next_pc=0x17)
+    al = _step(0x17, "8b0f", {"rdi": 0x6000}, ea=0x6000, loaded=1, results={"ecx": 1}, next_pc=0x19)
+    br = _step(0x19, "75f5", {}, next_pc=0x10)
+    steps = [st, ld, al, br]
+    ops = list(Operands(per_call_site=False).transform(steps))
+    assert ("in:rdi", 0x5000) in {(e.kind, e.value.v0) for e in ops}
+    assert all(e.pc != 0x10 for e in ops)  # the sampled instruction's operands came from the interrupt
+    addrs = {(e.pc, e.kind, e.value.v0) for e in Addresses().transform(steps)}
+    assert (0x13, "load", 9) in addrs and (0x10, "store", 7) in addrs and (0x13, "addr", 0x5008) in addrs
+    res = {(e.pc, e.kind, e.value.v0) for e in Results().transform(steps)}
+    assert (0x13, "out:rcx", 9) in res and (0x17, "out:ecx", 1) in res
+    edges = list(Edges().transform(steps))
+    assert edges == [edges[0]] and edges[0].value == Value(0x10, 0, MAP_CODE)
+    # vreplay: the load at 0x17 reads 0x6000, 4 KiB from the store to 0x5000: a 4K-aliasing suspect.
+    alias = [(e.pc, e.value.v0, e.value.v1) for e in VReplay().transform(steps)]
+    assert (0x17, 0x10, 1) in alias
+    same = list(VReplay().transform([st, _step(0x20, "488b07", {"rdi": 0x5000}, ea=0x5000, loaded=7)]))
+    assert [(e.pc, e.value.v0, e.value.v1) for e in same] == [(0x20, 0x10, 0)]
+
+
+def test_module_lookup_by_entry_point_and_path() -> None:
+    assert load_module("operands").name == "operands"
+    assert load_module("cyclescope.values.modules:Edges").name == "edges"
+    with pytest.raises(UsageError, match="unknown value module 'nope'; available"):
+        load_module("nope")
+    with pytest.raises(UsageError, match="lacks plan/transform/format"):
+        load_module("cyclescope.values.modules:fmt_int")
+    assert [m.name for m in load_modules(["operands", "operands", "results"])] == ["operands", "results"]
+
+
+# --- capture in bulk -------------------------------------------------------------------------------
+
+# A procedure at 0x1000: mov rax, rdi; imul rax, rsi; mov rcx, [rdi + 8]; ret
+PROC = bytes.fromhex("4889f8" "480fafc6" "488b4f08" "c3")
+
+
+class _Code(CodeIndex):
+    def __init__(self, table: ImageTable) -> None:
+        super().__init__(table)
+        self._addrs = [0x1000, 0x1003, 0x1007, 0x100B]
+
+    def code(self, img: int, start: int, end: int) -> bytes:
+        if img == 2:  # the caller: "call rel32" ending at 0x2005
+            return (b"\x90\x90" + bytes.fromhex("e8f6efffff") + b"\x90" * 32)[start - 0x1FFE : end - 0x1FFE]
+        return (PROC + b"\x90" * 32)[start - 0x1000 : end - 0x1000] if start >= 0x1000 else b""
+
+    def proc(self, img: int, off: int) -> ProcCode | None:
+        if img == 1 and 0x1000 <= off < 0x100C:
+            return ProcCode(0x1000, 0x100C, np.array(self._addrs, np.uint64), frozenset())
+        return None
+
+
+class _State:
+    def __init__(self) -> None:
+        self.comm = 1
+
+    def lookup(self, ips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ips = ips.astype(np.uint64)
+        img = np.where((ips >= 0x555000000000) & (ips < 0x555000010000), 1,
+                       np.where((ips >= 0x556000000000) & (ips < 0x556000010000), 2, -2)).astype(np.int64)
+        base = np.where(img == 1, 0x555000000000, 0x556000000000).astype(np.uint64)
+        return img, np.where(img > 0, ips - base, 0).astype(np.uint64)
+
+
+class _Mapper:
+    def __init__(self) -> None:
+        self.procs = {os.getpid(): _State()}
+
+    class comms:  # mimics Mapper.comms
+        names: ClassVar[list[str]] = ["", "prog", "python"]
+
+
+def _batch(pcs: list[int], rdi: list[int], rsi: list[int], ret_addr: int) -> tuple[np.ndarray, ...]:
+    from cyclescope.collect.records import SAMPLE_DTYPE
+
+    n = len(pcs)
+    s = np.zeros(n, SAMPLE_DTYPE)
+    s["ip"] = [0x555000000000 + p for p in pcs]
+    s["pid"] = os.getpid()
+    s["cpumode"] = 2
+    s["regs"] = np.arange(n)
+    regs = np.zeros((n, len(PERF_COLUMNS)), np.uint64)
+    regs[:, PERF_COLUMNS["rdi"]] = rdi
+    regs[:, PERF_COLUMNS["rsi"]] = rsi
+    regs[:, PERF_COLUMNS["rax"]] = rdi  # as after "mov rax, rdi"
+    regs[:, PERF_COLUMNS["rsp"]] = 0x7FFF0000
+    regs[:, PERF_COLUMNS["rbp"]] = 1  # no frame pointer
+    stack = np.zeros((n, 64), np.uint8)
+    stack[:, :8] = np.frombuffer(struct.pack("<Q", ret_addr), np.uint8)
+    return s, np.array([1] * n, np.int64), np.array(pcs, np.uint64), regs, stack, np.full(n, 64, np.uint32)
+
+
+def _capture() -> tuple[ValueCapture, ImageTable]:
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    table.intern(ImageInfo("caller", "/caller", "elf", offsets="vaddr"))
+    vc = ValueCapture(ValueOptions(modules=("operands", "addresses", "context", "results"), length=0, seed=1),
+                      _Mapper(), table, code=_Code(table))
+    return vc, table
+
+
+def _rows(vc: ValueCapture) -> dict[tuple[int, str], dict[tuple[int, int, int], int]]:
+    (nh, meta), = vc.take(0.0, 1.0).values()
+    out: dict[tuple[int, str], dict[tuple[int, int, int], int]] = {}
+    hl = nh.hl
+    for i in range(len(hl)):
+        k = hl.keys[i]
+        out[(int(k["offset"]), nh.kinds[int(k["kind"])])] = dict(hl.hotlist(i).counts)  # type: ignore[arg-type]
+    assert meta.uid == os.getuid()
+    return out
+
+
+def test_capture_takes_operands_addresses_previous_results_and_context_in_bulk() -> None:
+    vc, _ = _capture()
+    # 30 samples on "imul rax, rsi" (0x1003): rsi is 3 two times in three; 10 on the load at 0x1007.
+    pcs = [0x1003] * 30 + [0x1007] * 10
+    rdi = [0x8000] * 40
+    rsi = [3, 3, 9] * 10 + [5] * 10
+    s, img, off, regs, stack, slen = _batch(pcs, rdi, rsi, 0x556000000000 + 0x2005)
+    assert vc.process(s, img, off, regs, stack, slen) == 40
+    rows = _rows(vc)
+    assert rows[(0x1003, "in:rsi")] == {(3, 0, -1): 20, (9, 0, -1): 10}
+    # At 0x1003 the previous instruction (mov rax, rdi at 0x1000) has just written rax.
+    assert rows[(0x1000, "out:rax")] == {(0x8000, 0, -1): 30}
+    assert rows[(0x1007, "addr")] == {(0x8008, 0, -1): 10}
+    # [rsp] is a return address (a call ends at 0x2005 in image 2): the context, kept at the entry.
+    assert rows[(0x1000, "ctx")] == {(0x2005, 0, 2): 40}
+    assert rows[(0x1003, "in:rsi@ctx")] == {(3, 0x2005, 2): 20, (9, 0x2005, 2): 10}
+
+
+def test_capture_respects_owner_and_command_filters() -> None:
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    for opts, kept in ((ValueOptions(length=0, users=frozenset({os.getuid() + 1})), 0),
+                       (ValueOptions(length=0, commands=frozenset({"other"})), 0),
+                       (ValueOptions(length=0, commands=frozenset({"prog"})), 4)):
+        vc = ValueCapture(opts, _Mapper(), table, code=_Code(table))
+        s, img, off, regs, stack, slen = _batch([0x1003] * 4, [1] * 4, [2] * 4, 0)
+        assert vc.process(s, img, off, regs, stack, slen) == kept
+        if not kept:
+            assert vc.skipped["not allowed"] == 4
+    # One drain may hold samples from before an exec (the forked profiler, "python") and after it
+    # ("prog"): the filter goes by each sample's command, not the process's name at the end.
+    vc = ValueCapture(ValueOptions(length=0, commands=frozenset({"prog"})), _Mapper(), table, code=_Code(table))
+    s, img, off, regs, stack, slen = _batch([0x1003] * 6, [1] * 6, [2] * 6, 0)
+    assert vc.process(s, img, off, regs, stack, slen, np.array([2, 2, 2, 2, 1, 1])) == 2
+    assert vc.skipped["not allowed"] == 4
+
+
+def test_interpretation_stays_within_its_cpu_budget_and_counts_what_it_left_out() -> None:
+    import time as _time
+
+    from cyclescope.values.interp import RunResult
+
+    class SlowInterpreter:
+        runs = 0
+        steps = 0
+
+        def run(self, pid: int, regs: dict[str, int], stack: bytes, length: int) -> RunResult:
+            self.runs += 1
+            _time.sleep(0.003)
+            return RunResult([], "length")
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    slow = SlowInterpreter()
+    vc = ValueCapture(ValueOptions(modules=("operands",), length=4, every=1, budget=0.5, seed=3),
+                      _Mapper(), table, code=_Code(table), interpreter=slow)  # type: ignore[arg-type]
+    vc._last_interp = _time.perf_counter() - 0.02  # 20 ms since the last drain: a 10 ms budget
+    s, img, off, regs, stack, slen = _batch([0x1003] * 40, [1] * 40, [2] * 40, 0)
+    assert vc.process(s, img, off, regs, stack, slen) == 40  # every sample still gives its values
+    assert 0 < slow.runs < 40
+    left = vc.skipped["interpretation over CPU budget"]
+    assert slow.runs + left == 40
+    (_, meta), = vc.take(0.0, 1.0).values()
+    assert meta.interpreted == slow.runs and meta.over_budget == left and meta.samples == 40
+    # Without a budget every chosen sample is interpreted.
+    slow2 = SlowInterpreter()
+    vc2 = ValueCapture(ValueOptions(modules=("operands",), length=4, every=1, budget=0, seed=3),
+                       _Mapper(), table, code=_Code(table), interpreter=slow2)  # type: ignore[arg-type]
+    vc2.process(*_batch([0x1003] * 10, [1] * 10, [2] * 10, 0))
+    assert slow2.runs == 10
+
+
+# --- records with registers --------------------------------------------------------------------------
+
+
+def test_samples_with_user_registers_and_stack_decode_in_bulk() -> None:
+    st = pb.ST | int(Sample.REGS_USER | Sample.STACK_USER)
+    layout = SampleLayout(st, X86_REGS_USER_MASK, stack_user=16)
+    regs = [list(range(i, i + 20)) for i in range(50)]
+    raw = b"".join(pb.sample_regs_stack(1, 0x400000 + i, 7, 7, i, 0, regs[i], bytes([i]) * 16) for i in range(50))
+    # A kernel thread's sample: no user registers (abi 0), a shorter record, decoded alone.
+    body = struct.pack("<QQiiQII", 1, 0xFFFF0000, 0, 0, 99, 0, 0) + struct.pack("<QQ", 0, 0)
+    raw += pb.record(9, 1, body)
+    b = RecordDecoder(layout).decode(raw)
+    assert len(b.samples) == 51 and b.regs.shape == (50, 20) and b.stack.shape == (50, 16)
+    assert b.samples["regs"].tolist() == [*range(50), -1]
+    assert b.regs[7].tolist() == regs[7] and bytes(b.stack[3]) == bytes([3]) * 16 and b.stack_len.tolist() == [16] * 50
+
+
+# --- storage -------------------------------------------------------------------------------------------
+
+
+def _named(offsets: list[int], values: list[int]) -> NamedHotlists:
+    keys = np.zeros(len(offsets), KEY_DTYPE)
+    keys["image"] = 0
+    keys["offset"] = offsets
+    keys["kind"] = 0
+    vals = np.zeros(len(values), VALUE_DTYPE)
+    vals["v0"] = values
+    vals["vimg"] = -1
+    return NamedHotlists(HotlistSet.exact(keys, vals), ["img"], ["in:rdi"])
+
+
+def test_value_files_are_private_atomic_and_compact(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    ep = db.new_epoch()
+    uid = os.getuid()
+    write_value_file(db, ep, "h", _named([16, 16, 32], [1, 1, 2]), ValuesMeta(uid, samples=3))
+    p2 = write_value_file(db, ep, "h", _named([16], [5]), ValuesMeta(uid, samples=1))
+    assert stat.S_IMODE(p2.stat().st_mode) == 0o600 and stat.S_IMODE(p2.parent.stat().st_mode) == 0o700
+    vs = load_values(db, [ep])
+    assert vs.files == 2 and vs.meta is not None and vs.meta.samples == 4
+    nh = vs.hotlists
+    got = {int(nh.hl.keys[i]["offset"]): dict(nh.hl.hotlist(i).counts) for i in range(len(nh.hl))}
+    assert got == {16: {(1, 0, -1): 2, (5, 0, -1): 1}, 32: {(2, 0, -1): 1}}
+    out = compact_values(db, ep, "h", uid)
+    assert out is not None and [f.name for f in value_files(db, ep, "h", uid)] == ["vals-00000001-00000002.parquet"]
+    again = load_values(db, [ep])
+    assert again.meta is not None and again.meta.samples == 4 and len(again.hotlists.hl) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another owner needs root")
+def test_value_files_belong_to_the_sampled_processes_owner(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    ep = db.new_epoch()
+    p = write_value_file(db, ep, "h", _named([16], [1]), ValuesMeta(65534, samples=1))
+    assert p.stat().st_uid == 65534 and p.parent.stat().st_uid == 65534
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_a_corrupt_value_file_is_reported_and_the_rest_kept(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    ep = db.new_epoch()
+    write_value_file(db, ep, "h", _named([16], [1]), ValuesMeta(os.getuid(), samples=1))
+    bad = write_value_file(db, ep, "h", _named([32], [2]), ValuesMeta(os.getuid(), samples=1))
+    bad.write_bytes(b"PAR1 not really")
+    vs = load_values(db, [ep])
+    assert vs.files == 1 and len(vs.corrupt) == 1 and "corrupt value file" in vs.corrupt[0]
+    assert compact_values(db, ep, "h", os.getuid()) is None  # never merges over a damaged file
