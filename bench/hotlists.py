@@ -181,6 +181,8 @@ def exact_streams(exe: Path, argv: list[str], length: int, rate: float, min_len:
     if pid == 0:  # pragma: no cover - the child
         try:
             traceme()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)  # compressors write their output to stdout
             os.execv(str(exe), [str(exe), *argv])
         finally:
             os._exit(127)
@@ -201,7 +203,15 @@ def exact_streams(exe: Path, argv: list[str], length: int, rate: float, min_len:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         tracer.close()
-    return {k: v for k, v in streams.items() if len(v) >= min_len}
+    return {k: v for k, v in streams.items() if len(v) >= min_len and _clear_top(v)}
+
+
+def _clear_top(stream: list[int]) -> bool:
+    """A stream whose top value is defined: at least 5% of it, and 1.2 times the runner-up (streams of
+    distinct values, such as loop counters, have no top value to get right)."""
+    top = Counter(stream).most_common(2)
+    n = len(stream)
+    return top[0][1] >= 0.05 * n and (len(top) < 2 or top[0][1] >= 1.2 * top[1][1])
 
 
 def run_all(streams: Iterable[tuple[str, list[Hashable]]], trials: int) -> dict[str, dict[str, Any]]:

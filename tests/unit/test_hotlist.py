@@ -117,3 +117,33 @@ def test_merging_keeps_hotlists_apart_and_small_ones_exact() -> None:
     assert m.keys["k"].tolist() == [1, 2] and m.p.tolist() == [1.0, 1.0] and m.total.tolist() == [5, 10]
     h1, h2 = m.hotlist(0), m.hotlist(1)
     assert h1.counts == {(1, 0, 0): 3, (2, 0, 0): 1, (3, 0, 0): 1} and h2.counts == {(5, 0, 0): 10}
+
+
+def test_reduction_in_one_pass_matches_the_papers_rounds_in_distribution() -> None:
+    # One hotlist: a value seen 60 times and 200 values seen once each; another with 10 values
+    # (under N: untouched). Reduced many times both ways, the rounds taken (p) and C[v]/p of the
+    # heavy value agree, and C[v]/p is unbiased.
+    keys = np.zeros(2, dtype=[("k", "<i8")])
+    keys["k"] = [0, 1]
+    vals = np.zeros(211, VALUE_DTYPE)
+    vals["v0"] = np.arange(211)
+    hot = np.array([0] * 201 + [1] * 10, np.int64)
+    counts = np.array([60] + [1] * 200 + [3] * 10, np.int64)
+    s = HotlistSet(keys, np.ones(2), np.array([260, 30], np.uint64), hot, vals, counts)
+    rng = np.random.default_rng(5)
+    res: dict[str, tuple[list[float], list[float]]] = {}
+    for name, limit in (("one pass", 1 << 30), ("rounds", 0)):
+        ps, est = [], []
+        for _ in range(3000):
+            r = reduce_set(s, 16, rng, per_instance_limit=limit)
+            assert np.bincount(r.hot, minlength=2).max() <= 16
+            assert r.p[1] == 1.0 and r.counts[r.hot == 1].tolist() == [3] * 10
+            ps.append(float(np.log(r.p[0])))
+            heavy = r.counts[(r.hot == 0) & (r.values["v0"] == 0)]
+            est.append(float(heavy.sum()) / float(r.p[0]))
+        res[name] = (ps, est)
+    a, b = res["one pass"], res["rounds"]
+    assert abs(np.mean(a[0]) - np.mean(b[0])) < 0.02 * abs(np.mean(b[0]))
+    assert abs(np.std(a[0]) - np.std(b[0])) < 0.15 * np.std(b[0])
+    for est in (a[1], b[1]):
+        assert abs(np.mean(est) - 60) < 4 * np.std(est) / np.sqrt(len(est))

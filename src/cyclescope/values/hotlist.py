@@ -235,19 +235,46 @@ def merge_sets(sets: list[HotlistSet], n: int = N_DEFAULT, rng: np.random.Genera
     return reduce_set(out, n, rng)
 
 
-def reduce_set(s: HotlistSet, n: int = N_DEFAULT, rng: np.random.Generator | None = None) -> HotlistSet:
-    """Bring every hotlist of ``s`` to at most ``n`` non-zero counters (in place of a copy)."""
+def reduce_set(s: HotlistSet, n: int = N_DEFAULT, rng: np.random.Generator | None = None,
+               per_instance_limit: int = 4_000_000) -> HotlistSet:
+    """Bring every hotlist of ``s`` to at most ``n`` non-zero counters (in place of a copy).
+
+    The paper's rounds (p /= f, every instance kept with probability 1/f, until at most ``n``
+    counters remain) are run in one pass, exactly in distribution: each recorded instance
+    survives a Geometric number G of rounds (P(G >= j) = f^-j), a counter is alive after j rounds
+    while one of its instances has G >= j, so a hotlist stops after J rounds, J = 1 + the
+    (n+1)-th largest of its counters' max G, and keeps the instances with G >= J. A drain has a
+    few hotlists with hundreds of distinct values, which take dozens of rounds one by one. When
+    the counts are too large to draw per instance, the rounds run one by one over those rows."""
     rng = rng or np.random.default_rng()
     f = n / (n - 1)
     hot, counts, p = s.hot, s.counts.copy(), s.p.copy()
-    while True:
-        nz = counts > 0
-        distinct = np.bincount(hot[nz], minlength=len(s.keys))
-        over = distinct > n
-        if not over.any():
-            break
-        rows = over[hot] & nz
-        counts[rows] = rng.binomial(counts[rows], 1.0 / f)
-        p[over] /= f
+    nz = counts > 0
+    over = np.bincount(hot[nz], minlength=len(s.keys)) > n
+    if not over.any():
+        keep = nz
+        return HotlistSet(s.keys, p, s.total, hot[keep], s.values[keep], counts[keep])
+    sub = np.flatnonzero(over[hot] & nz)
+    ids, local = np.unique(hot[sub], return_inverse=True)  # the hotlists over n, numbered densely
+    c = counts[sub]
+    if int(c.sum()) <= per_instance_limit:
+        rows_of = np.repeat(np.arange(len(sub)), c)
+        g = rng.geometric(1.0 - 1.0 / f, size=len(rows_of)) - 1  # rounds each instance survives
+        starts = np.concatenate(([0], np.cumsum(c)[:-1]))
+        tmax = np.maximum.reduceat(g, starts)
+        order = np.lexsort((-tmax, local))  # per hotlist, counters by max G, largest first
+        first = np.searchsorted(local[order], np.arange(len(ids)))
+        rounds = tmax[order[first + n]] + 1  # every hotlist here has more than n counters
+        c = np.bincount(rows_of, weights=g >= rounds[local[rows_of]], minlength=len(sub)).astype(np.int64)
+    else:
+        live = np.ones(len(ids), bool)
+        rounds = np.zeros(len(ids), np.int64)
+        while live.any():
+            rows = live[local] & (c > 0)
+            c[rows] = rng.binomial(c[rows], 1.0 / f)
+            rounds[live] += 1
+            live &= np.bincount(local[c > 0], minlength=len(ids)) > n
+    counts[sub] = c
+    p[ids] /= f ** rounds.astype(np.float64)
     keep = counts > 0
     return HotlistSet(s.keys, p, s.total, hot[keep], s.values[keep], counts[keep])
