@@ -95,12 +95,13 @@ class Daemon(Command):
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
-                          user_stack=vopts.stack if vopts is not None else None)
+                          user_stack=vopts.stack if vopts is not None else None,
+                          callchain=args.call_graph is not None)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
                               new_epoch=args.new_epoch, archive=args.archive,
-                              rerandomize_s=args.redraw / 1000, values=vopts,
-                              drain_s=VALUE_DRAIN_S if vopts is not None else 1.0)
+                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph is not None,
+                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0)
         c = Collector(session, db, cfg)
         c.listen()
         try:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("compare", "procedures (or instructions) whose share of samples changed significantly between two sets"),
     "values": ("values", "hotlists of the values instructions saw, per instruction (value sampling)"),
     "invariants": ("values", "hot instructions whose values are (nearly) always the same: specialization candidates"),
+    "export": ("export", "write call stacks (or the flat profile) as collapsed stacks, speedscope or pprof"),
     "db": ("db", "inspect or compact the profile database"),
 }
 

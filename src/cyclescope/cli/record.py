@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from cyclescope.values.capture import ValueOptions
 
 DEFAULT_RECORD_HZ = 5000.0
-# With value capture, drain often: the interpreter reads the process's memory when it runs, and
-# the closer that is to the interrupt, the fewer values have changed since.
+# With interpretation, drain often: the interpreter reads the process's memory when it runs, and
+# the closer that is to the interrupt, the fewer values have changed since. Capture at the interrupt
+# alone needs nothing but the sample, and drains like plain sampling (fewer, larger batches).
 VALUE_DRAIN_S = 0.1
 
 
@@ -41,6 +42,9 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
     g.add_argument("--redraw", type=float, default=200.0, metavar="MS",
                    help="draw a new random period every MS milliseconds (default: 200)")
     g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
+    g.add_argument("-g", "--call-graph", choices=["fp"], default=None,
+                   help="record call stacks: 'fp' has the kernel walk frame pointers (code built with "
+                        "-fno-omit-frame-pointer); stacks are counted in the database for `export`")
 
 
 def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
@@ -240,15 +244,18 @@ class Record(Command):
         if args.exact:
             from cyclescope.cli.exact import run_exact
 
+            if args.call_graph:
+                raise UsageError("--exact does not record call stacks; leave out --call-graph")
             assert vopts is not None
             return int(run_exact(args, cmd, events, rate, vopts))
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
-                          user_stack=vopts.stack if vopts is not None else None)
+                          user_stack=vopts.stack if vopts is not None else None,
+                          callchain=args.call_graph is not None)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                              rerandomize_s=args.redraw / 1000, values=vopts,
-                              drain_s=VALUE_DRAIN_S if vopts is not None else 1.0)
+                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph is not None,
+                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()
         collector = Collector(session, db, cfg, progress=progress_printer(start) if show else None)

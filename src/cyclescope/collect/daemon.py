@@ -35,6 +35,7 @@ from cyclescope.collect.records import (
     ThrottleRecord,
 )
 from cyclescope.collect.session import Command, Processes, Session, SystemWide
+from cyclescope.collect.stacks import StackAggregator
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database, safe_host
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, merge_clock, write_segment
@@ -67,6 +68,8 @@ class CollectorConfig:
     archive: str = "binaries"
     # Value capture (opt-in): registers and stack at each interrupt, hotlists per owner.
     values: ValueOptions | None = None
+    # Call stacks (PERF_SAMPLE_CALLCHAIN): counted per stack, written beside the flat counts.
+    stacks: bool = False
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Collector:
             self.values = ValueCapture(config.values, self.mapper, self.table)
         self.value_files: list[str] = []
         self._values_since = time.time()
+        self.stacks: StackAggregator | None = StackAggregator() if config.stacks else None
         self.agg = Aggregator()
         self.totals = RunTotals()
         self.epoch = 0
@@ -251,10 +255,14 @@ class Collector:
         stack_parts: list[np.ndarray] = []
         len_parts: list[np.ndarray] = []
         nregs = 0
+        chains: list[tuple[int, ...] | None] = []
         for raw in chunks:
             if not raw:
                 continue
             batch = self.decoder.decode(raw)
+            if self.stacks is not None:
+                ex = batch.samples["extra"].tolist()
+                chains.extend(batch.extras[e].callchain if e >= 0 else None for e in ex)
             if len(batch.regs):
                 # Row indices into this batch's register arrays → into the concatenated ones.
                 has = batch.samples["regs"] >= 0
@@ -296,6 +304,9 @@ class Collector:
         self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
         self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
+        if self.stacks is not None and chains:
+            kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
+            self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept)
         if self.values is not None and regs_parts:
             regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
             stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
@@ -364,6 +375,8 @@ class Collector:
                 self._archive(counts)
         if self.values is not None:
             self._flush_values(epoch)
+        if self.stacks is not None:
+            self._flush_stacks(epoch)
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
         for k, v in meta.unknown.items():
@@ -397,6 +410,18 @@ class Collector:
         by_comm = np.bincount(counts.comm, weights=counts.count.astype(np.float64))
         top = np.argsort(by_comm)[::-1][:200]
         meta.processes = {self.mapper.comms.names[i]: int(by_comm[i]) for i in top.tolist() if by_comm[i] > 0}
+
+    def _flush_stacks(self, epoch: int) -> None:
+        from cyclescope.db.stacks import write_stacks
+
+        assert self.stacks is not None
+        sc = self.stacks.take()
+        if not len(sc):
+            return
+        used = {i for st in sc.stacks for i, _ in st}
+        images = {self.table[i].key: self.table[i].to_json() for i in used if i > 0}
+        write_stacks(self.db, epoch, self.cfg.host, sc, self.table.keys(),
+                     [s.label for s in self.session.events], images)
 
     def _flush_values(self, epoch: int) -> None:
         from cyclescope.db.values import write_values

@@ -173,6 +173,7 @@ class Session:
         seed: int | None = None,
         user_stack: int | None = None,
         traceme: bool = False,
+        callchain: bool = False,
     ) -> None:
         if not events:
             raise UsageError("no events to sample")
@@ -208,6 +209,10 @@ class Session:
                 raise UsageError("the user stack snapshot must be a multiple of 8 bytes, at most 16384")
             st = BASE_SAMPLE_TYPE | Sample.REGS_USER | (Sample.STACK_USER if user_stack else 0)
             self.layout = SampleLayout(int(st), X86_REGS_USER_MASK, stack_user=user_stack)
+        if callchain:
+            # Call stacks, unwound by the kernel through frame pointers (--call-graph fp).
+            self.layout = SampleLayout(int(self.layout.sample_type | Sample.CALLCHAIN), self.layout.regs_user_mask,
+                                       stack_user=self.layout.stack_user)
         self.started_ns = 0
 
     # --- set-up --------------------------------------------------------------------
@@ -239,6 +244,10 @@ class Session:
         a.sample_type = int(self.layout.sample_type)
         a.sample_regs_user = self.layout.regs_user_mask
         a.sample_stack_user = self.layout.stack_user
+        if self.layout.sample_type & Sample.CALLCHAIN:
+            from cyclescope.collect.stacks import MAX_DEPTH
+
+            a.sample_max_stack = MAX_DEPTH
         a.read_format = int(ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING)
         flags = AttrFlag.DISABLED | AttrFlag.SAMPLE_ID_ALL | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK
         if tracking:

@@ -329,6 +329,29 @@ class Mapper:
         comm = np.where(named, comm, cidx[inv])
         return MappedSamples(image, offset, comm, np.arange(n, dtype=np.int64))
 
+    def map_frames(self, pids: np.ndarray, addrs: np.ndarray, kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Callchain frames to (image, offset), with the maps in force now (after the drain's
+        records). Unmappable frames get image 0 and offset 0."""
+        n = len(addrs)
+        image = np.zeros(n, np.int64)
+        offset = np.zeros(n, np.uint64)
+        if kernel.any() and len(self.kernel_images):
+            kidx, koff = self.kernel.lookup(addrs[kernel])
+            ok = kidx >= 0
+            image[kernel] = np.where(ok, self.kernel_images[np.where(ok, kidx, 0)], 0)
+            offset[kernel] = np.where(ok, koff, 0)
+        user = ~kernel
+        for p in np.unique(pids[user]).tolist():
+            st = self.procs.get(p)
+            if st is None:
+                continue
+            rows = np.flatnonzero(user & (pids == p))
+            img, off = st.lookup(addrs[rows])
+            good = img > 0
+            image[rows] = np.where(good, img, 0)
+            offset[rows] = np.where(good, off, 0)
+        return image, offset
+
     # --- memory -----------------------------------------------------------------
     def reap(self, now_ns: int | None = None, idle_s: float = 600.0) -> int:
         """Forget processes that exited (after a grace period for late samples)

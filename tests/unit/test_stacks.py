@@ -1,0 +1,133 @@
+"""Call stacks without the kernel: callchain parsing, aggregation, the stack files, the export formats."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cyclescope.collect.stacks import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER, StackAggregator, split_chain
+from cyclescope.db.layout import Database
+from cyclescope.db.stacks import load_stacks, stacks_dir, write_stacks
+from cyclescope.errors import DataError
+from cyclescope.report.export import SPEEDSCOPE_SCHEMA, collapsed, named_stacks, speedscope
+
+
+def test_callchains_split_into_frames_with_return_addresses_marked() -> None:
+    chain = (PERF_CONTEXT_KERNEL, 0xFFFF0010, 0xFFFF0020, PERF_CONTEXT_USER, 0x401000, 0x402005, 0x403009, 0)
+    assert split_chain(chain, 0xFFFF0010) == [
+        (0xFFFF0010, True, False), (0xFFFF0020, True, True),  # the kernel's PC, then a return address
+        (0x401000, False, False),  # where user space was interrupted: a PC
+        (0x402005, False, True), (0x403009, False, True),  # return addresses; the 0 that ends the chain goes
+    ]
+    assert split_chain((), 0x401000) == [(0x401000, False, False)]
+
+
+class _Proc:
+    def lookup(self, ips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ips = ips.astype(np.uint64)
+        inside = (ips >= 0x400000) & (ips < 0x500000)
+        return np.where(inside, 1, -3).astype(np.int64), np.where(inside, ips - 0x400000, 0).astype(np.uint64)
+
+
+class _Mapper:
+    def __init__(self) -> None:
+        self.procs = {7: _Proc()}
+
+    def map_frames(self, pids: np.ndarray, addrs: np.ndarray, kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        img = np.zeros(len(addrs), np.int64)
+        off = np.zeros(len(addrs), np.uint64)
+        u = ~kernel
+        i, o = self.procs[7].lookup(addrs[u])
+        img[u], off[u] = np.where(i > 0, i, 0), np.where(i > 0, o, 0)
+        img[kernel], off[kernel] = 2, addrs[kernel] - np.uint64(0xFFFF0000)
+        return img, off
+
+
+def test_stacks_are_mapped_with_return_addresses_at_their_call_and_counted() -> None:
+    agg = StackAggregator()
+    chain = (PERF_CONTEXT_USER, 0x401000, 0x402005, 0x403009)
+    agg.add(_Mapper(), np.array([7, 7, 7]), np.array([0x401000] * 3, np.uint64), np.array([0, 0, 1]),
+            [chain, chain, None])
+    sc = agg.take()
+    stacks, ev, n = sc.rows()
+    got = {(tuple(s), e): c for s, e, c in zip(stacks, ev, n, strict=True)}
+    full = ((1, 0x1000), (1, 0x2004), (1, 0x3008))  # return addresses looked up one byte back
+    assert got == {(full, 0): 2, (((1, 0x1000),), 1): 1}  # no callchain: the sampled ip alone
+    assert len(agg.take()) == 0
+
+
+def test_stack_files_round_trip_and_a_corrupt_one_is_skipped(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    epoch = db.ensure_epoch()
+    agg = StackAggregator()
+    agg.add(_Mapper(), np.array([7]), np.array([0x401000], np.uint64), np.array([0]),
+            [(PERF_CONTEXT_USER, 0x401000, 0x402005)])
+    keys = ["[unknown]", "buildid-a", "kernel"]
+    write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock"], {"buildid-a": {"key": "buildid-a"}})
+    agg.add(_Mapper(), np.array([7]), np.array([0x401000], np.uint64), np.array([0]),
+            [(PERF_CONTEXT_USER, 0x401000, 0x402005)])
+    write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock"], {})
+    sel = load_stacks(db, [epoch])
+    assert sel.files == 2 and sel.images == {"buildid-a": {"key": "buildid-a"}}
+    assert sel.counts == Counter({("cpu-clock", (("buildid-a", 0x1000), ("buildid-a", 0x2004))): 2})
+    assert load_stacks(db, [epoch], images={"other"}).counts == Counter()
+    (stacks_dir(db, epoch, "h") / "stk-00000009-00000009.parquet").write_bytes(b"PAR1 not really")
+    sel = load_stacks(db, [epoch])
+    assert sel.files == 2 and len(sel.corrupt) == 1 and sum(sel.counts.values()) == 2
+    for f in stacks_dir(db, epoch, "h").iterdir():
+        if f.name != "stk-00000009-00000009.parquet":
+            f.unlink()
+    with pytest.raises(DataError, match="corrupt"):
+        load_stacks(db, [epoch])
+
+
+def test_collapsed_and_speedscope_documents() -> None:
+    stacks = Counter({("cpu-clock", (("a", 0x10), ("a", 0x20))): 5,  # leaf first
+                      ("cpu-clock", (("a", 0x11), ("a", 0x20))): 2,
+                      ("cpu-clock", (("a", 0x20),)): 1,
+                      ("page-faults", (("a", 0x30),)): 4})
+    name = {("a", 0x10): "leaf", ("a", 0x11): "leaf", ("a", 0x20): "main x", ("a", 0x30): "f;g"}.__getitem__
+    cpu = named_stacks(stacks, name, "cpu-clock")
+    assert cpu == Counter({("main x", "leaf"): 7, ("main x",): 1})  # offsets of one procedure merge
+    assert collapsed(cpu) == "main_x;leaf 7\nmain_x 1\n"
+    assert collapsed(named_stacks(stacks, name, "page-faults")) == "f:g 4\n"
+    doc = speedscope({"cpu-clock": cpu}, "t")
+    assert doc["$schema"] == SPEEDSCOPE_SCHEMA
+    frames = [f["name"] for f in doc["shared"]["frames"]]
+    (p,) = doc["profiles"]
+    assert sorted(([frames[i] for i in s], w) for s, w in zip(p["samples"], p["weights"], strict=True)) == [
+        (["main x"], 1), (["main x", "leaf"], 7)]
+    assert p["endValue"] == 8 and json.loads(json.dumps(doc)) == doc
+
+
+def test_pprof_document_has_mappings_locations_functions_and_values_per_event() -> None:
+    import gzip
+
+    from cyclescope.report.export import pprof
+    from cyclescope.report.proto import profile_pb2 as pb
+
+    stacks = Counter({("cpu-clock", (("lib", 0x10), ("exe", 0x20))): 3,
+                      ("cpu-clock", (("exe", 0x30),)): 5,
+                      ("page-faults", (("exe", 0x30),)): 2})
+    images = {"exe": {"path": "/bin/exe", "build_id": "ab12", "size": 0x1000}, "lib": {"path": "/lib/l.so"}}
+    names = {("lib", 0x10): ("f", "l.c", 7), ("exe", 0x20): ("main", "m.c", 3), ("exe", 0x30): ("main", "m.c", 4)}
+    blob = pprof(stacks, ["cpu-clock", "page-faults"], images, names.__getitem__, period=("cpu-clock", 200000))
+    p = pb.Profile()  # type: ignore[attr-defined]
+    p.ParseFromString(gzip.decompress(blob))
+    st = list(p.string_table)
+    assert st[0] == "" and [st[t.type] for t in p.sample_type] == ["cpu-clock", "page-faults"]
+    assert st[p.mapping[0].filename] == "/bin/exe" and st[p.mapping[0].build_id] == "ab12"  # most samples first
+    assert p.period == 200000 and st[p.period_type.unit] == "nanoseconds"
+    funcs = {f.id: st[f.name] for f in p.function}
+    assert sorted(funcs.values()) == ["f", "main"]  # one function for main's two locations
+    locs = {loc.id: loc for loc in p.location}
+    got = {tuple((funcs[locs[i].line[0].function_id], locs[i].line[0].line) for i in s.location_id): list(s.value)
+           for s in p.sample}
+    assert got == {(("f", 7), ("main", 3)): [3, 0], (("main", 4),): [5, 2]}
+    maps = {m.id: m for m in p.mapping}
+    assert all(maps[loc.mapping_id].memory_start <= loc.address < maps[loc.mapping_id].memory_limit
+               for loc in p.location)
