@@ -48,7 +48,7 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
 
 
 def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
-    from cyclescope.values.modules import DEFAULT_MODULES
+    from cyclescope.values import DEFAULT_MODULES
 
     g = p.add_argument_group("value sampling (opt-in: values are the sampled programs' data)")
     g.add_argument("--values", nargs="?", const=",".join(DEFAULT_MODULES), default=None, metavar="MODULES",
@@ -79,8 +79,6 @@ def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
 
 def value_options(args: argparse.Namespace) -> ValueOptions | None:
     """The ValueOptions the value flags ask for (None without --values)."""
-    from cyclescope.values.capture import ValueOptions
-
     if args.values is None:
         for flag in ("values_users", "values_commands"):
             if getattr(args, flag, None):
@@ -96,6 +94,7 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
         raise UsageError("--interpret-budget must be a share of one CPU between 0 (no limit) and 1")
     if args.value_stack < 0 or args.value_stack % 8 or args.value_stack > 16384:
         raise UsageError("--value-stack must be a multiple of 8 between 0 and 16384")
+    from cyclescope.values.capture import ValueOptions
     from cyclescope.values.modules import load_modules
 
     names = tuple(x.strip() for x in args.values.split(",") if x.strip())

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,7 +45,9 @@ from cyclescope.images.kernel import KernelMap, kernel_symbols, load_kernel_rang
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
-from cyclescope.values.capture import ValueCapture, ValueOptions
+
+if TYPE_CHECKING:  # value capture (capstone, unicorn, the modules) is imported only when asked for
+    from cyclescope.values.capture import ValueCapture, ValueOptions
 
 
 @dataclass
@@ -116,6 +118,8 @@ class Collector:
         self.decoder = RecordDecoder(session.layout)
         self.values: ValueCapture | None = None
         if config.values is not None:
+            from cyclescope.values.capture import ValueCapture
+
             self.values = ValueCapture(config.values, self.mapper, self.table)
         self.value_files: list[str] = []
         self._values_since = time.time()

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,13 +129,21 @@ def kernel_symbols(kallsyms: str, rng: KernelRange) -> SymbolTable:
                                    text_end=rng.end - rng.base)
 
 
+_KALLSYMS: tuple[float, str | None] | None = None
+KALLSYMS_TTL_S = 30.0  # modules come and go: a long-running daemon reads it afresh
+
+
 def read_kallsyms() -> str | None:
+    """/proc/kallsyms (about 0.15 s to read), kept for a few seconds: start-up reads it twice."""
+    global _KALLSYMS
+    now = time.monotonic()
+    if _KALLSYMS is not None and now - _KALLSYMS[0] < KALLSYMS_TTL_S:
+        return _KALLSYMS[1]
     ks = _read("/proc/kallsyms")
-    if not ks:
-        return None
-    text = ks.decode("utf-8", "replace")
-    if all(line.startswith("0000000000000000") for line in text.splitlines()[:50]):
-        return None  # kptr_restrict hides the addresses
+    text: str | None = ks.decode("utf-8", "replace") if ks else None
+    if text is not None and all(line.startswith("0000000000000000") for line in text.splitlines()[:50]):
+        text = None  # kptr_restrict hides the addresses
+    _KALLSYMS = (now, text)
     return text
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from importlib.metadata import entry_points
 
 from cyclescope.errors import UsageError
+from cyclescope.values import DEFAULT_MODULES as _DEFAULT_MODULES
 from cyclescope.values.api import BaseModule, Capture, Emit, FormatContext, Step, Value, ValueModule
 from cyclescope.values.insn import InsnDetail
 
@@ -224,7 +225,7 @@ BUILTIN: dict[str, type[BaseModule]] = {
     "operands": Operands, "addresses": Addresses, "context": Context, "results": Results,
     "edges": Edges, "vreplay": VReplay,
 }
-DEFAULT_MODULES = ("operands", "addresses", "context", "results", "edges", "vreplay")
+DEFAULT_MODULES = _DEFAULT_MODULES  # the built-ins, in the order reports show them
 
 
 def available() -> dict[str, str]:
