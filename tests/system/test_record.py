@@ -29,10 +29,11 @@ def test_record_a_command_attributes_samples_to_the_hot_function(compile_c: Call
     assert s["lost_records"] == 0 and s["lost_samples"] == 0
     assert s["unknown_share"] < 0.01
     # Randomized periods: -F 2000 is the mean rate, so the mean period is 500000 ns, drawn from
-    # [483871, 516129] every 200 ms: a few dozen draws, whose mean has a spread of about 0.4%.
+    # [483871, 516129] every 200 ms. The run lasts about a second here: 5-10 draws, whose mean has a
+    # standard deviation of about 0.6-0.9%; 4% is over four of them.
     top = 500_000 / (1 - 1 / 32)
     assert top * 15 / 16 < s["mean_period"]["cpu-clock"] < top
-    assert abs(s["mean_period"]["cpu-clock"] - 500_000) < 0.025 * 500_000
+    assert abs(s["mean_period"]["cpu-clock"] - 500_000) < 0.04 * 500_000
     row = next(r for r in rep["rows"] if r["procedure"] == "hot")
     assert row["image"] == str(exe) and len(row["image_key"]) == 40  # named by build-id
 

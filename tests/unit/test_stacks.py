@@ -131,3 +131,21 @@ def test_pprof_document_has_mappings_locations_functions_and_values_per_event() 
     maps = {m.id: m for m in p.mapping}
     assert all(maps[loc.mapping_id].memory_start <= loc.address < maps[loc.mapping_id].memory_limit
                for loc in p.location)
+
+
+def test_llvm_sample_text_follows_the_format() -> None:
+    from cyclescope.report.llvm_sample import FunctionProfile, render
+
+    f = FunctionProfile("main", head=10)
+    f.add(2, 0, 100)
+    f.add(2, 0, 80)  # the most any instruction at a line ran
+    f.add(3, 1, 40)
+    f.add(-1, 0, 999)  # before the function's first line: no valid offset
+    f.add_call(4, 0, "leaf", 30)
+    g = FunctionProfile("leaf", head=30)
+    g.add(1, 0, 3000)
+    cold = FunctionProfile("cold")
+    assert render([f, g, cold]) == (
+        "leaf:3000:30\n 1: 3000\n"
+        "main:170:10\n 2: 100\n 3.1: 40\n 4: 30 leaf:30\n"
+    )

@@ -14,25 +14,30 @@ import numpy as np
 from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, register, selection
 from cyclescope.errors import NotFoundError, UsageError
 
-FORMATS = ("collapsed", "speedscope", "pprof")
+FORMATS = ("collapsed", "speedscope", "pprof", "llvm-sample")
 
 
 @register
 class Export(Command):
     name = "export"
-    help = "write call stacks (or the flat profile) as collapsed stacks, speedscope or pprof"
+    help = "call stacks or the flat profile as collapsed, speedscope, pprof; llvm-sample for clang"
     description = (
         "Call stacks recorded with `record -g fp` (or `daemon -g fp`), symbolized, in a format other tools\n"
         "read: 'collapsed' (Brendan Gregg's folded stacks, for flamegraph.pl and many viewers),\n"
         "'speedscope' (https://www.speedscope.app) or 'pprof' (gzip-compressed profile.proto with mappings,\n"
         "build-ids, functions and source lines: `go tool pprof -top FILE`). Without recorded stacks, each\n"
-        "instruction is a one-frame stack (the flat profile), and a note says so."
+        "instruction is a one-frame stack (the flat profile), and a note says so.\n\n"
+        "'llvm-sample' writes LLVM's text sample profile of one image for clang -fprofile-sample-use:\n"
+        "execution counts per source line estimated by `calc` from the samples (no branch records\n"
+        "needed), call targets from the direct calls. Build with -g (and -fdebug-info-for-profiling for\n"
+        "discriminators); `llvm-profdata show --sample FILE` reads it."
     )
     epilog = (
         "examples:\n"
         "  cyclescope record -g fp -- ./prog && cyclescope export collapsed | flamegraph.pl > prog.svg\n"
         "  cyclescope export speedscope -o prog.speedscope.json\n"
         "  cyclescope export pprof -o prog.pb.gz && go tool pprof -top prog.pb.gz\n"
+        "  cyclescope export llvm-sample --image ./prog -o prog.prof && clang -O2 -fprofile-sample-use=prog.prof ...\n"
         "notes: stacks come from frame pointers: a function without a frame (a leaf built without\n"
         "-mno-omit-leaf-frame-pointer, most distribution code) hides its caller. --image selects stacks\n"
         "by their leaf's image; --process applies to flat profiles only."
@@ -54,6 +59,8 @@ class Export(Command):
 
         db = open_db(args)
         ps = open_profile(db, selection(args))
+        if args.format == "llvm-sample":
+            return self._llvm_sample(args, ps, db)
         images = set(match_images(ps, list(args.image))) if args.image else None
         if args.image and not images:
             raise NotFoundError(f"no image matching {', '.join(args.image)} in the selection")
@@ -174,3 +181,104 @@ class Export(Command):
         duration = int(max(0.0, ps.end_time - ps.start_time) * 1e9)
         return pprof(stacks, events, meta, lambda f: (name(f), *where.get(f, (None, None))), time_ns, duration,
                      period)
+
+    @staticmethod
+    def _llvm_sample(args: argparse.Namespace, ps: Any, db: Any) -> int:
+        from cyclescope.cli.calc import calc_target, cycles_event
+        from cyclescope.cli.prof import prof_report
+        from cyclescope.db.query import match_images
+        from cyclescope.errors import CycleScopeError
+        from cyclescope.images.dwarf import DwarfIndex, dwarf_source
+        from cyclescope.images.elf import read_symbols
+        from cyclescope.images.symbolize import Symbolizer
+        from cyclescope.report.listing import Target
+        from cyclescope.report.llvm_sample import FunctionProfile, render
+
+        sym = Symbolizer(db)
+        ev = cycles_event(ps, getattr(args, "event", None) and args.event[0])
+        rep = prof_report(ps, False)
+        col = rep.events.index(ev)
+        if args.image:
+            keys = set(match_images(ps, list(args.image)))
+        else:  # the ELF image with the most samples
+            elf_rows = [r for r in rep.rows if r.image_key in ps.images and ps.images[r.image_key].kind == "elf"]
+            keys = {elf_rows[0].image_key} if elf_rows else set()
+        if not keys:
+            raise NotFoundError("no executable image with samples in the selection (give --image)")
+        if len(keys) > 1:
+            raise UsageError("llvm-sample describes one binary: --image matches " + ", ".join(sorted(keys)))
+        (key,) = keys
+        info = ps.images[key]
+        b = sym.binary(info)
+        if b.path is None:
+            raise NotFoundError(b.problem or f"{info.path}: the binary is not available")
+        dpath = dwarf_source(b.path, info.key)
+        if dpath is None:
+            raise NotFoundError(f"{info.path}: no DWARF line information (build with -g)")
+        dw = DwarfIndex(dpath, info.key)
+        raw = read_symbols(b.path, demangle=False)
+        table = sym.table(info)
+
+        def linkage(addr: int) -> str | None:
+            i = int(raw.lookup(np.array([addr], np.uint64))[0]) if len(raw) else -1
+            return raw.names[i] if i >= 0 and int(raw.starts[i]) == addr else None
+
+        rows = [r for r in rep.rows if r.image_key == key and r.start is not None and r.counts[col] > 0]
+        profiles: list[FunctionProfile] = []
+        skipped: list[str] = []
+        for r in rows:
+            k = table.names.index(r.procedure) if r.procedure in table.names else -1
+            if k < 0:
+                continue
+            start, end = int(table.starts[k]), int(table.ends[k])
+            fname = linkage(start) or r.procedure
+            try:
+                c = calc_target(ps, Target(info, r.procedure, start, end), sym, ev, None)
+            except CycleScopeError as e:
+                skipped.append(f"{r.procedure}: {e}")
+                continue
+            insns = c.cfg.insns
+            if not insns:
+                continue
+            fn_scope = dw.scopes_at(start)
+            if not fn_scope:
+                skipped.append(f"{r.procedure}: no DWARF subprogram")
+                continue
+            decl = fn_scope[0].line
+            fp = FunctionProfile(fname)
+            pos = dw.positions(np.array([i.address for i in insns], np.uint64))
+            for idx, ins in enumerate(insns):
+                bi = c.cfg.block_of[idx]
+                execs = c.executions(bi) if bi >= 0 else None
+                if execs is None or pos[idx] is None:
+                    continue
+                n = round(execs)
+                stack = dw.scopes_at(ins.address)
+                if len(stack) > 1:  # inlined code: counted at the outermost inlined call's line
+                    line, disc = stack[1].line, 0
+                else:
+                    line, disc = pos[idx].line, pos[idx].discriminator  # type: ignore[union-attr]
+                fp.add(line - decl, disc, n)
+                tgt = ins.direct_target if ins.mnemonic.startswith("call") else None
+                if tgt is not None and len(stack) == 1:
+                    callee = linkage(tgt)
+                    if callee:
+                        fp.add_call(line - decl, disc, callee, n)
+            entry = c.cfg.block_of[0]
+            head = c.executions(entry) if entry >= 0 else None
+            fp.head = round(head) if head else 0
+            profiles.append(fp)
+        for msg in skipped:
+            eprint(f"cyclescope export: skipped {msg}")
+        if not any(p.total for p in profiles):
+            raise NotFoundError(f"{info.path}: no execution counts could be estimated (see `cyclescope calc`)")
+        text = render(profiles)
+        if args.output:
+            tmp = f"{args.output}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, args.output)
+        else:
+            sys.stdout.write(text)
+        eprint(f"cyclescope export: {sum(1 for p in profiles if p.total)} functions of {info.path}")
+        return 0

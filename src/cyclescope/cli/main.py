@@ -27,7 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("compare", "procedures (or instructions) whose share of samples changed significantly between two sets"),
     "values": ("values", "hotlists of the values instructions saw, per instruction (value sampling)"),
     "invariants": ("values", "hot instructions whose values are (nearly) always the same: specialization candidates"),
-    "export": ("export", "write call stacks (or the flat profile) as collapsed stacks, speedscope or pprof"),
+    "export": ("export", "call stacks or the flat profile as collapsed, speedscope, pprof; llvm-sample for clang"),
+    "optimize": ("optimize", "profile a training run, rebuild with its sample profile (clang), measure the speedup"),
     "db": ("db", "inspect or compact the profile database"),
 }
 

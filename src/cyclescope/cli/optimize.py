@@ -1,0 +1,153 @@
+"""`cyclescope optimize`: the Morph loop for a program built from source.
+
+Build (with {flags} empty) -> profile a training run -> export an LLVM sample profile from calc's
+estimates -> rebuild with -fprofile-sample-use -> run both builds alternately and report the
+speedup with its spread. Everything goes into one work directory, kept for inspection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cyclescope.cli.base import Command, eprint, register
+from cyclescope.errors import CycleScopeError, UsageError
+
+PROFILE_FLAGS = "-fdebug-info-for-profiling"
+
+
+def run_cpu(argv: list[str], stdin: str | None) -> tuple[float, bytes]:
+    """Run ``argv``; its user+system CPU seconds and its standard output."""
+    fin = open(stdin, "rb") if stdin else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    try:
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=fin, stderr=subprocess.DEVNULL)
+        out = b""
+        assert p.stdout is not None
+        for chunk in iter(lambda: p.stdout.read(1 << 16), b""):  # type: ignore[union-attr]
+            out += chunk[: max(0, (1 << 20) - len(out))]  # keep the first MiB to compare outputs
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        if stdin:
+            fin.close()  # type: ignore[union-attr]
+    if p.returncode != 0:
+        raise CycleScopeError(f"{shlex.join(argv)} exited with {p.returncode}")
+    return ru.ru_utime + ru.ru_stime, out
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[1], q[0], q[2]
+
+
+@register
+class Optimize(Command):
+    name = "optimize"
+    help = "profile a training run, rebuild with its sample profile (clang), measure the speedup"
+    description = (
+        "The closed loop (Morph): build the program with BUILD ({out} = the binary to write, {flags} =\n"
+        "extra compiler flags), run the training command under cyclescope, turn the samples into an LLVM\n"
+        "sample profile (execution counts estimated by calc: no branch records needed), rebuild with\n"
+        "-fprofile-sample-use, then run both builds alternately and report the speedup (median and\n"
+        "quartiles of the per-round CPU-time ratios). BUILD must compile with clang and -g."
+    )
+    epilog = (
+        "example:\n"
+        "  cyclescope optimize --build 'clang-14 -O2 -g {flags} -o {out} prog.c' -- {out} input.txt\n"
+        "The run command after -- names the binary as {out}."
+    )
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--build", required=True, metavar="CMD", help="shell command that builds {out} with {flags}")
+        p.add_argument("--runs", type=int, default=5, metavar="N", help="measured runs of each build (default: 5)")
+        p.add_argument("--stdin", metavar="FILE", help="feed FILE to the program's standard input")
+        p.add_argument("--workdir", metavar="DIR", help="where to build, record and keep the profile "
+                                                        "(default: a new directory under /tmp)")
+        p.add_argument("-F", "--freq", type=float, default=5000.0, metavar="HZ",
+                       help="sampling rate of the training run (default: 5000)")
+        p.add_argument("--json", action="store_true", help="write the result as JSON")
+        p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training and measured run, {out} "
+                                                                 "for the binary")
+
+    def run(self, args: argparse.Namespace) -> int:
+        import tempfile
+
+        cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not cmd:
+            raise UsageError("give the run command after --, with {out} for the binary")
+        if "{out}" not in args.build:
+            raise UsageError("--build must contain {out} (and {flags} for the profile flags)")
+        if args.runs < 1:
+            raise UsageError("--runs must be at least 1")
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="cyclescope-optimize-"))
+        work.mkdir(parents=True, exist_ok=True)
+        base, opt, prof, db = work / "base", work / "opt", work / "profile.txt", work / "train.db"
+
+        def build(out: Path, flags: str) -> None:
+            line = args.build.replace("{out}", shlex.quote(str(out))).replace("{flags}", flags)
+            eprint(f"cyclescope optimize: {line}")
+            r = subprocess.run(line, shell=True, capture_output=True, text=True)
+            if r.returncode != 0 or not out.exists():
+                tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+                raise CycleScopeError("build failed: " + " | ".join(tail))
+
+        def argv(exe: Path) -> list[str]:
+            return [a.replace("{out}", str(exe)) for a in cmd]
+
+        me = [sys.executable, "-m", "cyclescope"]
+        build(base, PROFILE_FLAGS)
+        eprint("cyclescope optimize: training run under cyclescope record")
+        rec = [*me, "record", "--db", str(db), "-q", "-F", str(args.freq), "--", *argv(base)]
+        stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            r = subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        finally:
+            if args.stdin:
+                stdin.close()  # type: ignore[union-attr]
+        if r.returncode != 0:
+            raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
+        r = subprocess.run([*me, "export", "llvm-sample", "--db", str(db), "--image", str(base), "-o", str(prof)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CycleScopeError(f"no sample profile: {r.stderr.strip()}")
+        build(opt, f"{PROFILE_FLAGS} -fprofile-sample-use={shlex.quote(str(prof))}")
+        times: dict[str, list[float]] = {"base": [], "opt": []}
+        outputs: dict[str, bytes] = {}
+        t0 = time.monotonic()
+        for i in range(args.runs):
+            order = [("base", base), ("opt", opt)] if i % 2 == 0 else [("opt", opt), ("base", base)]
+            for name, exe in order:
+                cpu, out = run_cpu(argv(exe), args.stdin)
+                times[name].append(cpu)
+                outputs.setdefault(name, out)
+            if sys.stderr.isatty():
+                sys.stderr.write(f"\rcyclescope optimize: measured {i + 1}/{args.runs} rounds "
+                                 f"({time.monotonic() - t0:.0f} s)")
+        if sys.stderr.isatty():
+            sys.stderr.write("\n")
+        same = outputs.get("base") == outputs.get("opt")
+        ratios = [b / o for b, o in zip(times["base"], times["opt"], strict=True) if o > 0]
+        med, lo, hi = quartiles(ratios)
+        doc = {"workdir": str(work), "profile": str(prof), "runs": args.runs,
+               "base_cpu_s": times["base"], "opt_cpu_s": times["opt"], "speedup": med,
+               "speedup_quartiles": [lo, hi], "same_output": same}
+        if args.json:
+            json.dump(doc, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print(f"baseline   CPU {statistics.median(times['base']):.3f} s (median of {args.runs})")
+            print(f"optimized  CPU {statistics.median(times['opt']):.3f} s")
+            print(f"speedup    {med:.3f}x [{lo:.3f}, {hi:.3f}] (per-round ratios, median [quartiles])")
+            print(f"profile    {prof}")
+        if not same:
+            eprint("cyclescope optimize: warning: the two builds wrote different output")
+        return 0
