@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -125,3 +126,17 @@ def compile_c(build_dir: Path) -> Callable[..., Path]:
         return exe
 
     return compile_
+
+
+@pytest.fixture
+def utc() -> Iterator[None]:
+    """Report times in UTC, whatever the machine's zone (golden files hold times)."""
+    old = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield None
+    if old is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = old
+    time.tzset()

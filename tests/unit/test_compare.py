@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import io
 import json
 import math
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cyclescope.cli.main import main
 from cyclescope.db.layout import Database
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
 from cyclescope.db.symbols import write_symbols
 from cyclescope.images.elf import SymbolTable
 from cyclescope.images.registry import ImageInfo
 from cyclescope.report.compare import benjamini_hochberg, build_diff, build_stats, two_proportion_z
+from tests.unit.cli_helpers import run
 
 
 def test_stats_follow_dcpistats_definitions() -> None:
@@ -107,13 +105,6 @@ def make_db(root: Path) -> Database:
         m.images = {"k": ImageInfo("k", "[kernel.kallsyms]", "kernel", offsets="kernel").to_json()}
         write_segment(db, e, "h", t, m)
     return db
-
-
-def run(*args: str) -> str:
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        assert main(list(args)) == 0
-    return buf.getvalue()
 
 
 def test_stats_and_diff_commands(tmp_path: Path) -> None:

@@ -6,26 +6,22 @@ compiler: it was built with `gcc -O2 -g -fdebug-prefix-map=$PWD=. -o inl inl.c`.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
-import time
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cyclescope.cli.main import main
 from cyclescope.db.layout import Database
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
 from cyclescope.images.cache import Cache
 from cyclescope.images.dwarf import DwarfIndex
 from cyclescope.images.elf import read_elf_info
 from cyclescope.images.registry import ImageInfo
+from tests.unit.cli_helpers import DATA, golden, run
 
-DATA = Path(__file__).parents[1] / "data"
 WORK_LOOP = [0x11A0, 0x11A3, 0x11A7, 0x11AA, 0x11AD, 0x11B1, 0x11B5, 0x11B8, 0x11BB]
 
 
@@ -90,33 +86,6 @@ def make_db(root: Path, inl: Path) -> Database:
     m.images = {key: ImageInfo(key, str(inl), "elf", key, None, None).to_json()}
     write_segment(db, e, "h", t, m)
     return db
-
-
-def run(*args: str) -> str:
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        assert main(list(args)) == 0
-    return buf.getvalue()
-
-
-@pytest.fixture
-def utc() -> object:
-    old = os.environ.get("TZ")
-    os.environ["TZ"] = "UTC"
-    time.tzset()
-    yield None
-    if old is None:
-        del os.environ["TZ"]
-    else:
-        os.environ["TZ"] = old
-    time.tzset()
-
-
-def golden(name: str, got: str) -> None:
-    p = DATA / name
-    if os.environ.get("CYCLESCOPE_REGOLD"):
-        p.write_text(got)
-    assert got == p.read_text()
 
 
 def test_list_golden(inl: Path, tmp_path: Path, utc: object) -> None:

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import time
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from cyclescope.cli.main import main
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
 from cyclescope.images.elf import SymbolTable
 from cyclescope.images.registry import ImageInfo
 from cyclescope.report.prof import NO_SYMBOL, build_prof
-
-DATA = Path(__file__).parents[1] / "data"
+from tests.unit.cli_helpers import golden, run
 
 
 def syms(*entries: tuple[int, int, str]) -> SymbolTable:
@@ -74,42 +67,14 @@ def make_db(root: Path) -> Database:
     return db
 
 
-@pytest.fixture
-def utc() -> object:
-    old = os.environ.get("TZ")
-    os.environ["TZ"] = "UTC"
-    time.tzset()
-    yield None
-    if old is None:
-        del os.environ["TZ"]
-    else:
-        os.environ["TZ"] = old
-    time.tzset()
-
-
-def run(*args: str) -> str:
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        assert main(list(args)) == 0
-    return buf.getvalue()
-
-
 def test_prof_report_matches_the_golden_file(tmp_path: Path, utc: object) -> None:
     db = make_db(tmp_path / "db")
-    got = run("prof", "--db", str(db.root))
-    golden = DATA / "prof_golden.txt"
-    if os.environ.get("CYCLESCOPE_REGOLD"):
-        golden.write_text(got)
-    assert got == golden.read_text()
+    golden("prof_golden.txt", run("prof", "--db", str(db.root)))
 
 
 def test_prof_images_and_json(tmp_path: Path, utc: object) -> None:
     db = make_db(tmp_path / "db")
-    got = run("prof", "--db", str(db.root), "--images")
-    golden = DATA / "prof_images_golden.txt"
-    if os.environ.get("CYCLESCOPE_REGOLD"):
-        golden.write_text(got)
-    assert got == golden.read_text()
+    golden("prof_images_golden.txt", run("prof", "--db", str(db.root), "--images"))
     doc = json.loads(run("prof", "--db", str(db.root), "--json", "--process", "sh"))
     assert doc["totals"] == {"cpu-clock": 120, "page-faults": 9}
     assert [(r["procedure"], r["samples"]) for r in doc["rows"]] == [
