@@ -57,8 +57,10 @@ class SegmentRef:
         return self.path.name
 
 
-def segment_name(first: int, last: int) -> str:
-    return f"seg-{first:08d}-{last:08d}.parquet"
+def segment_name(first: int, last: int, prefix: str = "seg") -> str:
+    """The name of a file covering flushes first..last: segments (seg), value files (vals) and
+    stack files (stk) follow the same rule."""
+    return f"{prefix}-{first:08d}-{last:08d}.parquet"
 
 
 def safe_host(host: str) -> str:
@@ -67,6 +69,14 @@ def safe_host(host: str) -> str:
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -223,9 +233,9 @@ class Database:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    def link_new(self, tmp: Path, d: Path, first: int, last: int) -> Path:
-        """Give ``tmp`` its final segment name without ever overwriting a file."""
-        final = d / segment_name(first, last)
+    def link_new(self, tmp: Path, d: Path, first: int, last: int, prefix: str = "seg") -> Path:
+        """Give ``tmp`` (written and fsynced) its final name without ever overwriting a file."""
+        final = d / segment_name(first, last, prefix)
         os.link(tmp, final)  # FileExistsError rather than clobbering
         os.unlink(tmp)
         fsync_dir(d)

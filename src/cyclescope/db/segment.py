@@ -9,7 +9,6 @@ periods, losses, time range) is JSON under the Parquet key ``cyclescope``.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cyclescope.db.layout import Database, SegmentRef
+from cyclescope.db.layout import Database, SegmentRef, fsync_file
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope"
@@ -195,11 +194,7 @@ def write_parquet(table: pa.Table, path: Path, meta: SegmentMeta) -> None:
         write_statistics=["image", "event", "process"], data_page_size=1 << 20,
     ) as w:
         w.write_table(table, row_group_size=1 << 20)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
 
 
 def write_segment(db: Database, epoch: int, host: str, table: pa.Table, meta: SegmentMeta) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.collect.stacks import StackCounts
-from cyclescope.db.layout import Database, fsync_dir
+from cyclescope.db.layout import Database, fsync_file
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope-stacks"
@@ -56,17 +55,13 @@ def write_stacks(db: Database, epoch: int, host: str, sc: StackCounts, image_key
         d.mkdir(parents=True, exist_ok=True)
         seqs = [int(m.group(2)) for f in d.iterdir() if (m := _STK_RE.match(f.name))]
         seq = max(seqs, default=0) + 1
-        tmp = d / f".tmp-{os.getpid()}-{os.urandom(6).hex()}.parquet"
+        tmp = db.temp_path(d)
         try:
             meta = {"epoch": epoch, "host": host, "images": images}
             t = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
             pq.write_table(t, tmp, compression="zstd")
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            final = d / f"stk-{seq:08d}-{seq:08d}.parquet"
-            os.link(tmp, final)
-            fsync_dir(d)
-            return final
+            fsync_file(tmp)
+            return db.link_new(tmp, d, seq, seq, prefix="stk")
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cyclescope.db.layout import Database, fsync_dir, write_atomic
+from cyclescope.db.layout import Database, fsync_dir, fsync_file, write_atomic
 from cyclescope.images.elf import SymbolTable
 
 
@@ -42,11 +42,7 @@ def write_symbols(db: Database, key: str, table: SymbolTable) -> None:
     final = symbols_path(db, key)
     tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
     pq.write_table(t, tmp, compression="zstd")
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
 
@@ -102,11 +98,7 @@ def archive_binary(db: Database, key: str, path: str, build_id: str | None) -> b
         db.binaries_dir.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".tmp-{os.getpid()}-{dest.name}")
         shutil.copyfile(path, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp)
         os.replace(tmp, dest)
         return True
     except OSError:

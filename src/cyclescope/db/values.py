@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cyclescope.db.layout import Database, SegmentRef, fsync_dir, live_segments
+from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
 from cyclescope.errors import DataError
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, merge_sets, unique_struct
 
@@ -177,11 +177,7 @@ def _write(table: pa.Table, path: Path, meta: ValuesMeta) -> None:
     os.chmod(path, 0o600)
     if os.geteuid() == 0:
         os.chown(path, meta.uid, -1)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
 
 
 def write_values(db: Database, epoch: int, host: str, nh: NamedHotlists, meta: ValuesMeta) -> Path:
@@ -193,17 +189,14 @@ def write_values(db: Database, epoch: int, host: str, nh: NamedHotlists, meta: V
         seq = max((s.last for s in existing), default=0) + 1
         meta.first = meta.last = seq
         meta.epoch = epoch
-        return _link(d, to_table(nh), meta, seq, seq)
+        return _link(db, d, to_table(nh), meta, seq, seq)
 
 
-def _link(d: Path, table: pa.Table, meta: ValuesMeta, first: int, last: int) -> Path:
-    tmp = d / f".tmp-{os.getpid()}-{os.urandom(6).hex()}.parquet"
+def _link(db: Database, d: Path, table: pa.Table, meta: ValuesMeta, first: int, last: int) -> Path:
+    tmp = db.temp_path(d)
     try:
         _write(table, tmp, meta)
-        final = d / f"vals-{first:08d}-{last:08d}.parquet"
-        os.link(tmp, final)
-        fsync_dir(d)
-        return final
+        return db.link_new(tmp, d, first, last, prefix="vals")
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -334,7 +327,7 @@ def compact_values(db: Database, epoch: int, host: str, uid: int, min_files: int
         first, last = live[0].first, live[-1].last
         meta.first, meta.last = first, last
         d = values_dir(db, epoch, host, uid)
-        out = _link(d, to_table(NamedHotlists(merged, list(images), list(kinds))), meta, first, last)
+        out = _link(db, d, to_table(NamedHotlists(merged, list(images), list(kinds))), meta, first, last)
         for ref in live:
             with contextlib.suppress(FileNotFoundError):
                 ref.path.unlink()
