@@ -31,6 +31,9 @@ from typing import Any
 
 from common import ROOT, fmt_spread, machine, median, save
 
+sys.path.insert(0, str(ROOT / "src"))
+from cyclescope.cli.optimize import run_cpu
+
 CLANG = shutil.which("clang-14") or "clang"
 PROFDATA = shutil.which("llvm-profdata-14") or "llvm-profdata"
 FLAGS = "-O2 -g -fdebug-info-for-profiling"
@@ -59,11 +62,7 @@ def sh(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 
 
 def cpu_of(argv: list[str]) -> float:
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, ru = os.wait4(p.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{shlex.join(argv)} failed")
-    return ru.ru_utime + ru.ru_stime
+    return run_cpu(argv, None)[0]  # the same measurement `cyclescope optimize` makes
 
 
 def main() -> None:

@@ -7,12 +7,33 @@ import json
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, register, selection
 from cyclescope.errors import NotFoundError, UsageError
+
+
+def _emit(output: str | None, data: bytes) -> None:
+    """Write an export to ``output`` (whole or not at all) or to standard output."""
+    from cyclescope.db.layout import write_atomic
+
+    if output:
+        write_atomic(Path(output), data)
+        return
+    try:
+        buf = getattr(sys.stdout, "buffer", None)  # None when a caller redirected stdout to a StringIO
+        if buf is not None:
+            sys.stdout.flush()
+            buf.write(data)
+        else:
+            sys.stdout.write(data.decode())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass
+
 
 FORMATS = ("collapsed", "speedscope", "pprof", "llvm-sample")
 
@@ -110,16 +131,9 @@ class Export(Command):
                 raise NotFoundError(f"no samples of {', '.join(sorted(wanted))} in the selection")
         events = sorted({ev for ev, _ in stacks})
         if args.format == "pprof":
-            blob = self._pprof(ps, stacks, events, infos, sym, name)
-            if not args.output:
-                if sys.stdout.isatty():
-                    raise UsageError("pprof output is binary: give -o FILE or redirect standard output")
-                sys.stdout.buffer.write(blob)
-                return 0
-            tmp = f"{args.output}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as fb:
-                fb.write(blob)
-            os.replace(tmp, args.output)
+            if not args.output and sys.stdout.isatty():
+                raise UsageError("pprof output is binary: give -o FILE or redirect standard output")
+            _emit(args.output, self._pprof(ps, stacks, events, infos, sym, name))
             return 0
         if args.format == "collapsed":
             out = collapsed(named_stacks(stacks, name, events[0] if len(events) > 1 else None))
@@ -129,17 +143,7 @@ class Export(Command):
             per = {ev: named_stacks(stacks, name, ev) for ev in events}
             title = f"cyclescope epoch {','.join(map(str, ps.epochs))}"
             out = json.dumps(speedscope(per, title), separators=(",", ":")) + "\n"
-        if args.output:
-            tmp = f"{args.output}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(out)
-            os.replace(tmp, args.output)
-        else:
-            try:
-                sys.stdout.write(out)
-                sys.stdout.flush()
-            except BrokenPipeError:
-                pass
+        _emit(args.output, out.encode())
         return 0
 
     @staticmethod
@@ -272,13 +276,6 @@ class Export(Command):
             eprint(f"cyclescope export: skipped {msg}")
         if not any(p.total for p in profiles):
             raise NotFoundError(f"{info.path}: no execution counts could be estimated (see `cyclescope calc`)")
-        text = render(profiles)
-        if args.output:
-            tmp = f"{args.output}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, args.output)
-        else:
-            sys.stdout.write(text)
+        _emit(args.output, render(profiles).encode())
         eprint(f"cyclescope export: {sum(1 for p in profiles if p.total)} functions of {info.path}")
         return 0

@@ -255,10 +255,7 @@ class Mapper:
 
         kern = mode == MISC_KERNEL
         if kern.any():
-            kidx, koff = self.kernel.lookup(ips[kern])
-            ok = kidx >= 0
-            img = np.where(ok, self.kernel_images[np.where(ok, kidx, 0)] if len(self.kernel_images) else 0, 0)
-            image[kern] = img
+            image[kern], koff, ok = self._kernel_lookup(ips[kern])
             offset[kern] = np.where(ok, koff, np.uint64(Unknown.KERNEL))
         other = (mode != MISC_KERNEL) & (mode != MISC_USER)
         if other.any():
@@ -329,17 +326,23 @@ class Mapper:
         comm = np.where(named, comm, cidx[inv])
         return MappedSamples(image, offset, comm, np.arange(n, dtype=np.int64))
 
+    def _kernel_lookup(self, addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Kernel addresses to (image or 0, offset, found)."""
+        kidx, koff = self.kernel.lookup(addrs)
+        ok = kidx >= 0
+        img = np.where(ok, self.kernel_images[np.where(ok, kidx, 0)] if len(self.kernel_images) else 0, 0)
+        return img, koff, ok
+
     def map_frames(self, pids: np.ndarray, addrs: np.ndarray, kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Callchain frames to (image, offset), with the maps in force now (after the drain's
         records). Unmappable frames get image 0 and offset 0."""
         n = len(addrs)
         image = np.zeros(n, np.int64)
         offset = np.zeros(n, np.uint64)
-        if kernel.any() and len(self.kernel_images):
-            kidx, koff = self.kernel.lookup(addrs[kernel])
-            ok = kidx >= 0
-            image[kernel] = np.where(ok, self.kernel_images[np.where(ok, kidx, 0)], 0)
-            offset[kernel] = np.where(ok, koff, 0)
+        if kernel.any():
+            img, koff, ok = self._kernel_lookup(addrs[kernel])
+            image[kernel] = img
+            offset[kernel] = np.where(ok & (img > 0), koff, 0)
         user = ~kernel
         for p in np.unique(pids[user]).tolist():
             st = self.procs.get(p)

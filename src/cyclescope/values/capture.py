@@ -39,7 +39,7 @@ from cyclescope.images.elf import ElfInfo, read_load_info
 from cyclescope.images.registry import ImageTable
 from cyclescope.images.symbolize import Symbolizer
 from cyclescope.values.api import Capture, Emit, Step, Value, ValueModule
-from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, merge_sets, reduce_set, unique_struct
+from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, cat_struct, merge_sets, reduce_set, unique_struct
 from cyclescope.values.insn import PERF_COLUMNS, InsnDetail, decode
 from cyclescope.values.interp import Interpreter
 from cyclescope.values.modules import DEFAULT_MODULES, MAP_CODE, load_modules
@@ -48,15 +48,6 @@ MEM_KEY_DTYPE = np.dtype([("uid", "<i4"), ("image", "<i8"), ("offset", "<u8"), (
 MAX_PROC_BYTES = 1 << 18  # disassemble procedures up to 256 KiB for boundaries and branch targets
 SCAN_WORDS = 32  # stack words searched for a return address when nothing better is known
 _RSP, _RBP, _RIP = PERF_COLUMNS["rsp"], PERF_COLUMNS["rbp"], PERF_COLUMNS["rip"]
-
-
-def cat_struct(parts: list[np.ndarray]) -> np.ndarray:
-    """np.concatenate for structured arrays of one dtype, as bytes: numpy promotes the dtypes of
-    structured inputs field by field, which costs more than the copy for a drain's small parts."""
-    if len(parts) == 1:
-        return parts[0]
-    dt = parts[0].dtype
-    return np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(dt)
 
 
 @dataclass
