@@ -96,11 +96,11 @@ class Daemon(Command):
         cpus = parse_cpus(args.cpus)
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
-                          callchain=args.call_graph is not None)
+                          call_graph=args.call_graph)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
                               new_epoch=args.new_epoch, archive=args.archive,
-                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph is not None,
+                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph,
                               drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0)
         c = Collector(session, db, cfg)
         c.listen()

@@ -17,6 +17,7 @@ from cyclescope.report.render import fmt_count
 
 if TYPE_CHECKING:
     from cyclescope.collect.daemon import Collector, RunTotals
+    from cyclescope.collect.session import CallGraph
     from cyclescope.values.capture import ValueOptions
 
 DEFAULT_RECORD_HZ = 5000.0
@@ -42,9 +43,32 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
     g.add_argument("--redraw", type=float, default=200.0, metavar="MS",
                    help="draw a new random period every MS milliseconds (default: 200)")
     g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
-    g.add_argument("-g", "--call-graph", choices=["fp"], default=None,
-                   help="record call stacks: 'fp' has the kernel walk frame pointers (code built with "
-                        "-fno-omit-frame-pointer); stacks are counted in the database for `export`")
+    g.add_argument("-g", "--call-graph", type=call_graph_arg, default=None, metavar="fp|dwarf[,SIZE]",
+                   help="record call stacks, counted in the database for `export`: 'fp' has the kernel walk "
+                        "frame pointers (code built with -fno-omit-frame-pointer); 'dwarf' copies SIZE bytes "
+                        "of user stack per sample (default: 8192) and unwinds them with the binaries' "
+                        ".eh_frame (any code with unwind tables: most distribution binaries)")
+
+
+def call_graph_arg(text: str) -> CallGraph:
+    """argparse type of --call-graph: fp, dwarf or dwarf,SIZE (as perf record's)."""
+    from cyclescope.collect.session import MAX_USER_STACK, CallGraph
+
+    mode, _, size = text.partition(",")
+    if mode == "fp" and not size:
+        return CallGraph("fp")
+    if mode == "dwarf":
+        if not size:
+            return CallGraph("dwarf")
+        try:
+            n = int(size, 0)
+        except ValueError:
+            n = -1
+        if n <= 0 or n % 8 or n > MAX_USER_STACK:
+            raise argparse.ArgumentTypeError(
+                f"dwarf stack size must be a positive multiple of 8 up to {MAX_USER_STACK}: {size}")
+        return CallGraph("dwarf", n)
+    raise argparse.ArgumentTypeError(f"expected fp, dwarf or dwarf,SIZE: {text}")
 
 
 def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
@@ -249,11 +273,11 @@ class Record(Command):
             return int(run_exact(args, cmd, events, rate, vopts))
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
-                          callchain=args.call_graph is not None)
+                          call_graph=args.call_graph)
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph is not None,
+                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph,
                               drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()
@@ -285,6 +309,8 @@ class Record(Command):
             eprint(f"cyclescope record: {summary_line(totals, elapsed, collector.epoch, db_path(args))}")
             if collector.values is not None:
                 eprint(f"cyclescope record: {value_summary(collector)}")
+            if collector.dwarf is not None:
+                eprint(f"cyclescope record: {unwind_summary(collector)}")
             if totals.lost_records or totals.lost_samples:
                 eprint("cyclescope record: some samples were lost (the ring buffer filled); "
                        "lower the rate or add CPUs to the drain")
@@ -292,6 +318,21 @@ class Record(Command):
         if child_session is not None:
             status = child_session.status
         return _exit_code(status)
+
+
+def unwind_summary(c: Collector) -> str:
+    """One line on --call-graph dwarf: stacks unwound, mean depth, why walks stopped."""
+    assert c.dwarf is not None
+    st = c.dwarf.stats
+    if not st.samples:
+        return "unwound no user stacks"
+    stops = ", ".join(f"{k} {100 * v / st.samples:.1f}%" for k, v in st.stops.most_common())
+    line = f"unwound {st.samples:,} user stacks, {st.frames / st.samples:.1f} frames on average; stopped at: {stops}"
+    if st.truncated_loading:
+        line += f"; {st.truncated_loading:,} cut short while unwind tables loaded"
+    if c.dwarf.loader.failed:
+        line += f"; no unwind tables for {len(c.dwarf.loader.failed)} images"
+    return line
 
 
 def value_summary(c: Collector) -> str:

@@ -34,7 +34,7 @@ from cyclescope.collect.records import (
     TaskRecord,
     ThrottleRecord,
 )
-from cyclescope.collect.session import Command, Processes, Session, SystemWide
+from cyclescope.collect.session import CallGraph, Command, Processes, Session, SystemWide
 from cyclescope.collect.stacks import StackAggregator
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database, safe_host
@@ -47,6 +47,7 @@ from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
 
 if TYPE_CHECKING:  # value capture (capstone, unicorn, the modules) is imported only when asked for
+    from cyclescope.collect.unwind import DwarfStacks
     from cyclescope.values.capture import ValueCapture, ValueOptions
 
 
@@ -70,8 +71,9 @@ class CollectorConfig:
     archive: str = "binaries"
     # Value capture (opt-in): registers and stack at each interrupt, hotlists per owner.
     values: ValueOptions | None = None
-    # Call stacks (PERF_SAMPLE_CALLCHAIN): counted per stack, written beside the flat counts.
-    stacks: bool = False
+    # Call stacks (PERF_SAMPLE_CALLCHAIN, frame pointers or .eh_frame unwinding of user stack
+    # snapshots): counted per stack, written beside the flat counts.
+    stacks: CallGraph | None = None
 
 
 @dataclass
@@ -124,6 +126,11 @@ class Collector:
         self.value_files: list[str] = []
         self._values_since = time.time()
         self.stacks: StackAggregator | None = StackAggregator() if config.stacks else None
+        self.dwarf: DwarfStacks | None = None
+        if config.stacks is not None and config.stacks.mode == "dwarf":
+            from cyclescope.collect.unwind import DwarfStacks, TableLoader
+
+            self.dwarf = DwarfStacks(TableLoader(self.table, Cache(), vdso))
         self.agg = Aggregator()
         self.totals = RunTotals()
         self.epoch = 0
@@ -215,6 +222,14 @@ class Collector:
                 if until is not None and until():
                     break
             self.step()
+            if self.dwarf is not None:
+                # Unwind tables still loading: wait for them (a walk may meet a new image on its
+                # way, so repeat while that brings progress), then unwind what is left regardless.
+                give_up = time.monotonic() + 120.0
+                while self.dwarf.waiting and self.dwarf.loader.pending() and time.monotonic() < give_up:
+                    self.dwarf.loader.wait(timeout=give_up - time.monotonic())
+                    self._unwind(None, None, [])
+                self._unwind(None, None, [], force=True)
             self.flush()
         finally:
             self.close()
@@ -245,6 +260,8 @@ class Collector:
             with contextlib.suppress(Exception):
                 self._compacting.result()
         self._pool.shutdown(wait=True)
+        if self.dwarf is not None:
+            self.dwarf.loader.close()
         self.session.close()
         if self.control is not None:
             self.control.close()
@@ -308,13 +325,20 @@ class Collector:
         self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
         self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
-        if self.stacks is not None and chains:
-            kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
-            self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept)
-        if self.values is not None and regs_parts:
+        if regs_parts:
             regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
             stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
             slen = np.concatenate(len_parts) if len(len_parts) > 1 else len_parts[0]
+        if self.stacks is not None and chains:
+            kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
+            if self.dwarf is not None:
+                if regs_parts:
+                    self._unwind(samples, ev, kept, regs, stack, slen)
+                else:
+                    self._unwind(samples, ev, kept)
+            else:
+                self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept)
+        if self.values is not None and regs_parts:
             self.values.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
         n = len(samples)
         self.totals.samples += n
@@ -322,6 +346,22 @@ class Collector:
         if unk.any():
             self.totals.unknown += int(unk.sum())
         return n
+
+    def _unwind(self, samples: np.ndarray | None, ev: np.ndarray | None, chains: list[tuple[int, ...] | None],
+                regs: np.ndarray | None = None, stack: np.ndarray | None = None, slen: np.ndarray | None = None,
+                force: bool = False) -> None:
+        """Unwind user stack snapshots into callchains and count them (--call-graph dwarf)."""
+        assert self.dwarf is not None and self.stacks is not None
+        if samples is None or ev is None:
+            out = self.dwarf.chains(self.mapper, [], [], [], [], [], None, None, None, force=force)
+        else:
+            rows = samples["regs"].tolist() if regs is not None else [-1] * len(samples)
+            out = self.dwarf.chains(self.mapper, samples["pid"].tolist(), samples["ip"].tolist(), ev.tolist(),
+                                    chains, rows, regs, stack, slen, force=force)
+        pids, ips, evs, ch = out
+        if pids:
+            self.stacks.add(self.mapper, np.array(pids, np.int64), np.array(ips, np.uint64),
+                            np.array(evs, np.int64), ch)
 
     @staticmethod
     def _sample_dtype() -> np.dtype:
@@ -343,6 +383,8 @@ class Collector:
     # --- flushing ---------------------------------------------------------------------
     def flush(self) -> FlushResult:
         t0 = time.monotonic()
+        if self.dwarf is not None and self.dwarf.waiting:
+            self._unwind(None, None, [])  # stacks whose tables arrived since the last drain
         counts = self.agg.take()
         meta = self._flush_meta
         self._flush_meta = self._fresh_meta()

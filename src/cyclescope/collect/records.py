@@ -415,11 +415,9 @@ class RecordDecoder:
                 (ssize,) = struct.unpack_from("<Q", buf, p)
                 p += 8
                 if ssize:
-                    stack = bytes(buf[p : p + ssize])
-                    p += ssize
-                    (dyn,) = struct.unpack_from("<Q", buf, p)
-                    p += 8
-                    stack = stack[:dyn]
+                    (dyn,) = struct.unpack_from("<Q", buf, p + ssize)  # dyn_size follows the data
+                    stack = bytes(buf[p : p + min(dyn, ssize)])
+                    p += ssize + 8
             extras = SampleExtras(chain, regs_abi, regs, stack, dyn)
         return (ident, ip, pid, tid, time, cpu, misc & MISC_CPUMODE_MASK), extras
 
@@ -514,7 +512,7 @@ class RecordDecoder:
                 # Samples decoded one by one: their registers and stacks join the bulk rows.
                 base = sum(len(r) for r in regs_parts)
                 ex_idx = arr["extra"]
-                rr, ss, ll, which = [], [], [], []
+                rr, which, exs = [], [], []
                 for j, e in enumerate(ex_idx.tolist()):
                     if e < 0:
                         continue
@@ -523,17 +521,22 @@ class RecordDecoder:
                         continue
                     which.append(j)
                     rr.append(ex.regs)
-                    st_row = np.zeros(ssz, np.uint8)
-                    if ssz and ex.stack:
-                        b = np.frombuffer(ex.stack[:ssz], np.uint8)
-                        st_row[: len(b)] = b
-                    ss.append(st_row)
-                    ll.append(min(len(ex.stack), ssz))
+                    exs.append(ex)
                 if which:
+                    # One allocation for the batch's stacks, each copied once (8 KiB a sample with
+                    # --call-graph dwarf: per-row arrays cost more than the copies).
+                    st_rows = np.zeros((len(which), ssz), np.uint8)
+                    ll = np.zeros(len(which), np.uint32)
+                    if ssz:
+                        for j, ex in enumerate(exs):
+                            if ex.stack:
+                                b = np.frombuffer(ex.stack, np.uint8, count=min(len(ex.stack), ssz))
+                                st_rows[j, : len(b)] = b
+                                ll[j] = len(b)
                     dst["regs"][np.array(which)] = base + np.arange(len(which), dtype=np.int32)
                     regs_parts.append(np.array(rr, dtype=np.uint64).reshape(len(which), nregs))
-                    stack_parts.append(np.array(ss, dtype=np.uint8).reshape(len(which), ssz))
-                    len_parts.append(np.array(ll, dtype=np.uint32))
+                    stack_parts.append(st_rows)
+                    len_parts.append(ll)
         regs = np.concatenate(regs_parts) if regs_parts else np.zeros((0, nregs), np.uint64)
         stack = np.concatenate(stack_parts) if stack_parts else np.zeros((0, ssz), np.uint8)
         slen = np.concatenate(len_parts) if len_parts else np.zeros(0, np.uint32)

@@ -57,6 +57,21 @@ class Target(Protocol):
     def describe(self) -> str: ...
 
 
+MAX_USER_STACK = 32768  # bytes of user stack per sample (a record's size is 16 bits)
+DWARF_RING_PAGES = 2048  # 8 MiB per ring: 8 KiB snapshots at 5 kHz fill 1 MiB in 25 ms
+
+
+@dataclass(frozen=True)
+class CallGraph:
+    """How call stacks are recorded: 'fp' (the kernel walks frame pointers) or 'dwarf' (the kernel
+    gives its own frames; we unwind a stack_size-byte copy of the user stack with .eh_frame)."""
+
+    mode: str
+    stack_size: int = 8192
+    # dwarf: let the kernel walk the user frame pointers too (for checking the unwinder against them)
+    kernel_user: bool = False
+
+
 @dataclass(frozen=True)
 class SystemWide:
     cpus: tuple[int, ...]
@@ -173,7 +188,7 @@ class Session:
         seed: int | None = None,
         user_stack: int | None = None,
         traceme: bool = False,
-        callchain: bool = False,
+        call_graph: CallGraph | None = None,
     ) -> None:
         if not events:
             raise UsageError("no events to sample")
@@ -183,6 +198,8 @@ class Session:
         self.band = band
         self.force = force
         self.ring_pages = ring_pages
+        if call_graph is not None and call_graph.mode == "dwarf":
+            self.ring_pages = max(ring_pages, DWARF_RING_PAGES)
         self.exclude_idle = exclude_idle
         self.seed = seed
         self.traceme = traceme  # the command asks to be traced before its exec (exact value mode)
@@ -201,16 +218,22 @@ class Session:
         self._id_index: tuple[np.ndarray, np.ndarray] | None = None
         self._fork_time: dict[int, int] = {}  # per-task mode: pid -> when its period was fixed
         self.root_pids: set[int] = set()
+        self.call_graph = call_graph
+        if call_graph is not None and call_graph.mode == "dwarf":
+            # Unwinding needs the user registers and the top of the user stack: share them with
+            # value capture, which needs less (its snapshot is the larger of the two).
+            user_stack = max(user_stack or 0, call_graph.stack_size)
         if user_stack is None:
             self.layout = SampleLayout(int(BASE_SAMPLE_TYPE))
         else:
             # Value capture: the user registers and the top of the user stack at each interrupt.
-            if user_stack < 0 or user_stack % 8 or user_stack > 16384:
-                raise UsageError("the user stack snapshot must be a multiple of 8 bytes, at most 16384")
+            if user_stack < 0 or user_stack % 8 or user_stack > MAX_USER_STACK:
+                raise UsageError(f"the user stack snapshot must be a multiple of 8 bytes, at most {MAX_USER_STACK}")
             st = BASE_SAMPLE_TYPE | Sample.REGS_USER | (Sample.STACK_USER if user_stack else 0)
             self.layout = SampleLayout(int(st), X86_REGS_USER_MASK, stack_user=user_stack)
-        if callchain:
-            # Call stacks, unwound by the kernel through frame pointers (--call-graph fp).
+        if call_graph is not None:
+            # Call stacks: the kernel walks frame pointers (fp), or gives its own frames only and
+            # we unwind the user stack snapshot with .eh_frame (dwarf).
             self.layout = SampleLayout(int(self.layout.sample_type | Sample.CALLCHAIN), self.layout.regs_user_mask,
                                        stack_user=self.layout.stack_user)
         self.started_ns = 0
@@ -263,6 +286,8 @@ class Session:
             flags |= AttrFlag.EXCLUDE_KERNEL
         if self.exclude_idle and not per_task:
             flags |= AttrFlag.EXCLUDE_IDLE
+        if self.call_graph is not None and self.call_graph.mode == "dwarf" and not self.call_graph.kernel_user:
+            flags |= AttrFlag.EXCLUDE_CALLCHAIN_USER  # the user part comes from our unwinder
         a.flags = int(flags)
         a.clockid = CLOCK
         a.wakeup_events = self.ring_pages * kernel.PAGE_SIZE // 2  # wakeup_watermark (bytes)

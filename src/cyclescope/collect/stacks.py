@@ -11,6 +11,7 @@ counted per (stack, event) between flushes.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +82,7 @@ class StackAggregator:
         self.frames = 0
 
     def add(self, mapper: Any, pids: np.ndarray, ips: np.ndarray, events: np.ndarray,
-            chains: list[tuple[int, ...] | None]) -> None:
+            chains: Sequence[tuple[int, ...] | None]) -> None:
         """One drain: per sample, its pid, ip, event index and callchain (None: none recorded)."""
         per: list[list[tuple[int, bool, bool]]] = []
         fp, fa, fk = [], [], []

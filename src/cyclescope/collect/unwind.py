@@ -1,0 +1,304 @@
+"""Unwinding user stack snapshots with the binaries' .eh_frame (--call-graph dwarf).
+
+Most distribution binaries are built without frame pointers, so the kernel's frame-pointer
+callchain stops after the first frame or wanders off. With PERF_SAMPLE_REGS_USER and
+PERF_SAMPLE_STACK_USER each sample carries the user registers and a copy of the top of the user
+stack; this module walks that copy frame by frame with the call frame information of the image
+each PC falls in (images/cfi.py), as perf does at report time with libunwind or libdw. We do it at
+collection time because the database keeps aggregated stacks, not raw snapshots.
+
+A walk stops where the information ends: the outermost frame (a return address rule of
+"undefined", as _start has), a PC in no mapping or in code without CFI (JIT code, hand-written
+assembly), a saved word outside the snapshot (a deep stack: raise the snapshot size), a rule we do
+not follow, or the depth limit. Why each walk stopped is counted.
+
+Reading an image's CFI takes up to seconds (python3.11: 4 s) the first time, before the per-user
+cache has it. It runs on a worker thread; samples that need a table still loading wait in a
+bounded queue and are unwound when it is ready, so the drain loop never stalls and no stack is cut
+short by the loading.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, X86Reg, regs_in_mask
+from cyclescope.collect.stacks import MAX_DEPTH, PERF_CONTEXT_USER
+from cyclescope.errors import DataError
+from cyclescope.images import cfi
+
+COLUMN = {r: i for i, r in enumerate(regs_in_mask(X86_REGS_USER_MASK))}
+IP, SP, BP = COLUMN[X86Reg.IP], COLUMN[X86Reg.SP], COLUMN[X86Reg.BP]
+# DWARF register number -> column of the sampled registers, for the first frame's CFA rule.
+DWARF_COLUMN = {d: COLUMN[X86Reg(p)] for d, p in cfi.DWARF_TO_PERF.items() if X86Reg(p) in COLUMN}
+MASK64 = (1 << 64) - 1
+DEFAULT_STACK = 8192  # bytes of user stack per sample, as perf's --call-graph dwarf
+MAX_PENDING = 8192  # samples waiting for a table (8 KiB each at most: 64 MiB)
+
+STOP_REASONS = ("end", "no-mapping", "no-cfi", "stack", "rule", "depth", "loop", "loading")
+
+PENDING = object()
+
+
+@dataclass
+class UnwindStats:
+    samples: int = 0
+    frames: int = 0
+    deferred: int = 0
+    truncated_loading: int = 0  # unwound without a table still loading (the queue was full)
+
+    def __post_init__(self) -> None:
+        self.stops: Counter[str] = Counter()
+
+
+class Unwinder:
+    """Walks user stack snapshots. tables(image) gives an image's CfiTable, None (it has none),
+    or PENDING (still loading)."""
+
+    def __init__(self, tables: Any, max_depth: int = MAX_DEPTH) -> None:
+        self.tables = tables
+        self.max_depth = max_depth
+        self.stats = UnwindStats()
+
+    def unwind(self, proc: Any, regs: list[int], stack: bytes,
+               loading_stops: bool = False) -> tuple[list[int], str] | None:
+        """User frames, leaf first (the PC, then return addresses), and why the walk stopped; None
+        when an image's table is still loading (or, with loading_stops, a stop there). proc is the
+        process's maps (ProcessState)."""
+        pc = regs[IP]
+        sp = regs[SP]
+        bp: int | None = regs[BP]
+        base = sp
+        size = len(stack)
+
+        def read(addr: int) -> int | None:
+            o = addr - base
+            if o < 0 or o + 8 > size:
+                return None
+            return int.from_bytes(stack[o : o + 8], "little")
+
+        frames = [pc]
+        starts, ends, biases, images = proc.starts, proc.ends, proc.biases, proc.images
+        first = True
+        reason = "depth"
+        while len(frames) < self.max_depth:
+            i = bisect.bisect_right(starts, pc) - 1
+            if i < 0 or pc >= ends[i] or images[i] <= 0:
+                reason = "no-mapping"
+                break
+            table = self.tables(images[i])
+            if table is PENDING:
+                if not loading_stops:
+                    return None
+                reason = "loading"
+                break
+            # A return address points after its call: look up the call itself.
+            row = table.lookup(pc - biases[i] - (0 if first else 1)) if table is not None else None
+            if row is None:
+                reason = "no-cfi"
+                break
+            if row.cfa_kind == cfi.CFA_REG:
+                if first:
+                    col = DWARF_COLUMN.get(row.cfa_reg)
+                    r = regs[col] if col is not None else None
+                else:
+                    r = sp if row.cfa_reg == cfi.DW_RSP else bp if row.cfa_reg == cfi.DW_RBP else None
+                if r is None:
+                    reason = "rule"
+                    break
+                cfa = (r + row.cfa_off) & MASK64
+            else:
+                known = ({d: regs[c] for d, c in DWARF_COLUMN.items()} if first
+                         else {cfi.DW_RSP: sp, cfi.DW_RBP: bp, cfi.DW_RA: pc})
+                known = {k: v for k, v in known.items() if v is not None}
+                v = cfi.evaluate(table.exprs[row.expr], known, read)
+                if v is None:
+                    reason = "rule"
+                    break
+                cfa = v
+            if row.ra_kind == cfi.SAVED_NONE:
+                reason = "end"
+                break
+            if row.ra_kind != cfi.SAVED_AT:
+                reason = "rule"
+                break
+            ra = read(cfa + row.ra_off)
+            if ra is None:
+                reason = "stack"
+                break
+            if row.bp_kind == cfi.SAVED_AT:
+                bp = read(cfa + row.bp_off)
+            elif row.bp_kind == cfi.SAVED_UNKNOWN:
+                bp = None
+            if ra == 0:
+                reason = "end"
+                break
+            if cfa <= sp and not first:
+                reason = "loop"  # the stack grows down: a caller's frame is above its callee's
+                break
+            sp = cfa
+            pc = ra
+            frames.append(pc)
+            first = False
+        return frames, reason
+
+
+class TableLoader:
+    """CFI tables per image index, loaded on a worker thread through the per-user cache."""
+
+    def __init__(self, images: Any, cache: Any | None = None, vdso: bytes | None = None,
+                 wait_s: float = 0.0) -> None:
+        self.images = images  # ImageTable: index -> ImageInfo
+        self.cache = cache
+        self.vdso = vdso
+        self.wait_s = wait_s
+        self.tables: dict[int, cfi.CfiTable | None] = {}
+        self.failed: dict[int, str] = {}
+        self._futures: dict[int, cf.Future[cfi.CfiTable | None]] = {}
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="cyclescope-cfi")
+        self.pids: dict[int, int] = {}  # image -> a pid that maps it (for /proc/PID/root paths)
+
+    def __call__(self, image: int) -> object:
+        t = self.tables.get(image, PENDING)
+        if t is not PENDING:
+            return t
+        fut = self._futures.get(image)
+        if fut is None:
+            fut = self._futures[image] = self._pool.submit(self._load, image)
+            if self.wait_s <= 0:
+                return PENDING  # never stall the drain: the sample waits for the next one
+            try:
+                fut.result(timeout=self.wait_s)
+            except cf.TimeoutError:
+                return PENDING
+        if not fut.done():
+            return PENDING
+        del self._futures[image]
+        try:
+            self.tables[image] = fut.result()
+        except Exception as e:
+            self.tables[image] = None
+            self.failed[image] = f"{type(e).__name__}: {e}"
+        return self.tables[image]
+
+    def _load(self, image: int) -> cfi.CfiTable | None:
+        info = self.images[image]
+        if info.kind == "vdso":
+            return cfi.build_from_bytes(self.vdso) if self.vdso is not None else None
+        if info.kind != "elf" or info.offsets != "vaddr":
+            return None  # JIT maps, file offsets of unreadable binaries, the kernel
+        key = info.build_id or None
+        pid = self.pids.get(image)
+        paths = [info.path] + ([f"/proc/{pid}/root{info.path}"] if pid else [])
+        err: Exception | None = None
+        for p in paths:
+            try:
+                return cfi.load(p, key, self.cache)
+            except (OSError, DataError) as e:
+                err = e
+        raise DataError(f"{info.path}: {err}")
+
+    def pending(self) -> bool:
+        return bool(self._futures)
+
+    def wait(self, timeout: float) -> None:
+        """Let loads in flight finish (at the end of a run)."""
+        if self._futures:
+            cf.wait(list(self._futures.values()), timeout=timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def user_chain(kernel_chain: tuple[int, ...], user_frames: list[int]) -> tuple[int, ...]:
+    """A callchain in the kernel's form: its kernel part, then the unwound user frames. Whatever
+    the kernel gave after its PERF_CONTEXT_USER marker (nothing with exclude_callchain_user, the
+    frame-pointer walk without it) is replaced."""
+    out: list[int] = []
+    for a in kernel_chain:
+        if a == PERF_CONTEXT_USER:
+            break
+        out.append(a)
+    out.append(PERF_CONTEXT_USER)
+    out.extend(user_frames)
+    return tuple(out)
+
+
+@dataclass
+class _Waiting:
+    pid: int
+    proc: Any
+    ip: int
+    event: int
+    kernel_chain: tuple[int, ...]
+    regs: list[int]
+    stack: bytes
+
+
+class DwarfStacks:
+    """Turns samples with user registers and stack snapshots into callchains for StackAggregator,
+    holding back those whose images' tables are still loading."""
+
+    def __init__(self, loader: TableLoader, max_depth: int = MAX_DEPTH, max_pending: int = MAX_PENDING) -> None:
+        self.loader = loader
+        self.unwinder = Unwinder(loader, max_depth)
+        self.max_pending = max_pending
+        self.waiting: list[_Waiting] = []
+
+    @property
+    def stats(self) -> UnwindStats:
+        return self.unwinder.stats
+
+    def _one(self, w: _Waiting, force: bool) -> tuple[int, ...] | None:
+        if not w.regs:
+            return w.kernel_chain  # no user registers (a kernel thread): the kernel's part alone
+        if w.proc is None:
+            self.stats.stops["no-mapping"] += 1
+            return user_chain(w.kernel_chain, [w.regs[IP]])
+        res = self.unwinder.unwind(w.proc, w.regs, w.stack)
+        if res is None:
+            if not force:
+                return None
+            self.stats.truncated_loading += 1
+            res = self.unwinder.unwind(w.proc, w.regs, w.stack, loading_stops=True)
+            assert res is not None
+        frames, reason = res
+        st = self.stats
+        st.samples += 1
+        st.frames += len(frames)
+        st.stops[reason] += 1
+        return user_chain(w.kernel_chain, frames)
+
+    def chains(self, mapper: Any, pids: list[int], ips: list[int], events: list[int],
+               kernel_chains: list[tuple[int, ...] | None], regs_rows: list[int], regs: Any, stack: Any,
+               slen: Any, force: bool = False) -> tuple[list[int], list[int], list[int], list[tuple[int, ...]]]:
+        """(pids, ips, events, chains) of the samples unwound now: the waiting ones whose tables
+        arrived, then this batch's. force: unwind everything (the end of a run)."""
+        out: tuple[list[int], list[int], list[int], list[tuple[int, ...]]] = ([], [], [], [])
+        todo = self.waiting
+        self.waiting = []
+        for pid, ip, ev, kc, r in zip(pids, ips, events, kernel_chains, regs_rows, strict=True):
+            if r >= 0:
+                n = int(slen[r])
+                w = _Waiting(pid, mapper.procs.get(pid), ip, ev, kc or (), regs[r].tolist(), stack[r, :n].tobytes())
+            else:
+                w = _Waiting(pid, None, ip, ev, kc or (), [], b"")
+            todo.append(w)
+        over = len(todo) - self.max_pending
+        for w in todo:
+            ch = self._one(w, force or over > 0)
+            if ch is None:
+                self.waiting.append(w)
+                self.stats.deferred += 1
+                continue
+            if over > 0:
+                over -= 1
+            out[0].append(w.pid)
+            out[1].append(w.ip)
+            out[2].append(w.event)
+            out[3].append(ch)
+        return out

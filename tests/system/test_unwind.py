@@ -1,0 +1,116 @@
+""".eh_frame unwinding of user stack snapshots (--call-graph dwarf), checked against the kernel's
+frame-pointer walk on a binary built with frame pointers, and on one built without them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cyclescope.collect.daemon import Collector, CollectorConfig, child_done
+from cyclescope.collect.events import parse_events
+from cyclescope.collect.session import CallGraph, Command, Session
+from cyclescope.collect.stacks import split_chain
+from cyclescope.collect.unwind import DwarfStacks
+from cyclescope.db.layout import Database
+from tests.system.helpers import cs
+from tests.system.test_export import folded
+
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
+SRC = Path(__file__).parents[1] / "programs" / "callgraph.c"
+
+
+def build(d: Path, name: str, *flags: str, cc: str = "gcc") -> Path:
+    if shutil.which(cc) is None:
+        pytest.skip(f"{cc} is not installed (scripts/setup installs it)")
+    exe = d / name
+    subprocess.run([cc, "-O2", "-g", *flags, "-o", str(exe), str(SRC)], check=True, capture_output=True)
+    return exe
+
+
+def test_unwinder_agrees_with_the_kernels_frame_pointer_walk(tmp_path: Path, monkeypatch: Any) -> None:
+    """One run records both: the kernel walks the frame pointers (kernel_user) and we unwind the same
+    sample's stack snapshot with .eh_frame. Within the program (leaf to main) they must agree, except
+    where the frame-pointer walk is known to be wrong: a sample in a prologue or epilogue, where rbp
+    still or again holds the caller's frame and the kernel skips the caller."""
+    # clang: gcc 12 gives leaf no frame at -O2 even with -mno-omit-leaf-frame-pointer, and then the
+    # kernel's walk misses leaf's caller in most samples.
+    exe = build(tmp_path, "cg_fp", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", cc="clang-14")
+    pairs: list[tuple[list[int], list[int], Any]] = []
+    orig = DwarfStacks._one
+
+    def spy(self: DwarfStacks, w: Any, force: bool) -> tuple[int, ...] | None:
+        ch = orig(self, w, force)
+        if ch is not None and w.regs and w.proc is not None:
+            fp = [a for a, k, _ in split_chain(w.kernel_chain, w.ip) if not k]
+            ours = [a for a, k, _ in split_chain(ch, w.ip) if not k]
+            pairs.append((fp, ours, w.proc))
+        return ch
+
+    monkeypatch.setattr(DwarfStacks, "_one", spy)
+    session = Session(parse_events(["cpu-clock"]), Command((str(exe), "8000000")), rate_hz=2000,
+                      call_graph=CallGraph("dwarf", 8192, kernel_user=True))
+    db = Database.create_or_open(tmp_path / "db")
+    c = Collector(session, db, CollectorConfig(host="test", stacks=session.call_graph, archive="none"))
+    c.start()
+    c.run(until=child_done(session))
+    assert len(pairs) > 300
+
+    def in_program(frames: list[int], proc: Any) -> list[int]:
+        """The frames in the test binary, leaf first, up to main's."""
+        import bisect
+
+        out = []
+        for a in frames:
+            i = bisect.bisect_right(proc.starts, a) - 1
+            if i < 0 or a >= proc.ends[i] or c.table[proc.images[i]].path != str(exe):
+                break
+            out.append(a)
+        return out
+
+    agree = longer = 0
+    for fp, ours, proc in pairs:
+        a, b = in_program(fp, proc), in_program(ours, proc)
+        if a == b:
+            agree += 1
+        elif len(b) == len(a) + 1 and [x for x in b if x not in a] and set(a) <= set(b):
+            longer += 1  # the frame-pointer walk skipped one caller (prologue/epilogue)
+    n = len(pairs)
+    assert agree >= 0.9 * n, (agree, longer, n)
+    assert agree + longer >= 0.98 * n, (agree, longer, n)
+    st = c.dwarf.stats if c.dwarf is not None else None
+    assert st is not None and st.stops["end"] >= 0.95 * st.samples, st.stops
+
+
+def test_dwarf_stacks_of_code_without_frame_pointers(tmp_path: Path) -> None:
+    """-fomit-frame-pointer: the kernel's walk cannot find callers, .eh_frame can."""
+    exe = build(tmp_path, "cg_nofp", "-fomit-frame-pointer")
+    db = tmp_path / "db"
+    p = cs("record", "--db", str(db), "-g", "dwarf", "--", str(exe), "300000", timeout=300)
+    assert "unwound" in p.stderr and "stopped at: end" in p.stderr, p.stderr
+    stacks = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+    total = sum(stacks.values())
+    assert total > 300
+    full = Counter({s: n for s, n in stacks.items() if s.startswith("_start;__libc_start_main;")})
+    assert sum(full.values()) >= 0.95 * total, stacks.most_common(5)
+    # The program's own stacks, whole: leaf under inner under outer (or under outer directly).
+    paths = Counter()
+    for s, n in full.items():
+        f = s.split(";")
+        if "main" in f:
+            paths[";".join(x for x in f[f.index("main"):] if x in ("main", "outer", "inner", "leaf"))] += n
+    leafy = sum(n for s, n in paths.items() if s.endswith("leaf"))
+    good = paths["main;outer;inner;leaf"] + paths["main;outer;leaf"]
+    assert good >= 0.95 * leafy, paths
+    # about two thirds of leaf's calls are under inner (2 of its 3 calls per outer)
+    assert 0.5 < paths["main;outer;inner;leaf"] / leafy < 0.8, paths
+    # The kernel's frame-pointer walk on the same binary loses callers.
+    db2 = tmp_path / "db2"
+    cs("record", "--db", str(db2), "-q", "-g", "fp", "--", str(exe), "300000", timeout=300)
+    fp = folded(cs("export", "collapsed", "--db", str(db2)).stdout)
+    fp_inner = sum(n for s, n in fp.items() if ";inner;leaf" in s)
+    assert fp_inner < 0.5 * paths["main;outer;inner;leaf"] * sum(fp.values()) / total
