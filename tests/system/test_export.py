@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections import Counter
@@ -165,3 +166,37 @@ def test_optimize_closes_the_loop_with_clang(tmp_path: Path) -> None:
     assert doc["same_output"] and len(doc["base_cpu_s"]) == len(doc["opt_cpu_s"]) == 2
     assert doc["speedup"] > 0 and Path(doc["profile"]).stat().st_size > 0
     assert "leaf" in Path(doc["profile"]).read_text()
+
+
+def test_bolt_fdata_is_read_by_llvm_bolt(tmp_path: Path) -> None:
+    """The no-LBR profile of a program (with a static function, which BOLT names name/file/N) drives
+    llvm-bolt: every sampled function is matched, and the rewritten program gives the same output."""
+    bolt = shutil.which("llvm-bolt-16") or shutil.which("llvm-bolt")
+    if bolt is None or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and llvm-bolt (Debian bolt-16: scripts/setup installs it)")
+    src = tmp_path / "cg.c"
+    text = (Path(__file__).parents[1] / "programs" / "callgraph.c").read_text()
+    src.write_text(text.replace("__attribute__((noinline)) unsigned long leaf", "static __attribute__((noinline)) "
+                                "unsigned long leaf"))
+    exe = tmp_path / "cg"
+    subprocess.run(["gcc", "-O2", "-g", "-Wl,--emit-relocs", "-o", str(exe), str(src)], check=True, capture_output=True)
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "--", str(exe), "300000", timeout=300)
+    fdata = tmp_path / "cg.fdata"
+    p = cs("export", "bolt-fdata", "--db", str(db), "--image", "cg", "-o", str(fdata))
+    lines = fdata.read_text().splitlines()
+    assert lines[0] == "no_lbr cpu-clock"
+    funcs = {ln.split()[1] for ln in lines[1:]}
+    assert f"leaf/{src.name}/1" in funcs and "inner" in funcs, funcs
+    assert all(ln.split()[0] == "1" and int(ln.split()[2], 16) >= 0 and int(ln.split()[3]) > 0 for ln in lines[1:])
+    assert f"in {len(funcs)} functions" in p.stderr
+    out = tmp_path / "cg.bolt"
+    r = subprocess.run([bolt, str(exe), "-o", str(out), f"-data={fdata}", "-reorder-blocks=ext-tsp",
+                        "-reorder-functions=hfsort"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "basic samples profiling data (no LBR)" in r.stdout + r.stderr
+    m = re.search(r"(\d+) out of \d+ functions in the binary .* have non-empty execution profile", r.stdout + r.stderr)
+    assert m and int(m.group(1)) == len(funcs), r.stdout
+    a = subprocess.run([str(exe), "1000"], capture_output=True, text=True, check=True).stdout
+    b = subprocess.run([str(out), "1000"], capture_output=True, text=True, check=True).stdout
+    assert a == b

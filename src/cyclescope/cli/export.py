@@ -35,7 +35,7 @@ def _emit(output: str | None, data: bytes) -> None:
         pass
 
 
-FORMATS = ("collapsed", "speedscope", "pprof", "llvm-sample")
+FORMATS = ("collapsed", "speedscope", "pprof", "llvm-sample", "bolt-fdata")
 
 
 @register
@@ -51,7 +51,10 @@ class Export(Command):
         "'llvm-sample' writes LLVM's text sample profile of one image for clang -fprofile-sample-use:\n"
         "execution counts per source line estimated by `calc` from the samples (no branch records\n"
         "needed), call targets from the direct calls. Build with -g (and -fdebug-info-for-profiling for\n"
-        "discriminators); `llvm-profdata show --sample FILE` reads it."
+        "discriminators); `llvm-profdata show --sample FILE` reads it.\n\n"
+        "'bolt-fdata' writes BOLT's profile without branch records (as `perf2bolt -nl`): samples per\n"
+        "instruction of one image, by function symbol and offset, for llvm-bolt -data=FILE (link the\n"
+        "program with -Wl,--emit-relocs for BOLT to reorder its blocks and functions)."
     )
     epilog = (
         "examples:\n"
@@ -59,9 +62,11 @@ class Export(Command):
         "  cyclescope export speedscope -o prog.speedscope.json\n"
         "  cyclescope export pprof -o prog.pb.gz && go tool pprof -top prog.pb.gz\n"
         "  cyclescope export llvm-sample --image ./prog -o prog.prof && clang -O2 -fprofile-sample-use=prog.prof ...\n"
-        "notes: stacks come from frame pointers: a function without a frame (a leaf built without\n"
-        "-mno-omit-leaf-frame-pointer, most distribution code) hides its caller. --image selects stacks\n"
-        "by their leaf's image; --process applies to flat profiles only."
+        "  cyclescope export bolt-fdata --image ./prog -o prog.fdata && llvm-bolt-16 prog -o prog.bolt \\\n"
+        "      -data=prog.fdata -reorder-blocks=ext-tsp -reorder-functions=hfsort\n"
+        "notes: with -g fp, a function without a frame (most distribution code) hides its caller; -g dwarf\n"
+        "unwinds with .eh_frame instead. --image selects stacks by their leaf's image; --process applies\n"
+        "to flat profiles only."
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
@@ -82,6 +87,8 @@ class Export(Command):
         ps = open_profile(db, selection(args))
         if args.format == "llvm-sample":
             return self._llvm_sample(args, ps, db)
+        if args.format == "bolt-fdata":
+            return self._bolt_fdata(args, ps, db)
         images = set(match_images(ps, list(args.image))) if args.image else None
         if args.image and not images:
             raise NotFoundError(f"no image matching {', '.join(args.image)} in the selection")
@@ -190,7 +197,6 @@ class Export(Command):
     def _llvm_sample(args: argparse.Namespace, ps: Any, db: Any) -> int:
         from cyclescope.cli.calc import calc_target, cycles_event
         from cyclescope.cli.prof import prof_report
-        from cyclescope.db.query import match_images
         from cyclescope.errors import CycleScopeError
         from cyclescope.images.dwarf import DwarfIndex, dwarf_source
         from cyclescope.images.elf import read_symbols
@@ -202,20 +208,7 @@ class Export(Command):
         ev = cycles_event(ps, getattr(args, "event", None) and args.event[0])
         rep = prof_report(ps, False)
         col = rep.events.index(ev)
-        if args.image:
-            keys = set(match_images(ps, list(args.image)))
-        else:  # the ELF image with the most samples
-            elf_rows = [r for r in rep.rows if r.image_key in ps.images and ps.images[r.image_key].kind == "elf"]
-            keys = {elf_rows[0].image_key} if elf_rows else set()
-        if not keys:
-            raise NotFoundError("no executable image with samples in the selection (give --image)")
-        if len(keys) > 1:
-            raise UsageError("llvm-sample describes one binary: --image matches " + ", ".join(sorted(keys)))
-        (key,) = keys
-        info = ps.images[key]
-        b = sym.binary(info)
-        if b.path is None:
-            raise NotFoundError(b.problem or f"{info.path}: the binary is not available")
+        key, info, b = _one_binary(args, ps, rep, sym)
         dpath = dwarf_source(b.path, info.key)
         if dpath is None:
             raise NotFoundError(f"{info.path}: no DWARF line information (build with -g)")
@@ -279,3 +272,53 @@ class Export(Command):
         _emit(args.output, render(profiles).encode())
         eprint(f"cyclescope export: {sum(1 for p in profiles if p.total)} functions of {info.path}")
         return 0
+
+    @staticmethod
+    def _bolt_fdata(args: argparse.Namespace, ps: Any, db: Any) -> int:
+        from cyclescope.cli.calc import cycles_event
+        from cyclescope.cli.prof import prof_report
+        from cyclescope.db.query import query_counts
+        from cyclescope.images.elf import local_function_files, read_symbols
+        from cyclescope.images.symbolize import Symbolizer
+        from cyclescope.report.bolt_fdata import bolt_names, render
+
+        sym = Symbolizer(db)
+        ev = cycles_event(ps, getattr(args, "event", None) and args.event[0])
+        key, info, b = _one_binary(args, ps, prof_report(ps, False), sym)
+        assert b.path is not None
+        raw = read_symbols(b.path, demangle=False)  # BOLT knows functions by their linkage names
+        t = query_counts(ps, images=[key])
+        evs = np.array(t.column("event").to_pylist(), dtype=object)
+        sel = evs == ev
+        offs = np.array(t.column("offset").to_pylist(), np.uint64)[sel]
+        counts = np.array(t.column("count").to_pylist(), np.int64)[sel]
+        names = bolt_names(raw.starts, raw.names, local_function_files(b.path))
+        res = render([ev], offs, counts, raw.starts, raw.ends, names)
+        if not res.samples:
+            raise NotFoundError(f"{info.path}: no {ev} samples in its functions")
+        _emit(args.output, res.text.encode())
+        note = f"; {res.outside} samples outside every function symbol left out" if res.outside else ""
+        eprint(f"cyclescope export: {res.samples} {ev} samples in {res.functions} functions of {info.path}{note}")
+        return 0
+
+
+def _one_binary(args: argparse.Namespace, ps: Any, rep: Any, sym: Any) -> tuple[str, Any, Any]:
+    """The one ELF image a per-binary export describes: --image, or the one with the most samples;
+    its key, ImageInfo and the binary found on disk or in the archive."""
+    from cyclescope.db.query import match_images
+
+    if args.image:
+        keys = set(match_images(ps, list(args.image)))
+    else:
+        elf_rows = [r for r in rep.rows if r.image_key in ps.images and ps.images[r.image_key].kind == "elf"]
+        keys = {elf_rows[0].image_key} if elf_rows else set()
+    if not keys:
+        raise NotFoundError("no executable image with samples in the selection (give --image)")
+    if len(keys) > 1:
+        raise UsageError(f"{args.format} describes one binary: --image matches " + ", ".join(sorted(keys)))
+    (key,) = keys
+    info = ps.images[key]
+    b = sym.binary(info)
+    if b.path is None:
+        raise NotFoundError(b.problem or f"{info.path}: the binary is not available")
+    return key, info, b

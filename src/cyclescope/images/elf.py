@@ -310,6 +310,31 @@ def _iter_func_symbols(elf: ELFFile, section_names: tuple[str, ...]) -> list[tup
     return out
 
 
+def local_function_files(path: str) -> dict[int, tuple[str, str]]:
+    """Local (static) function symbols of .symtab: address -> (name, the source file named by the
+    FILE symbol before it). Tools that know functions by name qualify these (BOLT: name/file/N)."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.sections import SymbolTableSection
+
+    out: dict[int, tuple[str, str]] = {}
+    try:
+        with open(path, "rb") as f:
+            sec = _open_elf(f, path).get_section_by_name(".symtab")
+            if not isinstance(sec, SymbolTableSection):
+                return out
+            file = ""
+            for sym in sec.iter_symbols():
+                t = sym["st_info"]["type"]
+                if t == "STT_FILE":
+                    file = sym.name
+                elif (t == "STT_FUNC" and sym["st_info"]["bind"] == "STB_LOCAL" and sym.name
+                      and sym["st_shndx"] != "SHN_UNDEF"):
+                    out.setdefault(int(sym["st_value"]), (sym.name, file))
+    except (ELFError, ValueError, KeyError) as e:
+        raise DataError(f"{path}: malformed symbol table ({e})") from None
+    return out
+
+
 def _plt_symbols(elf: ELFFile) -> list[tuple[int, int, str]]:
     """Synthetic ``name@plt`` symbols for PLT stubs, as objdump and perf make them.
 
