@@ -11,10 +11,13 @@ The three run alternately, rotating the order, for --runs rounds on the training
 base per round (median [quartiles]) and the share of instrumented PGO's gain that the sample
 profile reaches: (speedup_sample - 1) / (speedup_instr - 1). AutoFDO reports 85% with branch records.
 
-Programs: bzip2 from Debian sources (bench/suite.py fetches it), the demo workload, bench/workload.c
-and tests/programs/kernels.c.
+Programs from Debian sources (bench/suite.py fetches and configures them): bzip2 (one clang
+command), gzip, xz (statically linked liblzma) and zlib's minigzip (their configured trees are
+copied and rebuilt with `make CC=clang-14 CFLAGS=...` per variant); and our own: the demo workload,
+bench/workload.c and tests/programs/kernels.c. The Debian programs compress bench/out/suite/input.txt
+(6 MB of Python sources).
 
-Usage: python bench/optimize.py [--runs 5] [--programs bzip2,demo,workload,kernels]
+Usage: python bench/optimize.py [--runs 5] [--programs bzip2,gzip,xz,zlib,demo,workload,kernels]
 """
 
 from __future__ import annotations
@@ -40,11 +43,38 @@ FLAGS = "-O2 -g -fdebug-info-for-profiling"
 SUITE = ROOT / "bench" / "out" / "suite"
 
 
+# name -> (configured source tree, binary built there, make target, run argv with {exe})
+MADE = {
+    "gzip": ("gzip-1.12", "gzip", "all", ["{exe}", "-c", "-6", "{input}"]),
+    "xz": ("xz-utils-5.4.1", "src/xz/xz", "all", ["{exe}", "-c", "-3", "-T1", "{input}"]),
+    "zlib": ("zlib-1.2.13.dfsg", "minigzip", "minigzip", ["{exe}", "-c", "-6", "{input}"]),
+}
+NOREGEN = ["ACLOCAL=:", "AUTOCONF=:", "AUTOMAKE=:", "AUTOHEADER=:", "MAKEINFO=:", "AUTOPOINT=:"]
+
+
+def make_builder(name: str, work: Path) -> Any:
+    """A build function for a configured autotools/zlib tree: a private copy, rebuilt per variant."""
+    tree, binary, target, _ = MADE[name]
+    src = work / "tree"
+    shutil.copytree(SUITE / "src" / tree, src, symlinks=True)
+
+    def build(out: Path, extra: str) -> Path:
+        subprocess.run(["make", "-s", "clean", *NOREGEN], cwd=src, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        sh(["make", "-s", "-j2", *NOREGEN, f"CC={CLANG}", f"CFLAGS={FLAGS} {extra}", target], cwd=src)
+        shutil.copy(src / binary, out)
+        return out
+
+    return build
+
+
 def programs() -> dict[str, tuple[list[str], list[str], str | None]]:
-    """name -> (sources, run argv with {exe}, stdin file)."""
+    """name -> (sources, run argv with {exe}, stdin file); sources [] for the MADE programs."""
     bz = SUITE / "src" / "bzip2-1.0.8"
     inp = str(SUITE / "input.txt")
+    made = {n: ([], [a.replace("{input}", inp) for a in m[3]], None) for n, m in MADE.items()}
     return {
+        **made,
         "bzip2": ([str(bz / f) for f in ("blocksort.c", "huffman.c", "crctable.c", "randtable.c", "compress.c",
                                          "decompress.c", "bzlib.c", "bzip2.c")], ["{exe}", "-c", "-9", inp], None),
         "demo": ([str(ROOT / "src" / "cyclescope" / "demo" / "workload.c")], ["{exe}", "1.0"], None),
@@ -68,14 +98,16 @@ def cpu_of(argv: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--programs", default="bzip2,demo,workload,kernels")
+    ap.add_argument("--programs", default="bzip2,gzip,xz,zlib,demo,workload,kernels")
+    ap.add_argument("--save-as", default="optimize", help="name of the raw data file in bench/out/")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cs-bench-opt-"))
     cs = [sys.executable, "-m", "cyclescope"]
     results: dict[str, Any] = {}
     for name in args.programs.split(","):
         srcs, run_argv, _ = programs()[name]
-        if not all(Path(s).exists() for s in srcs):
+        needed = [SUITE / "src" / MADE[name][0]] if name in MADE else [Path(s) for s in srcs]
+        if not all(p.exists() for p in needed):
             print(f"skipping {name}: sources missing (run bench/suite.py)", file=sys.stderr)
             continue
         d = work / name
@@ -84,9 +116,12 @@ def main() -> None:
         def argv(exe: Path, run_argv: list[str] = run_argv) -> list[str]:
             return [a.replace("{exe}", str(exe)) for a in run_argv]
 
-        def build(out: Path, extra: str, srcs: list[str] = srcs) -> Path:
+        def build_one(out: Path, extra: str, srcs: list[str] = srcs) -> Path:
             sh([CLANG, *shlex.split(FLAGS), *shlex.split(extra), "-o", str(out), *srcs, "-lm"])
             return out
+
+        build = make_builder(name, d) if name in MADE else build_one
+        print(f"{name}: building", flush=True)
 
         base = build(d / "base", "")
         # Sample profile: a training run of the base build under cyclescope.
@@ -115,7 +150,7 @@ def main() -> None:
         sh_ = "n/a (no gain)" if r["share"] is None else f"{100 * r['share']:.0f}%"
         print(f"{name:<10} {median(r['cpu']['base']):>12.3f} {fmt_spread(r['speedup_sample'], 'x'):>24} "
               f"{fmt_spread(r['speedup_instr'], 'x'):>24} {sh_:>20}")
-    path = save("optimize", {"machine": machine(), "args": vars(args), "results": results})
+    path = save(args.save_as, {"machine": machine(), "args": vars(args), "results": results})
     print(f"\ntarget: at least 85% of instrumented PGO's gain; raw data: {path}")
 
 

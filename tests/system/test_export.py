@@ -56,6 +56,14 @@ def test_stacks_are_recorded_and_exported_collapsed(recorded: Path) -> None:
         assert "leaf;leaf" not in ";".join(f)
 
 
+def test_stacks_are_selected_by_process(recorded: Path) -> None:
+    every = folded(cs("export", "collapsed", "--db", str(recorded)).stdout)
+    mine = folded(cs("export", "collapsed", "--db", str(recorded), "--process", "callgraph").stdout)
+    assert sum(mine.values()) >= 0.95 * sum(every.values()) and set(mine) <= set(every)
+    p = cs("export", "collapsed", "--db", str(recorded), "--process", "no-such-command")
+    assert "no call stacks" in p.stderr and not p.stdout.strip()
+
+
 def test_speedscope_export_follows_the_file_format(recorded: Path, tmp_path: Path) -> None:
     out = tmp_path / "p.speedscope.json"
     cs("export", "speedscope", "--db", str(recorded), "-o", str(out))

@@ -53,7 +53,8 @@ def test_stacks_are_mapped_with_return_addresses_at_their_call_and_counted() -> 
     agg.add(_Mapper(), np.array([7, 7, 7]), np.array([0x401000] * 3, np.uint64), np.array([0, 0, 1]),
             [chain, chain, None])
     sc = agg.take()
-    stacks, ev, n = sc.rows()
+    stacks, ev, n, comm = sc.rows()
+    assert set(comm) == {-1}  # no commands given
     got = {(tuple(s), e): c for s, e, c in zip(stacks, ev, n, strict=True)}
     full = ((1, 0x1000), (1, 0x2004), (1, 0x3008))  # return addresses looked up one byte back
     assert got == {(full, 0): 2, (((1, 0x1000),), 1): 1}  # no callchain: the sampled ip alone
@@ -69,12 +70,16 @@ def test_stack_files_round_trip_and_a_corrupt_one_is_skipped(tmp_path: Path) -> 
     keys = ["[unknown]", "buildid-a", "kernel"]
     write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock"], {"buildid-a": {"key": "buildid-a"}})
     agg.add(_Mapper(), np.array([7]), np.array([0x401000], np.uint64), np.array([0]),
-            [(PERF_CONTEXT_USER, 0x401000, 0x402005)])
-    write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock"], {})
+            [(PERF_CONTEXT_USER, 0x401000, 0x402005)], [1])
+    write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock"], {}, ["[unknown]", "prog"])
     sel = load_stacks(db, [epoch])
     assert sel.files == 2 and sel.images == {"buildid-a": {"key": "buildid-a"}}
-    assert sel.counts == Counter({("cpu-clock", (("buildid-a", 0x1000), ("buildid-a", 0x2004))): 2})
+    stack = ("cpu-clock", (("buildid-a", 0x1000), ("buildid-a", 0x2004)))
+    assert sel.counts == Counter({stack: 2})
     assert load_stacks(db, [epoch], images={"other"}).counts == Counter()
+    # The command each stack was sampled in: the first file has none recorded, the second "prog".
+    assert load_stacks(db, [epoch], processes={"prog"}).counts == Counter({stack: 1})
+    assert load_stacks(db, [epoch], processes={"other"}).counts == Counter()
     (stacks_dir(db, epoch, "h") / "stk-00000009-00000009.parquet").write_bytes(b"PAR1 not really")
     sel = load_stacks(db, [epoch])
     assert sel.files == 2 and len(sel.corrupt) == 1 and sum(sel.counts.values()) == 2

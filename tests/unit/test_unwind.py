@@ -212,12 +212,13 @@ def test_samples_wait_for_their_tables_and_are_released_in_order() -> None:
     mapper = SimpleNamespace(procs={7: proc()})
     regs_a = np.array([r, r], np.uint64)
     stack = np.frombuffer(st * 2, np.uint8).reshape(2, len(st))
-    out = ds.chains(mapper, [7, 7], [1, 2], [0, 0], [None, None], [0, 1], regs_a, stack, np.array([len(st)] * 2))
-    assert out == ([], [], [], []) and len(ds.waiting) == 2
+    out = ds.chains(mapper, [7, 7], [1, 2], [0, 0], [3, 4], [None, None], [0, 1], regs_a, stack,
+                    np.array([len(st)] * 2))
+    assert out.pids == [] and len(ds.waiting) == 2
     loader.ready = True
-    pids, ips, _evs, chains = ds.chains(mapper, [], [], [], [], [], None, None, None)
-    assert pids == [7, 7] and ips == [1, 2] and not ds.waiting
-    assert chains[0] == (PERF_CONTEXT_USER, BIAS + A_LEAF + 0x40, BIAS + A_MID + 0x10, BIAS + A_MID + 0x150,
+    out = ds.chains(mapper, [], [], [], [], [], [], None, None, None)
+    assert out.pids == [7, 7] and out.ips == [1, 2] and out.comms == [3, 4] and not ds.waiting
+    assert out.chains[0] == (PERF_CONTEXT_USER, BIAS + A_LEAF + 0x40, BIAS + A_MID + 0x10, BIAS + A_MID + 0x150,
                          BIAS + A_ROOT + 0x20)
     assert ds.stats.samples == 2 and ds.stats.stops["end"] == 2
 
@@ -228,15 +229,15 @@ def test_a_full_queue_unwinds_the_oldest_samples_without_the_missing_tables() ->
     ds = DwarfStacks(Loader(), max_pending=3)  # type: ignore[arg-type]
     r, st = three_frames()
     n = 5
-    out = ds.chains(SimpleNamespace(procs={7: proc()}), [7] * n, list(range(n)), [0] * n, [None] * n,
+    out = ds.chains(SimpleNamespace(procs={7: proc()}), [7] * n, list(range(n)), [0] * n, [0] * n, [None] * n,
                     list(range(n)), np.array([r] * n, np.uint64),
                     np.frombuffer(st * n, np.uint8).reshape(n, len(st)), np.array([len(st)] * n))
-    assert out[1] == [0, 1] and len(ds.waiting) == 3
+    assert out.ips == [0, 1] and len(ds.waiting) == 3
     assert ds.stats.truncated_loading == 2 and ds.stats.stops["loading"] == 2
     # A sample without user registers (a kernel thread) keeps its kernel frames and never waits.
-    out = ds.chains(SimpleNamespace(procs={}), [0], [9], [0], [(PERF_CONTEXT_KERNEL, 0xFFFF1)], [-1], None, None, None,
-                    force=True)
-    assert (PERF_CONTEXT_KERNEL, 0xFFFF1) in out[3] and not ds.waiting
+    out = ds.chains(SimpleNamespace(procs={}), [0], [9], [0], [0], [(PERF_CONTEXT_KERNEL, 0xFFFF1)], [-1], None, None,
+                    None, force=True)
+    assert (PERF_CONTEXT_KERNEL, 0xFFFF1) in out.chains and not ds.waiting
 
 
 def test_call_graph_option() -> None:

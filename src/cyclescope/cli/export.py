@@ -65,8 +65,8 @@ class Export(Command):
         "  cyclescope export bolt-fdata --image ./prog -o prog.fdata && llvm-bolt-16 prog -o prog.bolt \\\n"
         "      -data=prog.fdata -reorder-blocks=ext-tsp -reorder-functions=hfsort\n"
         "notes: with -g fp, a function without a frame (most distribution code) hides its caller; -g dwarf\n"
-        "unwinds with .eh_frame instead. --image selects stacks by their leaf's image; --process applies\n"
-        "to flat profiles only."
+        "unwinds with .eh_frame instead. --image selects stacks by their leaf's image, --process by the\n"
+        "command sampled (stacks recorded before this release have none: --process leaves them out)."
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
@@ -92,7 +92,7 @@ class Export(Command):
         images = set(match_images(ps, list(args.image))) if args.image else None
         if args.image and not images:
             raise NotFoundError(f"no image matching {', '.join(args.image)} in the selection")
-        sel = load_stacks(db, ps.epochs, list(args.host) or None, images)
+        sel = load_stacks(db, ps.epochs, list(args.host) or None, images, set(args.process) or None)
         for c in sel.corrupt:
             eprint(f"cyclescope export: skipped {c}")
         infos = dict(ps.images)
@@ -100,15 +100,13 @@ class Export(Command):
             infos.setdefault(k, ImageInfo.from_json(d))
         stacks: Stacks = sel.counts
         if not stacks:
-            eprint("cyclescope export: no call stacks recorded in the selection (record with -g fp); "
+            eprint("cyclescope export: no call stacks recorded in the selection (record with -g dwarf or -g fp); "
                    "exporting the flat profile as one-frame stacks")
             t = query_counts(ps, images=sorted(images) if images else None)
             stacks = Counter()
             for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
                                        t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
                 stacks[(ev, ((img, int(off)),))] += int(c)
-        elif args.process:
-            raise UsageError("--process selects flat profiles only: stacks do not record the process")
         sym = Symbolizer(db)
         names: dict[tuple[str, int], str] = {}
 

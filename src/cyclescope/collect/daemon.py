@@ -333,11 +333,12 @@ class Collector:
             kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
             if self.dwarf is not None:
                 if regs_parts:
-                    self._unwind(samples, ev, kept, regs, stack, slen)
+                    self._unwind(samples, ev, kept, mapped.comm, regs, stack, slen)
                 else:
-                    self._unwind(samples, ev, kept)
+                    self._unwind(samples, ev, kept, mapped.comm)
             else:
-                self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept)
+                self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept,
+                                mapped.comm.tolist())
         if self.values is not None and regs_parts:
             self.values.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
         n = len(samples)
@@ -348,20 +349,19 @@ class Collector:
         return n
 
     def _unwind(self, samples: np.ndarray | None, ev: np.ndarray | None, chains: list[tuple[int, ...] | None],
-                regs: np.ndarray | None = None, stack: np.ndarray | None = None, slen: np.ndarray | None = None,
-                force: bool = False) -> None:
+                comm: np.ndarray | None = None, regs: np.ndarray | None = None, stack: np.ndarray | None = None,
+                slen: np.ndarray | None = None, force: bool = False) -> None:
         """Unwind user stack snapshots into callchains and count them (--call-graph dwarf)."""
         assert self.dwarf is not None and self.stacks is not None
-        if samples is None or ev is None:
-            out = self.dwarf.chains(self.mapper, [], [], [], [], [], None, None, None, force=force)
+        if samples is None or ev is None or comm is None:
+            out = self.dwarf.chains(self.mapper, [], [], [], [], [], [], None, None, None, force=force)
         else:
             rows = samples["regs"].tolist() if regs is not None else [-1] * len(samples)
             out = self.dwarf.chains(self.mapper, samples["pid"].tolist(), samples["ip"].tolist(), ev.tolist(),
-                                    chains, rows, regs, stack, slen, force=force)
-        pids, ips, evs, ch = out
-        if pids:
-            self.stacks.add(self.mapper, np.array(pids, np.int64), np.array(ips, np.uint64),
-                            np.array(evs, np.int64), ch)
+                                    comm.tolist(), chains, rows, regs, stack, slen, force=force)
+        if out.pids:
+            self.stacks.add(self.mapper, np.array(out.pids, np.int64), np.array(out.ips, np.uint64),
+                            np.array(out.events, np.int64), out.chains, out.comms)
 
     @staticmethod
     def _sample_dtype() -> np.dtype:
@@ -467,7 +467,7 @@ class Collector:
         used = {i for st in sc.stacks for i, _ in st}
         images = {self.table[i].key: self.table[i].to_json() for i in used if i > 0}
         write_stacks(self.db, epoch, self.cfg.host, sc, self.table.keys(),
-                     [s.label for s in self.session.events], images)
+                     [s.label for s in self.session.events], images, self.mapper.comms.names)
 
     def _flush_values(self, epoch: int) -> None:
         from cyclescope.db.values import write_values

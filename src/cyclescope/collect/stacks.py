@@ -52,7 +52,8 @@ class StackCounts:
     """Stacks seen since the last flush: frames as (image index, offset) tuples, leaf first."""
 
     stacks: dict[tuple[tuple[int, int], ...], int] = field(default_factory=dict)  # stack -> id
-    counts: Counter[tuple[int, int]] = field(default_factory=Counter)  # (stack id, event) -> samples
+    # (stack id, event, command as a CommTable index or -1) -> samples
+    counts: Counter[tuple[int, int, int]] = field(default_factory=Counter)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -64,15 +65,16 @@ class StackCounts:
             self.stacks[stack] = sid
         return sid
 
-    def rows(self) -> tuple[list[tuple[tuple[int, int], ...]], list[int], list[int]]:
-        """(stack, event, count) columns."""
+    def rows(self) -> tuple[list[tuple[tuple[int, int], ...]], list[int], list[int], list[int]]:
+        """(stack, event, count, command) columns."""
         by_id = list(self.stacks)
-        st, ev, n = [], [], []
-        for (sid, e), c in self.counts.items():
+        st, ev, n, cm = [], [], [], []
+        for (sid, e, comm), c in self.counts.items():
             st.append(by_id[sid])
             ev.append(e)
             n.append(c)
-        return st, ev, n
+            cm.append(comm)
+        return st, ev, n, cm
 
 
 class StackAggregator:
@@ -82,8 +84,9 @@ class StackAggregator:
         self.frames = 0
 
     def add(self, mapper: Any, pids: np.ndarray, ips: np.ndarray, events: np.ndarray,
-            chains: Sequence[tuple[int, ...] | None]) -> None:
-        """One drain: per sample, its pid, ip, event index and callchain (None: none recorded)."""
+            chains: Sequence[tuple[int, ...] | None], comms: Sequence[int] | None = None) -> None:
+        """One drain: per sample, its pid, ip, event index, callchain (None: none recorded) and
+        command when it was taken (a CommTable index)."""
         per: list[list[tuple[int, bool, bool]]] = []
         fp, fa, fk = [], [], []
         for pid, ip, ch in zip(pids.tolist(), ips.tolist(), chains, strict=True):
@@ -99,13 +102,14 @@ class StackAggregator:
         img_l, off_l = img.tolist(), off.tolist()
         pos = 0
         cur = self.cur
-        for frames, e in zip(per, events.tolist(), strict=True):
+        cm = list(comms) if comms is not None else [-1] * len(per)
+        for frames, e, comm in zip(per, events.tolist(), cm, strict=True):
             n = len(frames)
             if not n:
                 continue
             stack = tuple(zip(img_l[pos : pos + n], off_l[pos : pos + n], strict=True))
             pos += n
-            cur.counts[(cur.intern(stack), e)] += 1
+            cur.counts[(cur.intern(stack), e, int(comm))] += 1
             self.samples += 1
             self.frames += n
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, X86Reg, regs_in_mask
@@ -234,9 +234,19 @@ class _Waiting:
     proc: Any
     ip: int
     event: int
+    comm: int
     kernel_chain: tuple[int, ...]
     regs: list[int]
     stack: bytes
+
+
+@dataclass
+class Unwound:
+    pids: list[int] = field(default_factory=list)
+    ips: list[int] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+    comms: list[int] = field(default_factory=list)
+    chains: list[tuple[int, ...]] = field(default_factory=list)
 
 
 class DwarfStacks:
@@ -273,20 +283,22 @@ class DwarfStacks:
         st.stops[reason] += 1
         return user_chain(w.kernel_chain, frames)
 
-    def chains(self, mapper: Any, pids: list[int], ips: list[int], events: list[int],
+    def chains(self, mapper: Any, pids: list[int], ips: list[int], events: list[int], comms: list[int],
                kernel_chains: list[tuple[int, ...] | None], regs_rows: list[int], regs: Any, stack: Any,
-               slen: Any, force: bool = False) -> tuple[list[int], list[int], list[int], list[tuple[int, ...]]]:
-        """(pids, ips, events, chains) of the samples unwound now: the waiting ones whose tables
-        arrived, then this batch's. force: unwind everything (the end of a run)."""
-        out: tuple[list[int], list[int], list[int], list[tuple[int, ...]]] = ([], [], [], [])
+               slen: Any, force: bool = False) -> Unwound:
+        """The samples unwound now: the waiting ones whose tables arrived, then this batch's (per
+        sample: pid, ip, event index, command, and the chain in user_chain's form). force: unwind
+        everything (the end of a run)."""
+        out = Unwound()
         todo = self.waiting
         self.waiting = []
-        for pid, ip, ev, kc, r in zip(pids, ips, events, kernel_chains, regs_rows, strict=True):
+        for pid, ip, ev, cm, kc, r in zip(pids, ips, events, comms, kernel_chains, regs_rows, strict=True):
             if r >= 0:
                 n = int(slen[r])
-                w = _Waiting(pid, mapper.procs.get(pid), ip, ev, kc or (), regs[r].tolist(), stack[r, :n].tobytes())
+                w = _Waiting(pid, mapper.procs.get(pid), ip, ev, cm, kc or (), regs[r].tolist(),
+                             stack[r, :n].tobytes())
             else:
-                w = _Waiting(pid, None, ip, ev, kc or (), [], b"")
+                w = _Waiting(pid, None, ip, ev, cm, kc or (), [], b"")
             todo.append(w)
         over = len(todo) - self.max_pending
         for w in todo:
@@ -297,8 +309,9 @@ class DwarfStacks:
                 continue
             if over > 0:
                 over -= 1
-            out[0].append(w.pid)
-            out[1].append(w.ip)
-            out[2].append(w.event)
-            out[3].append(ch)
+            out.pids.append(w.pid)
+            out.ips.append(w.ip)
+            out.events.append(w.event)
+            out.comms.append(w.comm)
+            out.chains.append(ch)
         return out

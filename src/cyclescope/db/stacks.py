@@ -1,7 +1,7 @@
 """Call stacks on disk: ``epoch=N/host=H/stacks/stk-A-B.parquet``, one file per flush.
 
-Rows: (event, count, images, offsets): one per distinct stack and event, frames leaf first as two
-list columns (image keys repeat across frames and rows and compress to a dictionary). The footer
+Rows: (event, process, count, images, offsets): one per distinct stack, event and command, frames
+leaf first as two list columns (image keys repeat across frames and rows and compress to a dictionary). The footer
 holds the images the frames refer to (their paths and kinds), since a caller's image may have no
 flat samples. Writes follow the segments' rules: a temporary file, fsync, then a link to a name
 no other file has.
@@ -28,6 +28,7 @@ META_KEY = b"cyclescope-stacks"
 _STK_RE = re.compile(r"^stk-(\d{8,})-(\d{8,})\.parquet$")
 SCHEMA = pa.schema([
     ("event", pa.dictionary(pa.int32(), pa.string())),
+    ("process", pa.dictionary(pa.int32(), pa.string())),  # the command when sampled (absent in early files)
     ("count", pa.uint64()),
     ("images", pa.list_(pa.dictionary(pa.int32(), pa.string()))),
     ("offsets", pa.list_(pa.uint64())),
@@ -39,13 +40,16 @@ def stacks_dir(db: Database, epoch: int, host: str) -> Path:
 
 
 def write_stacks(db: Database, epoch: int, host: str, sc: StackCounts, image_keys: list[str],
-                 events: list[str], images: dict[str, Any]) -> Path:
-    stacks, ev, counts = sc.rows()
+                 events: list[str], images: dict[str, Any], comm_names: list[str] | None = None) -> Path:
+    stacks, ev, counts, comms = sc.rows()
+    names = comm_names or []
     key_of = [k if i > 0 else "[unknown]" for i, k in enumerate(image_keys)]
     img_col = [[key_of[i] if 0 <= i < len(key_of) else "[unknown]" for i, _ in st] for st in stacks]
     off_col = [[o for _, o in st] for st in stacks]
     table = pa.table({
         "event": pa.array([events[e] if 0 <= e < len(events) else str(e) for e in ev]).dictionary_encode(),
+        "process": pa.array([names[c] if 0 <= c < len(names) else "[unknown]" for c in comms],
+                            pa.string()).dictionary_encode(),
         "count": pa.array(counts, pa.uint64()),
         "images": pa.array(img_col, pa.list_(pa.string())).cast(SCHEMA.field("images").type),
         "offsets": pa.array(off_col, pa.list_(pa.uint64())),
@@ -76,9 +80,10 @@ class StackSelection:
 
 
 def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
-                images: set[str] | None = None) -> StackSelection:
+                images: set[str] | None = None, processes: set[str] | None = None) -> StackSelection:
     """Every stack of the selection, summed. ``images``: keep the stacks whose leaf is in one of
-    these images. Corrupt files are reported and skipped."""
+    these images; ``processes``: those of these commands (files written before stacks recorded
+    the command have none to match). Corrupt files are reported and skipped."""
     out = StackSelection()
     for epoch in epochs:
         for host in db.hosts(epoch):
@@ -103,8 +108,12 @@ def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
                 cnt = t.column("count").to_pylist()
                 imgs = t.column("images").to_pylist()
                 offs = t.column("offsets").to_pylist()
-                for name, c, im, of in zip(ev, cnt, imgs, offs, strict=True):
+                procs = (t.column("process").to_pylist() if "process" in t.column_names
+                         else [None] * len(ev))
+                for name, c, im, of, pr in zip(ev, cnt, imgs, offs, procs, strict=True):
                     if images is not None and (not im or im[0] not in images):
+                        continue
+                    if processes is not None and pr not in processes:
                         continue
                     out.counts[(name, tuple(zip(im, of, strict=True)))] += int(c)
     if not out.files and out.corrupt:
