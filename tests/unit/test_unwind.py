@@ -121,6 +121,18 @@ def table() -> CfiTable:
                     [leaf, gap, mid, mid_body, root, gap], [])
 
 
+def full(image: int, pid: int = 0) -> CfiTable:
+    return table()
+
+
+def loading(image: int, pid: int = 0) -> object:
+    return PENDING
+
+
+def no_table(image: int, pid: int = 0) -> None:
+    return None
+
+
 def proc(image: int = 1) -> SimpleNamespace:
     return SimpleNamespace(starts=[BIAS + 0x1000], ends=[BIAS + 0x6000], biases=[BIAS], images=[image])
 
@@ -151,7 +163,7 @@ def three_frames(size: int = 256) -> tuple[list[int], bytes]:
 
 
 def test_walk_follows_rsp_and_rbp_rules_to_the_outermost_frame() -> None:
-    u = Unwinder(lambda image: table())
+    u = Unwinder(full)
     r, st = three_frames()
     frames, reason = u.unwind(proc(), r, st)  # type: ignore[misc]
     assert frames == [BIAS + A_LEAF + 0x40, BIAS + A_MID + 0x10, BIAS + A_MID + 0x150, BIAS + A_ROOT + 0x20]
@@ -161,18 +173,18 @@ def test_walk_follows_rsp_and_rbp_rules_to_the_outermost_frame() -> None:
 def test_walk_stops_where_the_information_ends() -> None:
     r, st = three_frames()
     # The snapshot is too short for the third frame's return address.
-    assert Unwinder(lambda i: table()).unwind(proc(), r, st[:0x40]) == (
+    assert Unwinder(full).unwind(proc(), r, st[:0x40]) == (
         [BIAS + A_LEAF + 0x40, BIAS + A_MID + 0x10, BIAS + A_MID + 0x150], "stack")
     # No table for the image, a PC outside every mapping, a PC in a gap of the table.
-    assert Unwinder(lambda i: None).unwind(proc(), r, st) == ([BIAS + A_LEAF + 0x40], "no-cfi")
-    assert Unwinder(lambda i: table()).unwind(proc(), regs(0x99, 0x7FF000, 0), st) == ([0x99], "no-mapping")
-    assert Unwinder(lambda i: table()).unwind(proc(-3), r, st) == ([BIAS + A_LEAF + 0x40], "no-mapping")
-    assert Unwinder(lambda i: table()).unwind(proc(), regs(BIAS + A_LEAF + 0x180, 0x7FF000, 0), st)[1] == "no-cfi"
+    assert Unwinder(no_table).unwind(proc(), r, st) == ([BIAS + A_LEAF + 0x40], "no-cfi")
+    assert Unwinder(full).unwind(proc(), regs(0x99, 0x7FF000, 0), st) == ([0x99], "no-mapping")
+    assert Unwinder(full).unwind(proc(-3), r, st) == ([BIAS + A_LEAF + 0x40], "no-mapping")
+    assert Unwinder(full).unwind(proc(), regs(BIAS + A_LEAF + 0x180, 0x7FF000, 0), st)[1] == "no-cfi"
     # A table still loading: wait (None), or stop there when told to.
-    assert Unwinder(lambda i: PENDING).unwind(proc(), r, st) is None
-    assert Unwinder(lambda i: PENDING).unwind(proc(), r, st, loading_stops=True) == ([BIAS + A_LEAF + 0x40], "loading")
+    assert Unwinder(loading).unwind(proc(), r, st) is None
+    assert Unwinder(loading).unwind(proc(), r, st, loading_stops=True) == ([BIAS + A_LEAF + 0x40], "loading")
     # The depth limit.
-    assert Unwinder(lambda i: table(), max_depth=2).unwind(proc(), r, st) == (
+    assert Unwinder(full, max_depth=2).unwind(proc(), r, st) == (
         [BIAS + A_LEAF + 0x40, BIAS + A_MID + 0x10], "depth")
 
 
@@ -183,7 +195,7 @@ def test_a_return_address_is_looked_up_at_its_call() -> None:
     # leaf returns to A_LEAF + 0x100 (= where leaf's table row ends): the caller is leaf's own code
     # just before, whose rule is leaf's.
     words = {sp: BIAS + A_LEAF + 0x100, sp + 8: BIAS + A_ROOT + 0x10}
-    frames, reason = Unwinder(lambda i: table()).unwind(proc(), regs(BIAS + A_LEAF, sp, 0), snapshot(sp, words))  # type: ignore[misc]
+    frames, reason = Unwinder(full).unwind(proc(), regs(BIAS + A_LEAF, sp, 0), snapshot(sp, words))  # type: ignore[misc]
     assert frames == [BIAS + A_LEAF, BIAS + A_LEAF + 0x100, BIAS + A_ROOT + 0x10] and reason == "end"
 
 
@@ -199,7 +211,7 @@ class Loader:
     def __init__(self) -> None:
         self.ready = False
 
-    def __call__(self, image: int) -> object:
+    def __call__(self, image: int, pid: int = 0) -> object:
         return table() if self.ready else PENDING
 
 

@@ -36,7 +36,6 @@ IP, SP, BP = COLUMN[X86Reg.IP], COLUMN[X86Reg.SP], COLUMN[X86Reg.BP]
 # DWARF register number -> column of the sampled registers, for the first frame's CFA rule.
 DWARF_COLUMN = {d: COLUMN[X86Reg(p)] for d, p in cfi.DWARF_TO_PERF.items() if X86Reg(p) in COLUMN}
 MASK64 = (1 << 64) - 1
-DEFAULT_STACK = 8192  # bytes of user stack per sample, as perf's --call-graph dwarf
 MAX_PENDING = 8192  # samples waiting for a table (8 KiB each at most: 64 MiB)
 
 STOP_REASONS = ("end", "no-mapping", "no-cfi", "stack", "rule", "depth", "loop", "loading")
@@ -56,8 +55,8 @@ class UnwindStats:
 
 
 class Unwinder:
-    """Walks user stack snapshots. tables(image) gives an image's CfiTable, None (it has none),
-    or PENDING (still loading)."""
+    """Walks user stack snapshots. tables(image, pid) gives an image's CfiTable, None (it has
+    none), or PENDING (still loading); pid is a process that maps it."""
 
     def __init__(self, tables: Any, max_depth: int = MAX_DEPTH) -> None:
         self.tables = tables
@@ -83,6 +82,7 @@ class Unwinder:
 
         frames = [pc]
         starts, ends, biases, images = proc.starts, proc.ends, proc.biases, proc.images
+        pid = getattr(proc, "pid", 0)
         first = True
         reason = "depth"
         while len(frames) < self.max_depth:
@@ -90,7 +90,7 @@ class Unwinder:
             if i < 0 or pc >= ends[i] or images[i] <= 0:
                 reason = "no-mapping"
                 break
-            table = self.tables(images[i])
+            table = self.tables(images[i], pid)
             if table is PENDING:
                 if not loading_stops:
                     return None
@@ -150,31 +150,26 @@ class Unwinder:
 class TableLoader:
     """CFI tables per image index, loaded on a worker thread through the per-user cache."""
 
-    def __init__(self, images: Any, cache: Any | None = None, vdso: bytes | None = None,
-                 wait_s: float = 0.0) -> None:
+    def __init__(self, images: Any, cache: Any | None = None, vdso: bytes | None = None) -> None:
         self.images = images  # ImageTable: index -> ImageInfo
         self.cache = cache
         self.vdso = vdso
-        self.wait_s = wait_s
         self.tables: dict[int, cfi.CfiTable | None] = {}
         self.failed: dict[int, str] = {}
         self._futures: dict[int, cf.Future[cfi.CfiTable | None]] = {}
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="cyclescope-cfi")
-        self.pids: dict[int, int] = {}  # image -> a pid that maps it (for /proc/PID/root paths)
+        self.pids: dict[int, int] = {}  # image -> a pid that maps it (its /proc/PID/root: containers)
 
-    def __call__(self, image: int) -> object:
+    def __call__(self, image: int, pid: int = 0) -> object:
         t = self.tables.get(image, PENDING)
         if t is not PENDING:
             return t
         fut = self._futures.get(image)
         if fut is None:
-            fut = self._futures[image] = self._pool.submit(self._load, image)
-            if self.wait_s <= 0:
-                return PENDING  # never stall the drain: the sample waits for the next one
-            try:
-                fut.result(timeout=self.wait_s)
-            except cf.TimeoutError:
-                return PENDING
+            if pid:
+                self.pids[image] = pid
+            self._futures[image] = self._pool.submit(self._load, image)
+            return PENDING  # never stall the drain: the sample waits for a later one
         if not fut.done():
             return PENDING
         del self._futures[image]
