@@ -1,8 +1,9 @@
 """`cyclescope record --values --exact -- CMD`: value capture by single-stepping (values/exact.py).
 
 The command is sampled as usual for the flat profile (per-task events through the
-ring buffer); a second, sigtrap event stops it for exact capture. The tracer loop
-waits for SIGCHLD (through a wakeup pipe) and the ring buffers at once.
+ring buffer); a second, sigtrap event stops it for exact capture. The collector's
+own loop runs it, waking for SIGCHLD (through a wakeup pipe) as well as for the
+ring buffers; the tracer's stops are collected in its tick hook.
 """
 
 from __future__ import annotations
@@ -10,18 +11,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import select
 import signal
 import sys
 import time
 from dataclasses import replace
 
 from cyclescope.cli.base import db_path, eprint, stderr_tty
+from cyclescope.collect.daemon import RunHooks
 from cyclescope.collect.events import EventSpec
 from cyclescope.errors import CycleScopeError
 from cyclescope.values.capture import ValueOptions
 
 DEFAULT_EXACT_HZ = 1000.0  # each stop costs about (L + 2) x 95 us: 1 kHz slows L=4 by about half
+HAND_OVER_S = 0.5  # drain the rings and hand the stops over to value capture at least this often
 
 
 def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec], rate: float | None,
@@ -45,7 +47,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     db = Database.create_or_open(db_path(args))
     cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                           epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                          rerandomize_s=args.redraw / 1000, values=vopts)
+                          rerandomize_s=args.redraw / 1000, values=vopts, drain_s=HAND_OVER_S)
     show = not args.quiet and stderr_tty()
     start = time.monotonic()
     c = Collector(session, db, cfg, progress=progress_printer(start) if show else None)
@@ -65,7 +67,9 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
         c.install_signals()
         for w in session.warnings:
             eprint(f"cyclescope record: {w}")
-        _loop(c, tracer, vopts, wake_r, WALL, args.duration)
+        tr = tracer
+        c.run(duration_s=args.duration, until=lambda: tr.exited is not None,
+              hooks=_hooks(c, tracer, vopts, wake_r, WALL))
     finally:
         if tracer is not None and tracer.exited is None:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -93,24 +97,18 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     return _exit_code(tracer.exited)
 
 
-def _loop(c: object, tracer: object, vopts: ValueOptions, wake_r: int, wall: int, duration: float | None) -> None:
+def _hooks(c: object, tracer: object, vopts: ValueOptions, wake_r: int, wall: int) -> RunHooks:
+    """The tracer's part of Collector.run's loop: collect the command's stops when SIGCHLD wakes
+    it (through the wakeup pipe), hand them over in batches, and the rest at the end."""
     from cyclescope.collect.daemon import Collector
     from cyclescope.values.exact import ExactTracer
 
     assert isinstance(c, Collector) and isinstance(tracer, ExactTracer)
     assert c.values is not None
-    session = c.session
-    next_flush = time.monotonic() + c.cfg.flush_interval_s
-    next_rand = time.monotonic() + c.cfg.rerandomize_s
-    next_drain = time.monotonic() + 0.5
-    next_progress = time.monotonic() + 1.0
-    deadline = time.monotonic() + duration if duration else None
-    p = select.poll()
-    p.register(wake_r, select.POLLIN)
-    for fd in session.fds:
-        p.register(fd, select.POLLIN)
-    while tracer.exited is None and not c._stop:
-        p.poll(100)
+    values = c.values
+    next_hand = [time.monotonic() + HAND_OVER_S]
+
+    def tick(now: float) -> None:
         with contextlib.suppress(BlockingIOError):
             while os.read(wake_r, 512):
                 pass
@@ -123,31 +121,17 @@ def _loop(c: object, tracer: object, vopts: ValueOptions, wake_r: int, wall: int
             if not got:
                 break
             tracer.on_stop(status)
-        now = time.monotonic()
-        if tracer.stops and (len(tracer.stops) >= 256 or now >= next_drain or tracer.exited is not None):
+        if tracer.stops and (len(tracer.stops) >= 256 or now >= next_hand[0] or tracer.exited is not None):
             _hand_over(c, tracer, vopts)
-            next_drain = now + 0.5
-        elif now >= next_drain:
-            c.step()
-            next_drain = now + 0.5
-        if now >= next_rand:
-            session.rerandomize()
-            next_rand = now + c.cfg.rerandomize_s
-        if now >= next_flush:
-            c.step()
-            c.flush()
-            next_flush = now + c.cfg.flush_interval_s
-        if c.progress is not None and now >= next_progress:
-            c.progress(c)
-            next_progress = now + 1.0
-        if deadline is not None and now >= deadline:
-            break
-    if tracer.stops:
-        _hand_over(c, tracer, vopts)
-    session.exit_status = tracer.exited
-    c.values.check.update(tracer.stats.as_dict())
-    c.step()
-    c.flush()
+            next_hand[0] = now + HAND_OVER_S
+
+    def finish() -> None:
+        if tracer.stops:
+            _hand_over(c, tracer, vopts)
+        c.session.exit_status = tracer.exited
+        values.check.update(tracer.stats.as_dict())
+
+    return RunHooks((wake_r,), tick, finish)
 
 
 def _hand_over(c: object, tracer: object, vopts: ValueOptions) -> None:

@@ -76,6 +76,15 @@ class CollectorConfig:
     stacks: CallGraph | None = None
 
 
+@dataclass(frozen=True)
+class RunHooks:
+    """What a caller adds to Collector.run's loop (exact value mode: its tracer's stops)."""
+
+    fds: tuple[int, ...] = ()  # more file descriptors to wake on
+    tick: Callable[[float], None] | None = None  # after each wake-up, with the monotonic time
+    finish: Callable[[], None] | None = None  # before the last drain and flush
+
+
 @dataclass
 class FlushResult:
     epoch: int
@@ -179,7 +188,8 @@ class Collector:
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGHUP, lambda *_: setattr(self, "_flush_requested", True))
 
-    def run(self, duration_s: float | None = None, until: Callable[[], bool] | None = None) -> RunTotals:
+    def run(self, duration_s: float | None = None, until: Callable[[], bool] | None = None,
+            hooks: RunHooks | None = None) -> RunTotals:
         """Loop until stopped, ``duration_s`` elapses, or ``until()`` says so; flush at the end.
 
         The loop wakes every ``rerandomize_s`` to draw new periods (an ioctl per
@@ -198,8 +208,10 @@ class Collector:
             while not self._stop:
                 now = time.monotonic()
                 wake = min(next_rand, next_drain, next_flush, next_progress, deadline or next_flush)
-                ready = self._wait(max(0.0, wake - now))
+                ready = self._wait(max(0.0, wake - now), hooks.fds if hooks is not None else ())
                 now = time.monotonic()
+                if hooks is not None and hooks.tick is not None:
+                    hooks.tick(now)
                 if ready or now >= next_drain:
                     self.step()
                     next_drain = now + self.cfg.drain_s
@@ -221,6 +233,8 @@ class Collector:
                     break
                 if until is not None and until():
                     break
+            if hooks is not None and hooks.finish is not None:
+                hooks.finish()
             self.step()
             if self.dwarf is not None:
                 # Unwind tables still loading: wait for them (a walk may meet a new image on its
@@ -235,11 +249,14 @@ class Collector:
             self.close()
         return self.totals
 
-    def _wait(self, timeout: float) -> bool:
-        """Sleep until a ring is past its watermark (True), a control request was served, or timeout."""
+    def _wait(self, timeout: float, extra: tuple[int, ...] = ()) -> bool:
+        """Sleep until a ring is past its watermark (True), a control request was served, an
+        ``extra`` descriptor is readable, or timeout."""
         p = select.poll()
         fds = self.session.fds
         for fd in fds:
+            p.register(fd, select.POLLIN)
+        for fd in extra:
             p.register(fd, select.POLLIN)
         if self.control is not None:
             p.register(self.control.fileno(), select.POLLIN)
@@ -251,7 +268,7 @@ class Collector:
         for fd, _ in events:
             if self.control is not None and fd == self.control.fileno():
                 self._serve()
-            else:
+            elif fd not in extra:
                 ring = True
         return ring
 
