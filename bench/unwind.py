@@ -18,7 +18,6 @@ import argparse
 import re
 import subprocess
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +121,10 @@ def main() -> None:
         rs = [r for r in rows if r["contender"] == name]
         us = [r["us_per_sample"] for r in rs]
         wh = [r["whole"] for r in rs]
-        lost = Counter()
-        for r in rs:
-            lost["n"] += r["lost"]
-        summary[name] = {"us_per_sample": us, "whole": wh, "lost": lost["n"]}
+        lost = sum(r["lost"] for r in rs)
+        summary[name] = {"us_per_sample": us, "whole": wh, "lost": lost}
         print(f"{name:18s} {fmt_spread(us, digits=1):>26s} {fmt_spread([100 * w for w in wh], '%', 1):>22s} "
-              f"{lost['n']:>6d}")
+              f"{lost:>6d}")
     save("unwind", {"machine": machine(), "args": vars(args), "rows": rows, "summary": summary})
 
 

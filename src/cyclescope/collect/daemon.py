@@ -342,6 +342,7 @@ class Collector:
         self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
         self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
+        regs = stack = slen = None
         if regs_parts:
             regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
             stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
@@ -349,14 +350,11 @@ class Collector:
         if self.stacks is not None and chains:
             kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
             if self.dwarf is not None:
-                if regs_parts:
-                    self._unwind(samples, ev, kept, mapped.comm, regs, stack, slen)
-                else:
-                    self._unwind(samples, ev, kept, mapped.comm)
+                self._unwind(samples, ev, kept, mapped.comm, regs, stack, slen)
             else:
                 self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept,
                                 mapped.comm.tolist())
-        if self.values is not None and regs_parts:
+        if self.values is not None and regs is not None and stack is not None and slen is not None:
             self.values.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
         n = len(samples)
         self.totals.samples += n

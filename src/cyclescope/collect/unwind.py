@@ -38,7 +38,6 @@ DWARF_COLUMN = {d: COLUMN[X86Reg(p)] for d, p in cfi.DWARF_TO_PERF.items() if X8
 MASK64 = (1 << 64) - 1
 MAX_PENDING = 8192  # samples waiting for a table (8 KiB each at most: 64 MiB)
 
-STOP_REASONS = ("end", "no-mapping", "no-cfi", "stack", "rule", "depth", "loop", "loading")
 
 PENDING = object()
 
@@ -48,10 +47,14 @@ class UnwindStats:
     samples: int = 0
     frames: int = 0
     deferred: int = 0
-    truncated_loading: int = 0  # unwound without a table still loading (the queue was full)
 
     def __post_init__(self) -> None:
         self.stops: Counter[str] = Counter()
+
+    @property
+    def truncated_loading(self) -> int:
+        """Walks cut short at a table still loading (the queue was full, or the run ended)."""
+        return self.stops["loading"]
 
 
 class Unwinder:
@@ -262,16 +265,12 @@ class DwarfStacks:
         if not w.regs:
             return w.kernel_chain  # no user registers (a kernel thread): the kernel's part alone
         if w.proc is None:
-            self.stats.stops["no-mapping"] += 1
-            return user_chain(w.kernel_chain, [w.regs[IP]])
-        res = self.unwinder.unwind(w.proc, w.regs, w.stack)
-        if res is None:
-            if not force:
+            frames, reason = [w.regs[IP]], "no-mapping"
+        else:
+            res = self.unwinder.unwind(w.proc, w.regs, w.stack, loading_stops=force)
+            if res is None:
                 return None
-            self.stats.truncated_loading += 1
-            res = self.unwinder.unwind(w.proc, w.regs, w.stack, loading_stops=True)
-            assert res is not None
-        frames, reason = res
+            frames, reason = res
         st = self.stats
         st.samples += 1
         st.frames += len(frames)

@@ -24,7 +24,7 @@ import bisect
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 from elftools.common.exceptions import DWARFError, ELFError
@@ -110,9 +110,7 @@ def _reg_rule(rule: RegisterRule | None, missing: int) -> tuple[int, int]:
         return missing, 0
     if rule.type == RegisterRule.OFFSET and isinstance(rule.arg, int):
         return SAVED_AT, rule.arg
-    if rule.type in (RegisterRule.SAME_VALUE,):
-        return SAVED_NONE, 0
-    if rule.type == RegisterRule.UNDEFINED:
+    if rule.type in (RegisterRule.SAME_VALUE, RegisterRule.UNDEFINED):
         return SAVED_NONE, 0
     return SAVED_UNKNOWN, 0
 
@@ -192,10 +190,8 @@ def build(elf: ELFFile) -> CfiTable:
     return CfiTable(pcs, out, exprs)
 
 
-def build_from_path(path: str, stream: BinaryIO | None = None) -> CfiTable:
+def build_from_path(path: str) -> CfiTable:
     try:
-        if stream is not None:
-            return build(ELFFile(stream))
         with open(path, "rb") as f:
             return build(ELFFile(f))
     except ELFError as e:
