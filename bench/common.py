@@ -67,6 +67,30 @@ def spread(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), q[0], q[2]
 
 
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high): a distribution-free confidence interval of the median from order
+    statistics (the ranks whose binomial(n, 1/2) probability covers ``level``)."""
+    from math import comb
+
+    v = sorted(xs)
+    n = len(v)
+    if n < 6:
+        return median(v), (v[0] if v else float("nan")), (v[-1] if v else float("nan"))
+    cdf, j = 0.0, 0
+    while True:  # the largest j with P(Binomial(n, 1/2) < j) <= (1 - level) / 2
+        p = comb(n, j) / 2**n
+        if cdf + p > (1 - level) / 2:
+            break
+        cdf += p
+        j += 1
+    return median(v), v[max(j - 1, 0)], v[min(n - j, n - 1)]
+
+
+def fmt_ci(xs: list[float], unit: str = "", digits: int = 3) -> str:
+    m, lo, hi = median_ci(xs)
+    return f"{m:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
 def fmt_spread(xs: list[float], unit: str = "", digits: int = 3) -> str:
     m, lo, hi = spread(xs)
     return f"{m:.{digits}f}{unit} [{lo:.{digits}f}, {hi:.{digits}f}]"

@@ -1,29 +1,37 @@
-"""The optimization loop: clang with cyclescope's sample profile against no profile and against
+"""The optimization loop: clang with cyclescope's sample profiles against no profile and against
 instrumented PGO (the upper anchor).
 
-Per program, three builds with clang-14 -O2 -g -fdebug-info-for-profiling:
-  base     no profile
-  sample   -fprofile-sample-use with `cyclescope export llvm-sample` of a training run at 5 kHz
-           (execution counts estimated by calc from timer samples: no branch records)
-  instr    -fprofile-instr-use with the profile of a -fprofile-instr-generate build's training run
-The three run alternately, rotating the order, for --runs rounds on the training input itself
-(the usual AutoFDO/PGO set-up when comparing profile sources). Reported: CPU-time speedups over
-base per round (median [quartiles]) and the share of instrumented PGO's gain that the sample
-profile reaches: (speedup_sample - 1) / (speedup_instr - 1). AutoFDO reports 85% with branch records.
+Per program, builds with clang-14 -O2 -g -gdwarf-4 -fdebug-info-for-profiling (DWARF 4 because
+valgrind 3.19 cannot read clang-14's DWARF 5):
+  base       no profile
+  calc       -fprofile-sample-use with `cyclescope export llvm-sample` of a training run at 5 kHz:
+             execution counts estimated by calc from timer samples (no branch records)
+  samples    the same with --counts samples: raw samples per instruction (AutoFDO without branch
+             records)
+  callgrind  the same with --callgrind: exact counts of a valgrind run, the best any profile of this
+             form (line counts, nested inline profiles) can do
+  instr      -fprofile-instr-use with the profile of a -fprofile-instr-generate build's training run
+All run alternately, rotating the order, for --runs rounds on the training input itself (the
+usual AutoFDO/PGO set-up when comparing profile sources). Reported: the CPU-time speedup over base
+per round, median with a distribution-free 95% confidence interval of the median, and the share of
+instrumented PGO's gain each profile reaches: (speedup - 1) / (speedup_instr - 1) (AutoFDO
+reports 85% with branch records). Also, timing-free: llvm-profdata's overlap of each profile with
+the exact-count one (similarity of normalized line counts, hot-block overlap).
 
 Programs from Debian sources (bench/suite.py fetches and configures them): bzip2 (one clang
 command), gzip, xz (statically linked liblzma) and zlib's minigzip (their configured trees are
-copied and rebuilt with `make CC=clang-14 CFLAGS=...` per variant); and our own: the demo workload,
-bench/workload.c and tests/programs/kernels.c. The Debian programs compress bench/out/suite/input.txt
-(6 MB of Python sources).
+copied and rebuilt with `make CC=clang-14 CFLAGS=...` per variant), each compressing the first
+INPUT_MB megabytes of bench/out/suite/input.txt (Python sources); and our own (--programs): the
+demo workload, bench/workload.c and tests/programs/kernels.c.
 
-Usage: python bench/optimize.py [--runs 5] [--programs bzip2,gzip,xz,zlib,demo,workload,kernels]
+Usage: python bench/optimize.py [--runs 31] [--programs bzip2,gzip,xz,zlib] [--sources calc,samples,callgrind]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -32,16 +40,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, fmt_spread, machine, median, save
+from common import ROOT, fmt_ci, machine, median, save
 
 sys.path.insert(0, str(ROOT / "src"))
 from cyclescope.cli.optimize import run_cpu
 
 CLANG = shutil.which("clang-14") or "clang"
 PROFDATA = shutil.which("llvm-profdata-14") or "llvm-profdata"
-FLAGS = "-O2 -g -fdebug-info-for-profiling"
+FLAGS = "-O2 -g -gdwarf-4 -fdebug-info-for-profiling"  # DWARF 4: valgrind 3.19 cannot read clang-14's DWARF 5
 SUITE = ROOT / "bench" / "out" / "suite"
 
+
+# Megabytes of bench/out/suite/input.txt each program compresses: runs of about 0.1-0.3 s, so that
+# many alternated rounds fit (this VM's run-to-run noise is 10-30%; the rounds' ratios average it).
+INPUT_MB = {"bzip2": 2, "gzip": 6, "xz": 1, "zlib": 6}
 
 # name -> (configured source tree, binary built there, make target, run argv with {exe})
 MADE = {
@@ -71,12 +83,22 @@ def make_builder(name: str, work: Path) -> Any:
 def programs() -> dict[str, tuple[list[str], list[str], str | None]]:
     """name -> (sources, run argv with {exe}, stdin file); sources [] for the MADE programs."""
     bz = SUITE / "src" / "bzip2-1.0.8"
-    inp = str(SUITE / "input.txt")
-    made = {n: ([], [a.replace("{input}", inp) for a in m[3]], None) for n, m in MADE.items()}
+
+    def inp(name: str) -> str:
+        full = SUITE / "input.txt"
+        if not full.exists():
+            return str(full)
+        part = SUITE / f"input-{INPUT_MB[name]}mb.txt"
+        if not part.exists():
+            part.write_bytes(full.read_bytes()[: INPUT_MB[name] << 20])
+        return str(part)
+
+    made = {n: ([], [a.replace("{input}", inp(n)) for a in m[3]], None) for n, m in MADE.items()}
     return {
         **made,
         "bzip2": ([str(bz / f) for f in ("blocksort.c", "huffman.c", "crctable.c", "randtable.c", "compress.c",
-                                         "decompress.c", "bzlib.c", "bzip2.c")], ["{exe}", "-c", "-9", inp], None),
+                                         "decompress.c", "bzlib.c", "bzip2.c")], ["{exe}", "-c", "-9", inp("bzip2")],
+                  None),
         "demo": ([str(ROOT / "src" / "cyclescope" / "demo" / "workload.c")], ["{exe}", "1.0"], None),
         "workload": ([str(ROOT / "bench" / "workload.c")], ["{exe}", "3"], None),
         "kernels": ([str(ROOT / "tests" / "programs" / "kernels.c")], ["{exe}"], None),
@@ -91,16 +113,33 @@ def sh(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return r
 
 
+def overlap(base: Path, test: Path) -> dict[str, float]:
+    """llvm-profdata's comparison of two sample profiles: similarity of the normalized line counts
+    and the overlap of their hot blocks, in percent."""
+    out = subprocess.run([PROFDATA, "overlap", "--sample", str(base), str(test)], capture_output=True, text=True,
+                         check=True).stdout
+
+    def pct(label: str) -> float:
+        m = re.search(label + r":\s*([\d.]+)%", out)
+        return float(m.group(1)) if m else float("nan")
+
+    return {"similarity": pct("Whole program profile similarity"), "hot_blocks": pct("Hot-block overlap")}
+
+
 def cpu_of(argv: list[str]) -> float:
     return run_cpu(argv, None)[0]  # the same measurement `cyclescope optimize` makes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--programs", default="bzip2,gzip,xz,zlib,demo,workload,kernels")
+    ap.add_argument("--runs", type=int, default=31)
+    ap.add_argument("--programs", default="bzip2,gzip,xz,zlib")
     ap.add_argument("--save-as", default="optimize", help="name of the raw data file in bench/out/")
+    ap.add_argument("--sources", default="calc,samples,callgrind",
+                    help="count sources of the sample profiles compared (export llvm-sample --counts calc|samples, "
+                         "or callgrind: exact counts from a valgrind run, the anchor for the profile's form)")
     args = ap.parse_args()
+    sources = args.sources.split(",")
     work = Path(tempfile.mkdtemp(prefix="cs-bench-opt-"))
     cs = [sys.executable, "-m", "cyclescope"]
     results: dict[str, Any] = {}
@@ -124,32 +163,51 @@ def main() -> None:
         print(f"{name}: building", flush=True)
 
         base = build(d / "base", "")
-        # Sample profile: a training run of the base build under cyclescope.
+        # Sample profiles: a training run of the base build under cyclescope, exported per count source.
         sh([*cs, "record", "--db", str(d / "db"), "-q", "--", *argv(base)])
-        sh([*cs, "export", "llvm-sample", "--db", str(d / "db"), "--image", str(base), "-o", str(d / "s.prof")])
-        sample = build(d / "sample", f"-fprofile-sample-use={d / 's.prof'}")
+        if "callgrind" in sources:
+            sh(["valgrind", "--tool=callgrind", "--dump-instr=yes", f"--callgrind-out-file={d / 'cg.out'}",
+                *argv(base)])
+        cons = [("base", base)]
+        for src in sources:
+            how = ["--callgrind", str(d / "cg.out")] if src == "callgrind" else ["--counts", src]
+            prof = d / f"{src}.prof"
+            sh([*cs, "export", "llvm-sample", "--db", str(d / "db"), "--image", str(base), *how, "-o", str(prof)])
+            cons.append((src, build(d / src, f"-fprofile-sample-use={prof}")))
         # Instrumented PGO.
         gen = build(d / "gen", "-fprofile-instr-generate")
         sh(argv(gen), env={**os.environ, "LLVM_PROFILE_FILE": str(d / "i.profraw")})
         sh([PROFDATA, "merge", "-o", str(d / "i.profdata"), str(d / "i.profraw")])
-        instr = build(d / "instr", f"-fprofile-instr-use={d / 'i.profdata'}")
-        cons = [("base", base), ("sample", sample), ("instr", instr)]
+        cons.append(("instr", build(d / "instr", f"-fprofile-instr-use={d / 'i.profdata'}")))
+        # How close each profile is to the one made from exact counts (deterministic, unlike the timings).
+        similarity = {src: overlap(d / "callgrind.prof", d / f"{src}.prof") for src in sources
+                      if src != "callgrind" and "callgrind" in sources}
         cpu: dict[str, list[float]] = {c: [] for c, _ in cons}
         for rnd in range(args.runs):
-            order = cons[rnd % 3:] + cons[: rnd % 3]
-            for c, exe in order:
+            k = rnd % len(cons)
+            for c, exe in cons[k:] + cons[:k]:
                 cpu[c].append(cpu_of(argv(exe)))
             print(f"{name} round {rnd}: " + ", ".join(f"{c} {cpu[c][-1]:.3f} s" for c, _ in cons), flush=True)
-        sp_s = [b / s for b, s in zip(cpu["base"], cpu["sample"], strict=True)]
-        sp_i = [b / i for b, i in zip(cpu["base"], cpu["instr"], strict=True)]
-        share = (median(sp_s) - 1) / (median(sp_i) - 1) if median(sp_i) > 1.005 else None
-        results[name] = {"cpu": cpu, "speedup_sample": sp_s, "speedup_instr": sp_i, "share": share}
-    print(f"\nclang-14 {FLAGS}; speedup over the unprofiled build, median [quartiles] of {args.runs} rounds\n")
-    print(f"{'program':<10} {'base CPU s':>12} {'sample-PGO':>24} {'instr-PGO':>24} {'share of instr gain':>20}")
+        speedup = {c: [b / x for b, x in zip(cpu["base"], cpu[c], strict=True)] for c, _ in cons[1:]}
+        gain_i = median(speedup["instr"]) - 1
+        share = {c: (median(speedup[c]) - 1) / gain_i if gain_i > 0.005 else None for c in sources}
+        results[name] = {"cpu": cpu, "speedup": speedup, "share": share, "similarity": similarity}
+    print(f"\nclang-14 {FLAGS}; speedup over the unprofiled build per round: median (95% confidence")
+    print(f"interval of the median) of {args.runs} rounds; the share of instrumented PGO's gain in brackets\n")
+    print(f"{'program':<8} {'base s':>6} " + " ".join(f"{c:>28}" for c in [*sources, "instr"]))
     for name, r in results.items():
-        sh_ = "n/a (no gain)" if r["share"] is None else f"{100 * r['share']:.0f}%"
-        print(f"{name:<10} {median(r['cpu']['base']):>12.3f} {fmt_spread(r['speedup_sample'], 'x'):>24} "
-              f"{fmt_spread(r['speedup_instr'], 'x'):>24} {sh_:>20}")
+        cells = []
+        for c in sources:
+            sh_ = "n/a" if r["share"][c] is None else f"{100 * r['share'][c]:.0f}%"
+            cells.append(f"{fmt_ci(r['speedup'][c], 'x')} [{sh_}]")
+        cells.append(fmt_ci(r["speedup"]["instr"], "x"))
+        print(f"{name:<8} {median(r['cpu']['base']):>6.3f} " + " ".join(f"{x:>28}" for x in cells))
+    if any(r["similarity"] for r in results.values()):
+        print("\nllvm-profdata overlap with the profile of exact counts (callgrind): whole-program similarity, "
+              "hot-block overlap")
+        for name, r in results.items():
+            print(f"{name:<8} " + "  ".join(f"{c}: {v['similarity']:.1f}%, {v['hot_blocks']:.1f}%"
+                                             for c, v in r["similarity"].items()))
     path = save(args.save_as, {"machine": machine(), "args": vars(args), "results": results})
     print(f"\ntarget: at least 85% of instrumented PGO's gain; raw data: {path}")
 

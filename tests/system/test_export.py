@@ -163,6 +163,58 @@ def test_llvm_sample_profile_reads_back_through_llvm_profdata(plain_build: tuple
     assert "Function: leaf:" in show.stdout and show.stdout.count("Function: ") == len(heads)
 
 
+def test_llvm_sample_nests_inlined_code_and_clang_applies_it(tmp_path: Path) -> None:
+    """inlined.c's mix (a loop, unrolled by clang) inlined into main's loop: exported from exact
+    callgrind counts, mix becomes a nested profile at its call site whose loop line counts the
+    iterations (duplication factor applied), and clang replays the inlining and applies the counts;
+    from raw samples, the same nesting."""
+    clang = shutil.which("clang-14") or shutil.which("clang")
+    if clang is None or shutil.which("valgrind") is None:
+        pytest.skip("needs clang and valgrind (scripts/setup installs clang-14)")
+    src = Path(__file__).parents[1] / "programs" / "inlined.c"
+    exe = tmp_path / "inl"
+    flags = ["-O2", "-g", "-gdwarf-4", "-fdebug-info-for-profiling"]  # valgrind 3.19 cannot read DWARF 5
+    subprocess.run([clang, *flags, "-o", str(exe), str(src)], check=True, capture_output=True)
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "--", str(exe), "3000000", timeout=300)
+    cg = tmp_path / "cg.out"
+    subprocess.run(["valgrind", "--tool=callgrind", "--dump-instr=yes", f"--callgrind-out-file={cg}", str(exe),
+                    "20000"], check=True, capture_output=True, timeout=300)
+    exact = tmp_path / "exact.prof"
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", "inl", "--callgrind", str(cg), "-o", str(exact))
+    assert "exact counts" in p.stderr
+    lines = exact.read_text().splitlines()
+    assert lines[0].startswith("main:")
+    # main is declared at line 12 and calls mix at line 16; mix is declared at line 6.
+    nest = [i for i, ln in enumerate(lines) if re.fullmatch(r" 4(\.\d+)?: mix:\d+", ln)]
+    assert len(nest) == 1, lines
+    body = []
+    for ln in lines[nest[0] + 1:]:
+        if not ln.startswith("  "):
+            break
+        body.append(ln)
+    counts = {ln.split(":")[0].strip(): int(ln.split(":")[1].split()[0]) for ln in body}
+    # The loop runs 50..57 times a call, 1,070,000 times in all; unrolled by 8, its copies at lines 7-8
+    # count the iterations of the unrolled part (1,000,000), the remainder loop runs the rest.
+    assert 900_000 <= max(counts.values()) <= 1_070_000, counts
+    assert all(k.split(".")[0] in ("1", "2") for k in counts), counts
+    tool = shutil.which("llvm-profdata-14") or shutil.which("llvm-profdata")
+    if tool:
+        show = subprocess.run([tool, "show", "--sample", str(exact)], capture_output=True, text=True, timeout=60)
+        assert show.returncode == 0 and "inlined callee: mix" in show.stdout, show.stderr
+    r = subprocess.run([clang, *flags, f"-fprofile-sample-use={exact}", "-Rpass=sample-profile-inline",
+                        "-Rpass-analysis=sample-profile", "-c", "-o", str(tmp_path / "o.o"), str(src)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "'mix' inlined into 'main'" in r.stderr
+    applied = [int(m.group(2)) for m in re.finditer(r"inlined.c:(7|8):\d+: remark: Applied (\d+) samples", r.stderr)]
+    assert applied and max(applied) == max(counts.values()), r.stderr
+    # From raw samples: the same shape, counts in samples.
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", "inl", "--counts", "samples")
+    assert "samples per instruction" in p.stderr
+    assert re.search(r"^ 4(\.\d+)?: mix:\d+$", p.stdout, re.M), p.stdout
+
+
 def test_optimize_closes_the_loop_with_clang(tmp_path: Path) -> None:
     clang = shutil.which("clang-14") or shutil.which("clang")
     if clang is None:

@@ -154,3 +154,60 @@ def test_llvm_sample_text_follows_the_format() -> None:
         "leaf:3000:30\n 1: 3000\n"
         "main:170:10\n 2: 100\n 3.1: 40\n 4: 30 leaf:30\n"
     )
+
+
+def _llvm_encode(bd: int, df: int, ci: int) -> int:
+    """LLVM's DILocation::encodeDiscriminator (base discriminator, duplication factor, copy id), as
+    clang -fdebug-info-for-profiling writes discriminators into the line table."""
+
+    def prefix(u: int) -> int:
+        u &= 0xFFF
+        return (((u & 0xFE0) << 1) | (u & 0x1F) | 0x20) if u > 0x1F else u
+
+    ret, at, rest = 0, 0, bd + df + ci
+    for c in (bd, df, ci):
+        if rest <= 0:
+            break
+        rest -= c
+        ret |= (1 if c == 0 else prefix(c) << 1) << at
+        at += 1 if c == 0 else (14 if c > 0x1F else 7)
+    return ret
+
+
+def test_discriminators_decode_as_llvm_encodes_them() -> None:
+    from cyclescope.report.llvm_sample import base_discriminator, duplication_factor
+
+    for bd in (0, 1, 2, 5, 31, 32, 100, 4095):
+        for df in (0, 1, 2, 4, 7, 8, 31, 32, 500):
+            for ci in (0, 1, 3):
+                d = _llvm_encode(bd, df, ci)
+                assert base_discriminator(d) == bd, (bd, df, ci, d)
+                assert duplication_factor(d) == max(df, 1), (bd, df, ci, d)
+    assert (base_discriminator(1794), duplication_factor(1794)) == (1, 7)  # seen in clang-14's bzip2 line table
+    assert (base_discriminator(2050), duplication_factor(2050)) == (1, 8)
+
+
+def test_llvm_sample_nests_inlined_code_at_its_call_site() -> None:
+    from cyclescope.images.dwarf import Scope
+    from cyclescope.report.llvm_sample import Executed, function_profile, render
+
+    # main declared at line 10 calls mix (declared at line 3, linkage _Z3mixmi) at line 14 with
+    # base discriminator 2; mix's loop at line 5 was unrolled 4 times (duplication factor 4).
+    mix = Scope(0, 0, 1, "mix", "m.c", 14, True, "_Z3mixmi", 3, _llvm_encode(2, 0, 0))
+    unrolled = _llvm_encode(1, 4, 0)
+    fp = function_profile("main", 10, [
+        Executed(1, 11, 0),
+        Executed(100, 13, 0, (), "_Z4leafm@plt"),  # a call through the PLT names the function itself
+        Executed(250, 5, unrolled, (mix,)),
+        Executed(240, 5, unrolled, (mix,)),  # the most any instruction at a location ran
+        Executed(7, 6, 0, (mix,)),
+        Executed(5, 9, 0),  # before main's first line: no valid offset, yet counted in the total
+    ], head=1)
+    assert render([fp]) == (
+        "main:2073:1\n"
+        " 1: 1\n"
+        " 3: 100 _Z4leafm:100\n"
+        " 4.2: _Z3mixmi:1967\n"
+        "  2.1: 1000\n"
+        "  3: 7\n"
+    )

@@ -50,8 +50,9 @@ class Export(Command):
         "instruction is a one-frame stack (the flat profile), and a note says so.\n\n"
         "'llvm-sample' writes LLVM's text sample profile of one image for clang -fprofile-sample-use:\n"
         "execution counts per source line estimated by `calc` from the samples (no branch records\n"
-        "needed), call targets from the direct calls. Build with -g (and -fdebug-info-for-profiling for\n"
-        "discriminators); `llvm-profdata show --sample FILE` reads it.\n\n"
+        "needed; --counts samples takes raw samples instead, --callgrind exact counts), nested profiles\n"
+        "for inlined code, call targets from the direct calls. Build with -g (and\n"
+        "-fdebug-info-for-profiling for discriminators); `llvm-profdata show --sample FILE` reads it.\n\n"
         "'bolt-fdata' writes BOLT's profile without branch records (as `perf2bolt -nl`): samples per\n"
         "instruction of one image, by function symbol and offset, for llvm-bolt -data=FILE (link the\n"
         "program with -Wl,--emit-relocs for BOLT to reorder its blocks and functions)."
@@ -73,6 +74,12 @@ class Export(Command):
         p.add_argument("format", choices=FORMATS, help="output format")
         add_selection_options(p)
         p.add_argument("-o", "--output", metavar="FILE", help="write to FILE (default: standard output)")
+        p.add_argument("--counts", choices=("calc", "samples"), default="calc",
+                       help="llvm-sample: execution counts estimated by calc (default), or raw samples per "
+                            "instruction (AutoFDO without branch records)")
+        p.add_argument("--callgrind", metavar="FILE",
+                       help="llvm-sample: exact counts from `valgrind --tool=callgrind --dump-instr=yes` output "
+                            "instead (the recorded samples then only choose the binary)")
         p.add_argument("--offsets", action="store_true",
                        help="name frames procedure+offset instead of merging a procedure's instructions")
 
@@ -193,82 +200,41 @@ class Export(Command):
 
     @staticmethod
     def _llvm_sample(args: argparse.Namespace, ps: Any, db: Any) -> int:
-        from cyclescope.cli.calc import calc_target, cycles_event
+        from cyclescope.cli.calc import cycles_event
         from cyclescope.cli.prof import prof_report
-        from cyclescope.errors import CycleScopeError
         from cyclescope.images.dwarf import DwarfIndex, dwarf_source
         from cyclescope.images.elf import read_symbols
         from cyclescope.images.symbolize import Symbolizer
-        from cyclescope.report.listing import Target
-        from cyclescope.report.llvm_sample import FunctionProfile, render
+        from cyclescope.report.llvm_sample import render
 
         sym = Symbolizer(db)
         ev = cycles_event(ps, getattr(args, "event", None) and args.event[0])
         rep = prof_report(ps, False)
-        col = rep.events.index(ev)
-        key, info, b = _one_binary(args, ps, rep, sym)
+        _, info, b = _one_binary(args, ps, rep, sym)
+        assert b.path is not None
         dpath = dwarf_source(b.path, info.key)
         if dpath is None:
             raise NotFoundError(f"{info.path}: no DWARF line information (build with -g)")
         dw = DwarfIndex(dpath, info.key)
-        raw = read_symbols(b.path, demangle=False)
-        table = sym.table(info)
-
-        def linkage(addr: int) -> str | None:
-            i = int(raw.lookup(np.array([addr], np.uint64))[0]) if len(raw) else -1
-            return raw.names[i] if i >= 0 and int(raw.starts[i]) == addr else None
-
-        rows = [r for r in rep.rows if r.image_key == key and r.start is not None and r.counts[col] > 0]
-        profiles: list[FunctionProfile] = []
-        skipped: list[str] = []
-        for r in rows:
-            k = table.names.index(r.procedure) if r.procedure in table.names else -1
-            if k < 0:
-                continue
-            start, end = int(table.starts[k]), int(table.ends[k])
-            fname = linkage(start) or r.procedure
-            try:
-                c = calc_target(ps, Target(info, r.procedure, start, end), sym, ev, None)
-            except CycleScopeError as e:
-                skipped.append(f"{r.procedure}: {e}")
-                continue
-            insns = c.cfg.insns
-            if not insns:
-                continue
-            fn_scope = dw.scopes_at(start)
-            if not fn_scope:
-                skipped.append(f"{r.procedure}: no DWARF subprogram")
-                continue
-            decl = fn_scope[0].line
-            fp = FunctionProfile(fname)
-            pos = dw.positions(np.array([i.address for i in insns], np.uint64))
-            for idx, ins in enumerate(insns):
-                bi = c.cfg.block_of[idx]
-                execs = c.executions(bi) if bi >= 0 else None
-                if execs is None or pos[idx] is None:
-                    continue
-                n = round(execs)
-                stack = dw.scopes_at(ins.address)
-                if len(stack) > 1:  # inlined code: counted at the outermost inlined call's line
-                    line, disc = stack[1].line, 0
-                else:
-                    line, disc = pos[idx].line, pos[idx].discriminator  # type: ignore[union-attr]
-                fp.add(line - decl, disc, n)
-                tgt = ins.direct_target if ins.mnemonic.startswith("call") else None
-                if tgt is not None and len(stack) == 1:
-                    callee = linkage(tgt)
-                    if callee:
-                        fp.add_call(line - decl, disc, callee, n)
-            entry = c.cfg.block_of[0]
-            head = c.executions(entry) if entry >= 0 else None
-            fp.head = round(head) if head else 0
-            profiles.append(fp)
-        for msg in skipped:
-            eprint(f"cyclescope export: skipped {msg}")
+        raw = read_symbols(b.path, demangle=False)  # compilers know functions by their linkage names
+        heads: dict[int, int] | None  # entry counts by function; None: the entry instruction's count
+        if args.callgrind:
+            counts = _callgrind_counts(args.callgrind, info.path)
+            per_fn, heads, source = _by_function(raw, counts), None, f"exact counts from {args.callgrind}"
+        elif args.counts == "samples":
+            counts = _sample_counts(ps, sym, info, ev)
+            per_fn, heads, source = _by_function(raw, counts), {}, f"{ev} samples per instruction"
+        else:
+            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep)
+            for msg in skipped:
+                eprint(f"cyclescope export: skipped {msg}")
+            source = f"execution counts estimated by calc from {ev} samples"
+        profiles = [p for p in (_profile_of(b.path, dw, raw, start, c, heads) for start, c in per_fn.items()) if p]
         if not any(p.total for p in profiles):
-            raise NotFoundError(f"{info.path}: no execution counts could be estimated (see `cyclescope calc`)")
+            raise NotFoundError(f"{info.path}: no execution counts for any function with source lines"
+                                + (" (see `cyclescope calc`)" if not args.callgrind and args.counts == "calc" else ""))
         _emit(args.output, render(profiles).encode())
-        eprint(f"cyclescope export: {sum(1 for p in profiles if p.total)} functions of {info.path}")
+        eprint(f"cyclescope export: {sum(1 for p in profiles if p.total)} functions of {info.path} ({source})")
         return 0
 
     @staticmethod
@@ -320,3 +286,120 @@ def _one_binary(args: argparse.Namespace, ps: Any, rep: Any, sym: Any) -> tuple[
     if b.path is None:
         raise NotFoundError(b.problem or f"{info.path}: the binary is not available")
     return key, info, b
+
+
+def _by_function(raw: Any, counts: dict[int, int]) -> dict[int, dict[int, int]]:
+    """Instruction counts (ELF address -> count) grouped by the function symbol containing them."""
+    out: dict[int, dict[int, int]] = {}
+    if not counts or not len(raw):
+        return out
+    addrs = np.array(sorted(counts), np.uint64)
+    idx = raw.lookup(addrs)
+    for a, i in zip(addrs.tolist(), idx.tolist(), strict=True):
+        if i >= 0:
+            out.setdefault(int(raw.starts[i]), {})[a] = counts[a]
+    return out
+
+
+def _sample_counts(ps: Any, sym: Any, info: Any, ev: str) -> dict[int, int]:
+    from cyclescope.db.query import query_counts
+
+    t = query_counts(ps, images=[info.key])
+    sel = np.array(t.column("event").to_pylist(), dtype=object) == ev
+    offs = np.array(t.column("offset").to_pylist(), np.uint64)[sel]
+    cnt = np.array(t.column("count").to_pylist(), np.int64)[sel]
+    out: dict[int, int] = {}
+    for a, c in zip(sym.offsets_to_vaddr(info, offs).tolist(), cnt.tolist(), strict=True):
+        out[int(a)] = out.get(int(a), 0) + int(c)
+    return out
+
+
+def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
+    """Exact executions per instruction of one binary from callgrind's output (--dump-instr=yes)."""
+    from cyclescope.analysis.callgrind import parse_callgrind
+
+    try:
+        with open(path, errors="replace") as f:
+            prof = parse_callgrind(f.read())
+    except OSError as e:
+        raise NotFoundError(f"{path}: {e.strerror}") from None
+    ob = prof.object_for(image_path) or prof.object_for(os.path.basename(image_path))
+    if ob is None:
+        raise NotFoundError(f"{path}: no counts for {image_path} (objects: {', '.join(sorted(prof.counts)) or 'none'}; "
+                            "run valgrind --tool=callgrind --dump-instr=yes)")
+    return dict(prof.counts[ob])
+
+
+def _calc_counts(ps: Any, sym: Any, info: Any, ev: str,
+                 rep: Any) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
+    """calc's execution estimates per instruction, for each function with samples; entry counts."""
+    from cyclescope.cli.calc import calc_target
+    from cyclescope.errors import CycleScopeError
+    from cyclescope.report.listing import Target
+
+    table = sym.table(info)
+    col = rep.events.index(ev)
+    per_fn: dict[int, dict[int, int]] = {}
+    heads: dict[int, int] = {}
+    skipped: list[str] = []
+    for r in rep.rows:
+        if r.image_key != info.key or r.start is None or r.counts[col] <= 0 or r.procedure not in table.names:
+            continue
+        k = table.names.index(r.procedure)
+        start, end = int(table.starts[k]), int(table.ends[k])
+        try:
+            c = calc_target(ps, Target(info, r.procedure, start, end), sym, ev, None)
+        except CycleScopeError as e:
+            skipped.append(f"{r.procedure}: {e}")
+            continue
+        got: dict[int, int] = {}
+        for idx, ins in enumerate(c.cfg.insns):
+            bi = c.cfg.block_of[idx]
+            execs = c.executions(bi) if bi >= 0 else None
+            if execs is not None and round(execs) > 0:
+                got[ins.address] = round(execs)
+        if got:
+            per_fn[start] = got
+            entry = c.cfg.block_of[0] if c.cfg.insns else -1
+            head = c.executions(entry) if entry >= 0 else None
+            heads[start] = round(head) if head else 0
+    return per_fn, heads, skipped
+
+
+def _profile_of(path: str, dw: Any, raw: Any, start: int, counts: dict[int, int],
+                heads: dict[int, int] | None) -> Any:
+    """The profile of the function at ``start`` from its instructions' counts (None without source lines).
+    ``heads``: entry counts by function, or None to take the entry instruction's own count."""
+    from cyclescope.images.disasm import disassemble, read_code
+    from cyclescope.report.llvm_sample import Executed, function_profile
+
+    i = int(raw.lookup(np.array([start], np.uint64))[0])
+    if i < 0:
+        return None
+    end, name = int(raw.ends[i]), raw.names[i]
+    scopes = dw.scopes_at(start)
+    if not scopes or scopes[0].inlined:
+        return None  # no DWARF subprogram here (assembly, or code without -g)
+    cu = int(dw.cu_at(np.array([start], np.uint64))[0])
+    inside = [s for s in dw.scopes(cu).items if s.inlined and s.low < end and s.high > start]
+    try:
+        insns = disassemble(read_code(path, start, end), start)
+    except Exception:  # the symbol's bytes are not in the file: count without call targets
+        insns = []
+    callee_of: dict[int, str] = {}
+    for ins in insns:
+        t = ins.direct_target if ins.mnemonic.startswith("call") else None
+        if t is not None:
+            j = int(raw.lookup(np.array([t], np.uint64))[0])
+            if j >= 0 and int(raw.starts[j]) == t:
+                callee_of[ins.address] = raw.names[j]
+    addrs = sorted(a for a, c in counts.items() if c > 0)
+    pos = dw.positions(np.array(addrs, np.uint64))
+    executed = []
+    for a, p in zip(addrs, pos, strict=True):
+        if p is None:
+            continue
+        stack = sorted((s for s in inside if s.low <= a < s.high), key=lambda s: (s.depth, s.high - s.low))
+        executed.append(Executed(counts[a], p.line, p.discriminator, stack, callee_of.get(a)))
+    head = counts.get(start, 0) if heads is None else heads.get(start, 0)
+    return function_profile(name, scopes[0].line, executed, head)

@@ -74,6 +74,9 @@ class Optimize(Command):
                                                         "(default: a new directory under /tmp)")
         p.add_argument("-F", "--freq", type=float, default=5000.0, metavar="HZ",
                        help="sampling rate of the training run (default: 5000)")
+        p.add_argument("--counts", choices=("calc", "samples"), default="calc",
+                       help="the profile's counts: calc's execution estimates (default) or raw samples per "
+                            "instruction (see `export llvm-sample`)")
         p.add_argument("--json", action="store_true", help="write the result as JSON")
         p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training and measured run, {out} "
                                                                  "for the binary")
@@ -115,8 +118,8 @@ class Optimize(Command):
                 stdin.close()  # type: ignore[union-attr]
         if r.returncode != 0:
             raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
-        r = subprocess.run([*me, "export", "llvm-sample", "--db", str(db), "--image", str(base), "-o", str(prof)],
-                           capture_output=True, text=True)
+        r = subprocess.run([*me, "export", "llvm-sample", "--db", str(db), "--image", str(base),
+                            "--counts", args.counts, "-o", str(prof)], capture_output=True, text=True)
         if r.returncode != 0:
             raise CycleScopeError(f"no sample profile: {r.stderr.strip()}")
         build(opt, f"{PROFILE_FLAGS} -fprofile-sample-use={shlex.quote(str(prof))}")

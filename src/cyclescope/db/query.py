@@ -6,6 +6,7 @@ segments are skipped with a warning, so one bad file never hides the rest.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -175,12 +176,15 @@ def open_profile(db: Database, sel: Selection) -> ProfileSet:
 
 
 def match_images(ps: ProfileSet, patterns: Iterable[str]) -> list[str]:
-    """Image keys whose key, path or file name equals a pattern (or whose path ends with it)."""
+    """Image keys whose key, path or file name equals a pattern (or whose path ends with it); a
+    relative path naming an existing file (``./prog``) also matches that file's absolute path."""
     keys: list[str] = []
     for pat in patterns:
+        full = os.path.abspath(pat) if "/" in pat and not pat.startswith("/") and os.path.exists(pat) else pat
         found = [
             k for k, info in ps.images.items()
-            if pat in (k, info.path, Path(info.path).name) or info.path.endswith("/" + pat.lstrip("/"))
+            if pat in (k, info.path, Path(info.path).name) or full == info.path
+            or info.path.endswith("/" + pat.lstrip("/"))
             or (info.build_id and info.build_id.startswith(pat) and len(pat) >= 8)
         ]
         if not found:

@@ -80,6 +80,9 @@ class Scope:
     file: str  # functions: where declared; inlined calls: the call site's file
     line: int  # functions: DW_AT_decl_line; inlined calls: DW_AT_call_line
     inlined: bool
+    linkage: str = ""  # the (inlined) function's linkage name, not demangled: how compilers' profiles name it
+    decl_line: int = 0  # the (inlined) function's own DW_AT_decl_line
+    discriminator: int = 0  # inlined calls: DW_AT_GNU_discriminator of the call site
 
 
 @dataclass(frozen=True)
@@ -100,12 +103,15 @@ class Scopes:
             "low": pa.array([s.low for s in it], pa.uint64()), "high": pa.array([s.high for s in it], pa.uint64()),
             "depth": pa.array([s.depth for s in it], pa.int32()), "name": pa.array([s.name for s in it]),
             "file": pa.array([s.file for s in it]), "line": pa.array([s.line for s in it], pa.int32()),
-            "inlined": pa.array([s.inlined for s in it], pa.bool_()),
+            "inlined": pa.array([s.inlined for s in it], pa.bool_()), "linkage": pa.array([s.linkage for s in it]),
+            "decl_line": pa.array([s.decl_line for s in it], pa.int32()),
+            "discriminator": pa.array([s.discriminator for s in it], pa.int64()),
         })
 
     @staticmethod
     def from_arrow(t: pa.Table) -> Scopes:
-        cols = [t.column(c).to_pylist() for c in ("low", "high", "depth", "name", "file", "line", "inlined")]
+        cols = [t.column(c).to_pylist() for c in ("low", "high", "depth", "name", "file", "line", "inlined",
+                                                   "linkage", "decl_line", "discriminator")]
         return Scopes(tuple(Scope(*row) for row in zip(*cols, strict=True)))
 
 
@@ -299,12 +305,12 @@ class DwarfIndex:
         sc = self._scopes.get(cu_offset)
         if sc is not None:
             return sc
-        t = self.cache.load(self.key, f"scopes-{cu_offset}")
+        t = self.cache.load(self.key, f"scopes2-{cu_offset}")
         if t is not None:
             sc = Scopes.from_arrow(t)
         else:
             sc = self._decode_scopes(cu_offset)
-            self.cache.save(self.key, f"scopes-{cu_offset}", sc.to_arrow())
+            self.cache.save(self.key, f"scopes2-{cu_offset}", sc.to_arrow())
         self._scopes[cu_offset] = sc
         return sc
 
@@ -313,6 +319,8 @@ class DwarfIndex:
         return self.scopes(cu).stack_at(addr) if cu >= 0 else []
 
     def _decode_scopes(self, cu_offset: int) -> Scopes:
+        from cyclescope.images.elf import demangle_name
+
         cu = self._cu(cu_offset)
         info = self._info()
         assert info is not None
@@ -333,15 +341,21 @@ class DwarfIndex:
                     inlined = tag == "DW_TAG_inlined_subroutine"
                     ranges = self._die_ranges(child, cu)
                     if ranges:
-                        name = self._die_name(child, names)
+                        raw = self._die_name(child, names)
+                        name = demangle_name(raw)
                         a = child.attributes
+                        df, decl = self._decl(child, file_of)
+                        disc = 0
                         if inlined:
                             f = file_of(int(a["DW_AT_call_file"].value)) if "DW_AT_call_file" in a else ""
                             ln = int(a["DW_AT_call_line"].value) if "DW_AT_call_line" in a else 0
+                            if "DW_AT_GNU_discriminator" in a:
+                                disc = int(a["DW_AT_GNU_discriminator"].value)
                         else:
-                            f, ln = self._decl(child, file_of)
+                            f, ln = df, decl
                         for lo, hi in ranges:
-                            out.append(Scope(lo, hi, depth + 1 if inlined else 0, name, f, ln, inlined))
+                            out.append(Scope(lo, hi, depth + 1 if inlined else 0, name, f, ln, inlined, raw, decl,
+                                             disc))
                     walk(child, depth + 1 if inlined else depth)
                 elif tag in ("DW_TAG_lexical_block", "DW_TAG_namespace", "DW_TAG_class_type",
                              "DW_TAG_structure_type", "DW_TAG_try_block", "DW_TAG_catch_block"):
@@ -384,9 +398,6 @@ class DwarfIndex:
                 d = d.get_DIE_from_attribute(nxt) if nxt else None
                 continue
             break
-        from cyclescope.images.elf import demangle_name
-
-        name = demangle_name(name)
         memo[die.offset] = name
         return name
 
