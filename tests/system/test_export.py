@@ -209,8 +209,8 @@ def test_llvm_sample_nests_inlined_code_and_clang_applies_it(tmp_path: Path) -> 
     assert "'mix' inlined into 'main'" in r.stderr
     applied = [int(m.group(2)) for m in re.finditer(r"inlined.c:(7|8):\d+: remark: Applied (\d+) samples", r.stderr)]
     assert applied and max(applied) == max(counts.values()), r.stderr
-    # From raw samples: the same shape, counts in samples.
-    p = cs("export", "llvm-sample", "--db", str(db), "--image", "inl", "--counts", "samples")
+    # From raw samples: the same shape, counts in samples (and a relative path names the binary).
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", "./inl", "--counts", "samples", cwd=str(tmp_path))
     assert "samples per instruction" in p.stderr
     assert re.search(r"^ 4(\.\d+)?: mix:\d+$", p.stdout, re.M), p.stdout
 
