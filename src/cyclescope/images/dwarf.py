@@ -327,7 +327,8 @@ class DwarfIndex:
         lp = info.line_program_for_CU(cu)
         files = self._file_names(lp, cu) if lp is not None else []
         base = 0 if lp is not None and int(lp.header["version"]) >= 5 else 1
-        names: dict[int, str] = {}
+        names: dict[int, str] = {}  # DIE offset -> linkage name
+        demangled: dict[str, str] = {}
         out: list[Scope] = []
 
         def file_of(idx: int) -> str:
@@ -342,7 +343,9 @@ class DwarfIndex:
                     ranges = self._die_ranges(child, cu)
                     if ranges:
                         raw = self._die_name(child, names)
-                        name = demangle_name(raw)
+                        name = demangled.get(raw)
+                        if name is None:
+                            name = demangled[raw] = demangle_name(raw)
                         a = child.attributes
                         df, decl = self._decl(child, file_of)
                         disc = 0
@@ -379,6 +382,7 @@ class DwarfIndex:
         return "", 0
 
     def _die_name(self, die: DIE, memo: dict[int, str]) -> str:
+        """The DIE's linkage name (else its name), through abstract origins; not demangled."""
         got = memo.get(die.offset)
         if got is not None:
             return got
