@@ -241,7 +241,6 @@ class Export(Command):
     def _bolt_fdata(args: argparse.Namespace, ps: Any, db: Any) -> int:
         from cyclescope.cli.calc import cycles_event
         from cyclescope.cli.prof import prof_report
-        from cyclescope.db.query import query_counts
         from cyclescope.images.elf import local_function_files, read_symbols
         from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.bolt_fdata import bolt_names, render
@@ -251,11 +250,7 @@ class Export(Command):
         key, info, b = _one_binary(args, ps, prof_report(ps, False), sym)
         assert b.path is not None
         raw = read_symbols(b.path, demangle=False)  # BOLT knows functions by their linkage names
-        t = query_counts(ps, images=[key])
-        evs = np.array(t.column("event").to_pylist(), dtype=object)
-        sel = evs == ev
-        offs = np.array(t.column("offset").to_pylist(), np.uint64)[sel]
-        counts = np.array(t.column("count").to_pylist(), np.int64)[sel]
+        offs, counts = _event_counts(ps, key, ev)
         names = bolt_names(raw.starts, raw.names, local_function_files(b.path))
         res = render([ev], offs, counts, raw.starts, raw.ends, names)
         if not res.samples:
@@ -301,13 +296,19 @@ def _by_function(raw: Any, counts: dict[int, int]) -> dict[int, dict[int, int]]:
     return out
 
 
-def _sample_counts(ps: Any, sym: Any, info: Any, ev: str) -> dict[int, int]:
+def _event_counts(ps: Any, key: str, ev: str) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and sample counts of event ``ev`` in the image ``key``, over the selection."""
     from cyclescope.db.query import query_counts
 
-    t = query_counts(ps, images=[info.key])
+    t = query_counts(ps, images=[key])
     sel = np.array(t.column("event").to_pylist(), dtype=object) == ev
-    offs = np.array(t.column("offset").to_pylist(), np.uint64)[sel]
-    cnt = np.array(t.column("count").to_pylist(), np.int64)[sel]
+    return (np.array(t.column("offset").to_pylist(), np.uint64)[sel],
+            np.array(t.column("count").to_pylist(), np.int64)[sel])
+
+
+def _sample_counts(ps: Any, sym: Any, info: Any, ev: str) -> dict[int, int]:
+    """Samples of ``ev`` per instruction (ELF address) of the image ``info``."""
+    offs, cnt = _event_counts(ps, info.key, ev)
     out: dict[int, int] = {}
     for a, c in zip(sym.offsets_to_vaddr(info, offs).tolist(), cnt.tolist(), strict=True):
         out[int(a)] = out.get(int(a), 0) + int(c)
@@ -371,17 +372,19 @@ def _profile_of(path: str, dw: Any, raw: Any, start: int, counts: dict[int, int]
     """The profile of the function at ``start`` from its instructions' counts (None without source lines).
     ``heads``: entry counts by function, or None to take the entry instruction's own count."""
     from cyclescope.images.disasm import disassemble, read_code
+    from cyclescope.images.dwarf import Scopes
     from cyclescope.report.llvm_sample import Executed, function_profile
 
     i = int(raw.lookup(np.array([start], np.uint64))[0])
-    if i < 0:
+    cu = int(dw.cu_at(np.array([start], np.uint64))[0])
+    if i < 0 or cu < 0:
         return None
     end, name = int(raw.ends[i]), raw.names[i]
-    scopes = dw.scopes_at(start)
-    if not scopes or scopes[0].inlined:
+    cu_scopes = dw.scopes(cu)
+    at_start = cu_scopes.stack_at(start)
+    if not at_start or at_start[0].inlined:
         return None  # no DWARF subprogram here (assembly, or code without -g)
-    cu = int(dw.cu_at(np.array([start], np.uint64))[0])
-    inside = [s for s in dw.scopes(cu).items if s.inlined and s.low < end and s.high > start]
+    inlined = Scopes(tuple(s for s in cu_scopes.items if s.inlined and s.low < end and s.high > start))
     try:
         insns = disassemble(read_code(path, start, end), start)
     except Exception:  # the symbol's bytes are not in the file: count without call targets
@@ -399,7 +402,6 @@ def _profile_of(path: str, dw: Any, raw: Any, start: int, counts: dict[int, int]
     for a, p in zip(addrs, pos, strict=True):
         if p is None:
             continue
-        stack = sorted((s for s in inside if s.low <= a < s.high), key=lambda s: (s.depth, s.high - s.low))
-        executed.append(Executed(counts[a], p.line, p.discriminator, stack, callee_of.get(a)))
+        executed.append(Executed(counts[a], p.line, p.discriminator, inlined.stack_at(a), callee_of.get(a)))
     head = counts.get(start, 0) if heads is None else heads.get(start, 0)
-    return function_profile(name, scopes[0].line, executed, head)
+    return function_profile(name, at_start[0].line, executed, head)

@@ -93,13 +93,18 @@ class FunctionProfile:
 
 
 class InlineFrame(Protocol):
-    """An inlined call as images.dwarf.Scope describes it."""
+    """An inlined call as images.dwarf.Scope describes it (read-only)."""
 
-    line: int  # the call's line in its caller
-    discriminator: int  # the call site's discriminator
-    linkage: str
-    name: str
-    decl_line: int  # the inlined function's first line
+    @property
+    def line(self) -> int: ...  # the call's line in its caller
+    @property
+    def discriminator(self) -> int: ...  # the call site's discriminator
+    @property
+    def linkage(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def decl_line(self) -> int: ...  # the inlined function's first line
 
 
 @dataclass(frozen=True)
@@ -121,21 +126,18 @@ def function_profile(name: str, decl_line: int, executed: Iterable[Executed], he
         if c <= 0:
             continue
         fp.samples += c
-        node: FunctionProfile | None = fp
-        parent_decl = decl_line
+        node, parent_decl = fp, decl_line
         for fr in e.inlined:
-            assert node is not None
-            node = node.callee(fr.line - parent_decl, base_discriminator(fr.discriminator), fr.linkage or fr.name)
-            if node is None:
-                break
+            inner = node.callee(fr.line - parent_decl, base_discriminator(fr.discriminator), fr.linkage or fr.name)
+            if inner is None:
+                break  # a call line before its caller's first line: no valid offset
+            node, parent_decl = inner, fr.decl_line
             node.samples += c
-            parent_decl = fr.decl_line
-        if node is None:
-            continue
-        off, disc = e.line - parent_decl, base_discriminator(e.discriminator)
-        node.add(off, disc, c)
-        if e.callee:
-            node.add_call(off, disc, e.callee.removesuffix("@plt"), c)
+        else:
+            off, disc = e.line - parent_decl, base_discriminator(e.discriminator)
+            node.add(off, disc, c)
+            if e.callee:
+                node.add_call(off, disc, e.callee.removesuffix("@plt"), c)
     return fp
 
 
