@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from collections import Counter
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,10 +19,10 @@ from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValuesMeta, compact_v
 from cyclescope.db.values import write_values as write_value_file
 from cyclescope.errors import UsageError
 from cyclescope.images.registry import ImageInfo, ImageTable
-from cyclescope.values.api import Step, Value
+from cyclescope.values.api import Step, StepBatch, StepRecord, Value
 from cyclescope.values.capture import CodeIndex, ProcCode, ValueCapture, ValueOptions
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
-from cyclescope.values.insn import PERF_COLUMNS, decode, effective_address
+from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, ROW_STRUCT, decode, effective_address
 from cyclescope.values.interp import Interpreter
 from cyclescope.values.modules import MAP_CODE, Addresses, Edges, Operands, Results, VReplay, load_module, load_modules
 from tests import perfbytes as pb
@@ -104,6 +105,29 @@ def test_interpreter_records_results_loads_and_stores_without_side_effects() -> 
     # The next run sees the process's memory again, not the previous run's store.
     assert again.steps[1].loaded == 0 and again.reason == "length"
     assert it.stops["syscall"] == 1 and it.stops["length"] == 1
+    # Within one drain a data page is read from the process once; each run still starts from that
+    # copy, not from the previous run's stores.
+    reads: list[int] = []
+    text2, heap2 = _memory(bytes.fromhex("488907" "488b0f"))  # mov [rdi], rax; mov rcx, [rdi]
+    count = _reader(text2, heap2)
+
+    def counting(pid: int):  # type: ignore[no-untyped-def]
+        rd = count(pid)
+        return lambda a, n: (reads.append(a & ~4095), rd(a, n))[1]
+
+    it2 = Interpreter(reader=counting)
+    it2.next_drain()
+    store = ROW_STRUCT.pack(*(_regs(rax=99, rdi=HEAP).get(n, 0) for n in ROW_REGS))
+    load = ROW_STRUCT.pack(*(_regs(rax=99, rdi=HEAP, rip=CODE + 3).get(n, 0) for n in ROW_REGS))
+    recs: list[StepRecord] = []
+    it2.execute(1, store, bytes(64), 2, recs, 0)
+    assert [r.stored for r in recs] == [99, None] and recs[1].loaded == 99  # the run sees its own store
+    it2.execute(1, load, bytes(64), 1, recs, 1)
+    assert recs[2].loaded == int.from_bytes(bytes(range(8)), "little")  # the next run does not
+    assert reads.count(HEAP) == 1  # and the heap page was read once for both
+    it2.next_drain()
+    it2.execute(1, load, bytes(64), 1, recs, 2)
+    assert reads.count(HEAP) == 2
 
 
 def test_interpreter_stops_cleanly_and_says_why() -> None:
@@ -161,6 +185,41 @@ def test_modules_turn_steps_into_values() -> None:
     assert (0x17, 0x10, 1) in alias
     same = list(VReplay().transform([st, _step(0x20, "488b07", {"rdi": 0x5000}, ea=0x5000, loaded=7)]))
     assert [(e.pc, e.value.v0, e.value.v1) for e in same] == [(0x20, 0x10, 0)]
+
+
+def test_a_batch_of_runs_gives_what_each_run_gives_alone() -> None:
+    # add; load [rsp]; store [rdi]; load [rdi] (same address); cmp; jne; imul; syscall
+    code = bytes.fromhex("4801d8" "488b0424" "488907" "488b0f" "4883f903" "7500" "480fafc7" "0f05")
+    text, heap = _memory(code)
+    it = Interpreter(reader=_reader(text, heap))
+    recs: list[StepRecord] = []
+    ctx: list[Value | None] = []
+    for r in range(12):
+        row = ROW_STRUCT.pack(*(_regs(rax=r, rbx=r % 3, rdi=HEAP + 8 * (r % 2), rip=CODE + 3 * (r % 2)).get(n, 0)
+                                for n in ROW_REGS))
+        assert it.execute(1, row, struct.pack("<Q", r % 4) + bytes(56), 6, recs, r) in ("length", "syscall")
+        ctx.append(Value(0x40 + r % 2, 0, 1) if r % 3 else None)
+    batch = StepBatch.from_records(recs, ctx)
+    assert len(batch) == len(recs) and set(batch.run.tolist()) == set(range(12))
+    for m in (Operands(), Addresses(), Results(), Edges(), VReplay()):
+        together: Counter[tuple[int, str, Value]] = Counter()
+        for e in m.emit_batch(batch):
+            n = len(e.rows)
+            kinds = [e.kind] * n if isinstance(e.kind, str) else [str(k) for k in e.kind]
+            for pc, k, a, b, i in zip(batch.pc[e.rows].tolist(), kinds, np.asarray(e.v0).tolist(),
+                                      np.broadcast_to(np.asarray(e.v1), (n,)).tolist(),
+                                      np.broadcast_to(np.asarray(e.image), (n,)).tolist(), strict=True):
+                together[(pc, k, Value(a, b, i))] += 1
+        alone: Counter[tuple[int, str, Value]] = Counter()
+        for _, steps in batch.to_steps():
+            alone.update((e.pc, e.kind, e.value) for e in m.transform(steps))
+        assert together == alone and sum(together.values()) > 0, m.name
+    # Pairs stay within their runs: each run pairs its store with the load of it (same address), and
+    # the runs with rdi = HEAP also pair the load from [rsp] (STACK, 4 KiB-aligned like HEAP) with the
+    # store as a 4K alias; nothing pairs across runs.
+    alias = Counter((int(v1), int(batch.run[r])) for e in VReplay().emit_batch(batch)
+                    for r, v1 in zip(e.rows, np.broadcast_to(np.asarray(e.v1), (len(e.rows),)), strict=True))
+    assert alias == {**{(0, r): 1 for r in range(12)}, **{(1, r): 1 for r in range(0, 12, 2)}}
 
 
 def test_module_lookup_by_entry_point_and_path() -> None:
@@ -295,16 +354,18 @@ def test_capture_respects_owner_and_command_filters() -> None:
 def test_interpretation_stays_within_its_cpu_budget_and_counts_what_it_left_out() -> None:
     import time as _time
 
-    from cyclescope.values.interp import RunResult
 
     class SlowInterpreter:
         runs = 0
         steps = 0
 
-        def run(self, pid: int, regs: dict[str, int], stack: bytes, length: int) -> RunResult:
+        def next_drain(self) -> None:
+            pass
+
+        def execute(self, pid: int, row: bytes, stack: bytes, length: int, out: list[object], run: int) -> str:
             self.runs += 1
             _time.sleep(0.003)
-            return RunResult([], "length")
+            return "length"
 
     table = ImageTable()
     table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))

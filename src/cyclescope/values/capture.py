@@ -38,9 +38,9 @@ from cyclescope.images.disasm import read_code
 from cyclescope.images.elf import ElfInfo, read_load_info
 from cyclescope.images.registry import ImageTable
 from cyclescope.images.symbolize import Symbolizer
-from cyclescope.values.api import Capture, Emit, Step, Value, ValueModule
+from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Step, StepBatch, StepRecord, Value, ValueModule
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, cat_struct, merge_sets, reduce_set, unique_struct
-from cyclescope.values.insn import PERF_COLUMNS, InsnDetail, decode
+from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, InsnDetail, decode
 from cyclescope.values.interp import Interpreter
 from cyclescope.values.modules import DEFAULT_MODULES, MAP_CODE, load_modules
 
@@ -48,6 +48,7 @@ MEM_KEY_DTYPE = np.dtype([("uid", "<i4"), ("image", "<i8"), ("offset", "<u8"), (
 MAX_PROC_BYTES = 1 << 18  # disassemble procedures up to 256 KiB for boundaries and branch targets
 SCAN_WORDS = 32  # stack words searched for a return address when nothing better is known
 _RSP, _RBP, _RIP = PERF_COLUMNS["rsp"], PERF_COLUMNS["rbp"], PERF_COLUMNS["rip"]
+_ROW_PERM = [PERF_COLUMNS[name] for name in ROW_REGS]  # perf's register columns → interpreter rows
 
 
 @dataclass
@@ -499,8 +500,11 @@ class ValueCapture:
         if not len(chosen):
             return
         self._rng.shuffle(chosen)  # when the budget runs out, the ones left out are a random subset
-        cols = [(name, c) for name, c in PERF_COLUMNS.items() if name not in ("cs", "ss")]
-        emits: list[tuple[int, int, Emit]] = []  # (pid, uid, emit)
+        self.interp.next_drain()
+        blob = np.ascontiguousarray(R[chosen][:, _ROW_PERM], "<u8").tobytes()
+        w = 8 * len(_ROW_PERM)
+        recs: list[StepRecord] = []
+        runs: list[int] = []  # sample index of each run
         chosen_l = chosen.tolist()
         for j, i in enumerate(chosen_l):
             if self.opts.budget > 0 and j % 8 == 0 and time.perf_counter() > deadline:
@@ -508,43 +512,76 @@ class ValueCapture:
                     self.stats[int(owner[rest])].over_budget += 1
                 self.skipped["interpretation over CPU budget"] += len(chosen_l) - j
                 break
-            pid, uid = int(pids[i]), int(owner[i])
-            row = R[i].tolist()
-            regs = {name: row[c] for name, c in cols}
-            res = self.interp.run(pid, regs, S[i, : int(L[i])].tobytes(), self.opts.length)
-            st = self.stats[uid]
+            reason = self.interp.execute(int(pids[i]), blob[w * j : w * (j + 1)], S[i, : int(L[i])].tobytes(),
+                                         self.opts.length, recs, len(runs))
+            runs.append(i)
+            st = self.stats[int(owner[i])]
             st.interpreted += 1
-            st.steps += len(res.steps)
-            st.stops[res.reason] += 1
-            if not res.steps:
-                continue
-            if ctx_img[i] >= 0:
-                ctx = Value(int(ctx_off[i]), 0, int(ctx_img[i]))
-                for step in res.steps:
-                    step.context = ctx
-            for m in self.modules:
-                try:
-                    for e in m.transform(res.steps):
-                        emits.append((pid, uid, e))
-                except Exception:
-                    self.skipped[f"module {m.name} failed"] += 1
-        if emits:
-            self._emit_interpreted(emits, keys_parts, vals_parts)
+            st.stops[reason] += 1
+        if not recs:
+            return
+        ri = np.array(runs, np.int64)
+        ctx = [Value(int(o), 0, int(g)) if g >= 0 else None
+               for o, g in zip(ctx_off[ri].tolist(), ctx_img[ri].tolist(), strict=True)]
+        batch = StepBatch.from_records(recs, ctx)
+        steps = np.bincount(batch.run, minlength=len(ri))
+        for o in np.unique(owner[ri]).tolist():
+            self.stats[o].steps += int(steps[owner[ri] == o].sum())
+        self._transform(batch, pids[ri], owner[ri], keys_parts, vals_parts)
 
-    def _emit_interpreted(self, emits: list[tuple[int, int, Emit]], keys_parts: list[np.ndarray],
+    def _transform(self, batch: StepBatch, pid: np.ndarray, uid: np.ndarray, keys_parts: list[np.ndarray],
+                   vals_parts: list[np.ndarray]) -> None:
+        """Every module's values from a batch of sequences; ``pid``/``uid``: each run's process and owner."""
+        cols: list[tuple[np.ndarray, ...]] = []
+        slow: list[tuple[int, int, Emit]] | None = None
+        for m in self.modules:
+            try:
+                fast = getattr(m, "emit_batch", None)
+                if fast is not None:
+                    for e in fast(batch):
+                        if len(e.rows):
+                            cols.append(self._batch_columns(batch, e, pid, uid))
+                    continue
+                if slow is None:
+                    slow = []
+                    seqs = batch.to_steps()
+                for r, seq in seqs:
+                    slow.extend((int(pid[r]), int(uid[r]), e) for e in m.transform(seq))
+            except Exception:
+                self.skipped[f"module {m.name} failed"] += 1
+        if slow:
+            m64 = MASK64
+            flat = [(p, u, e.pc & m64, e.value.v0 & m64, e.value.v1 & m64, e.value.image, self._kind(e.kind))
+                    for p, u, e in slow]
+            c = list(zip(*flat, strict=True))
+            cols.append((np.array(c[0], np.int64), np.array(c[1], np.int64), np.array(c[2], np.uint64),
+                         np.array(c[3], np.uint64), np.array(c[4], np.uint64), np.array(c[5], np.int64),
+                         np.array(c[6], np.int32)))
+        if cols:
+            pid_, uid_, pc, v0, v1, vimg, kind = (np.concatenate(x) for x in zip(*cols, strict=True))
+            self._emit_interpreted(pid_, uid_, pc, v0, v1, vimg, kind, keys_parts, vals_parts)
+
+    def _batch_columns(self, batch: StepBatch, e: BatchEmit, pid: np.ndarray, uid: np.ndarray
+                       ) -> tuple[np.ndarray, ...]:
+        n = len(e.rows)
+        run = batch.run[e.rows]
+        if isinstance(e.kind, str):
+            kind = np.full(n, self._kind(e.kind), np.int32)
+        else:
+            names, inv = np.unique(np.asarray(e.kind).astype(str), return_inverse=True)
+            kind = np.array([self._kind(str(k)) for k in names], np.int32)[inv.reshape(-1)]
+        return (pid[run], uid[run], batch.pc[e.rows], np.asarray(e.v0, np.uint64),
+                np.broadcast_to(np.asarray(e.v1, np.uint64), (n,)),
+                np.broadcast_to(np.asarray(e.image, np.int64), (n,)), kind)
+
+    def _emit_interpreted(self, pid: np.ndarray, uid: np.ndarray, pc: np.ndarray, v0: np.ndarray, v1: np.ndarray,
+                          vimg: np.ndarray, kind: np.ndarray, keys_parts: list[np.ndarray],
                           vals_parts: list[np.ndarray]) -> None:
-        n = len(emits)
-        m = 0xFFFFFFFFFFFFFFFF
-        kid = self._kind
-        flat = [(p, u, e.pc, e.value.v0 & m, e.value.v1 & m, e.value.image, kid(e.kind)) for p, u, e in emits]
-        cols = list(zip(*flat, strict=True))
-        pid = np.array(cols[0], np.int64)
-        uid = np.array(cols[1], np.int64)
-        pc = np.array(cols[2], np.uint64)
-        v0 = np.array(cols[3], np.uint64)
-        v1 = np.array(cols[4], np.uint64)
-        vimg = np.array(cols[5], np.int64)
-        kind = np.array(cols[6], np.int32)
+        """Values at absolute PCs → keys by (owner, image, offset, kind); code-address values
+        (MAP_CODE) become (image, offset) too."""
+        n = len(pid)
+        v0 = v0.copy()
+        vimg = vimg.copy()
         img = np.full(n, -1, np.int64)
         off = np.zeros(n, np.uint64)
         code = vimg == MAP_CODE
@@ -575,27 +612,23 @@ class ValueCapture:
         if uid is None or uid < 0:
             self.skipped["owner unknown" if uid is None else "not allowed"] += len(seqs)
             return
-        emits: list[tuple[int, int, Emit]] = []
         st = self.stats[uid]
         for steps, reason in seqs:
             st.interpreted += 1
             st.steps += len(steps)
             st.stops[reason] += 1
-            for m in self.modules:
-                try:
-                    emits.extend((pid, uid, e) for e in m.transform(steps))
-                except Exception:
-                    self.skipped[f"module {m.name} failed"] += 1
-        if not emits:
+        batch = StepBatch.from_steps([steps for steps, _ in seqs])
+        if not len(batch):
             return
         keys_parts: list[np.ndarray] = []
         vals_parts: list[np.ndarray] = []
-        self._emit_interpreted(emits, keys_parts, vals_parts)
-        if keys_parts and len(keys_parts[0]):
-            batch = reduce_set(HotlistSet.exact(cat_struct(keys_parts), cat_struct(vals_parts)),
-                               rng=self._rng)
-            self._pending.append(batch)
-            self._pending_rows += batch.rows
+        n = len(seqs)
+        self._transform(batch, np.full(n, pid, np.int64), np.full(n, uid, np.int64), keys_parts, vals_parts)
+        if keys_parts and sum(len(k) for k in keys_parts):
+            batch_set = reduce_set(HotlistSet.exact(cat_struct(keys_parts), cat_struct(vals_parts)),
+                                   rng=self._rng)
+            self._pending.append(batch_set)
+            self._pending_rows += batch_set.rows
 
     # --- flushing -----------------------------------------------------------------------------
     def take(self, start: float, end: float) -> dict[int, tuple[NamedHotlists, ValuesMeta]]:

@@ -9,6 +9,7 @@ in exact mode (ptrace) and after the interpreter has written them.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -21,6 +22,11 @@ PERF_COLUMNS: dict[str, int] = {}
 for _i, _r in enumerate(regs_in_mask(X86_REGS_USER_MASK)):
     PERF_COLUMNS[_PERF_NAMES.get(_r.name, _r.name.lower())] = _i
 GP64 = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+# A register row of the interpreter and of step batches: the general-purpose registers, rip, flags.
+ROW_REGS = (*GP64, "rip", "flags")
+ROW_COL = {name: i for i, name in enumerate(ROW_REGS)}
+ROW_STRUCT = struct.Struct(f"<{len(ROW_REGS)}Q")  # a row packed: what the interpreter keeps per step
+_Q = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -227,3 +233,22 @@ def effective_address(mem: MemRef, regs: dict[str, int], next_pc: int) -> int | 
             return None
         a += v * mem.scale
     return a & 0xFFFFFFFFFFFFFFFF
+
+
+def effective_address_row(mem: MemRef, row: bytes, next_pc: int) -> int | None:
+    """``effective_address`` over a packed register row (ROW_STRUCT; no segment); None for a
+    register outside the row."""
+    a = mem.disp
+    if mem.base == "rip":
+        a += next_pc
+    elif mem.base:
+        c = ROW_COL.get(mem.base)
+        if c is None:
+            return None
+        a += _Q.unpack_from(row, 8 * c)[0]
+    if mem.index:
+        c = ROW_COL.get(mem.index)
+        if c is None:
+            return None
+        a += _Q.unpack_from(row, 8 * c)[0] * mem.scale
+    return int(a) & 0xFFFFFFFFFFFFFFFF

@@ -11,9 +11,10 @@ whose value is unknown (perf does not sample xmm registers), or after L steps.
 
 Memory model: every page is the emulator's own copy. Code pages are copied from the
 process on first fetch and kept (code does not change, JIT aside). A data page is
-copied afresh the first time a run touches it (the effective address is known
-before each step), and the stack snapshot taken at the interrupt is written over
-it, so the run sees the interrupt-time stack and the process's current memory.
+written afresh the first time a run touches it (the effective address is known
+before each step), from a copy read from the process once per drain, and the stack
+snapshot taken at the interrupt is written over it, so the run sees the
+interrupt-time stack and the process's memory as of the drain.
 Writes never reach the process. (Unicorn's MMIO pages would avoid the copies, but
 their Python callbacks cost about 15 us per access here: more than a page copy.)
 
@@ -25,18 +26,25 @@ all registers (measured here), and a run makes dozens of them.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cyclescope.values.api import Step
-from cyclescope.values.insn import GP64, InsnDetail, decode, effective_address
+from cyclescope.values.api import MASK64, Step, StepBatch, StepRecord
+from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, decode, effective_address_row
 from cyclescope.values.procmem import ProcessMemory
 
 PAGE = 4096
 STOP_REASONS = ("length", "syscall", "fault", "unmapped", "tls", "vector", "undecodable", "unsupported")
 MemReader = Callable[[int, int], bytes | None]
+_RSP, _RBP, _RIP = ROW_COL["rsp"], ROW_COL["rbp"], ROW_COL["rip"]
+_Q = struct.Struct("<Q")
+
+
+def _reg(row: bytes, col: int) -> int:
+    return int(_Q.unpack_from(row, 8 * col)[0])
 _UNMAPPED_ERRORS = frozenset({6, 7, 8})  # UC_ERR_READ_UNMAPPED, UC_ERR_WRITE_UNMAPPED, UC_ERR_FETCH_UNMAPPED
 
 
@@ -76,7 +84,7 @@ class _Raw:
         self.mem_write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
         self.buf = ctypes.create_string_buffer(64)
         x = _uc().x86_const
-        names = [*GP64, "rip", "eflags"]
+        names = ["eflags" if n == "flags" else n for n in ROW_REGS]
         self.names = names
         self.n = len(names)
         self.ids = (ctypes.c_int * self.n)(*[getattr(x, f"UC_X86_REG_{r.upper()}") for r in names])
@@ -97,8 +105,12 @@ def _raw() -> _Raw:
 
 class _Emulator:
     """One process's emulator. Every page is unicorn RAM: code pages are copied once and kept;
-    data pages are refreshed from the process the first time a run touches them (and the
-    stack snapshot written over them), so a run never sees an earlier run's writes."""
+    data pages are written afresh the first time a run touches them (and the stack snapshot over
+    them), so a run never sees an earlier run's writes. A data page is read from the process once
+    per drain (``generation``) and the copy reused by the drain's other runs: process_vm_readv
+    costs about 6.5 us here whatever the size, writing a page into unicorn under 1 us, and the
+    runs of a drain are all interpreted within milliseconds, well after their interrupts anyway.
+    The snapshot is written only when a run first touches it."""
 
     def __init__(self, pid: int, reader: MemReader) -> None:
         u = _uc()
@@ -107,30 +119,38 @@ class _Emulator:
         self.uc = u.Uc(u.UC_ARCH_X86, u.UC_MODE_64)
         self.handle = ctypes.c_void_p(self.uc._uch.value)
         self.pages: dict[int, bool] = {}  # page -> is code
-        self.fresh: set[int] = set()  # data pages refreshed in this run
-        self.insns: dict[int, InsnDetail | None] = {}  # decoded instructions by address (code is copied once)
+        self.fresh: set[int] = set()  # data pages written afresh in this run
+        self.generation = -1
+        self.copies: dict[int, bytes | None] = {}  # data pages as read from the process in this generation
+        # Decoded instructions by address (code is copied once), with why a run must stop there.
+        self.plans: dict[int, tuple[InsnDetail | None, str | None]] = {}
         self.snap_base = 0
         self.snap = b""
+        self.snap_written = False
         self.failed = False
-        self._buf = ctypes.create_string_buffer(64)
         self.uc.hook_add(u.UC_HOOK_MEM_UNMAPPED, self._unmapped)
 
     # memory -------------------------------------------------------------------------
-    def begin(self, rsp: int, stack: bytes) -> None:
+    def begin(self, rsp: int, stack: bytes, generation: int) -> None:
         self.fresh = set()
         self.failed = False
         self.snap_base, self.snap = rsp, stack
-        if stack:
-            for page in range(rsp & ~(PAGE - 1), rsp + len(stack), PAGE):
-                if page not in self.pages and not self._map(page, code=False, content=False):
-                    self.snap = b""
-                    return
-            self.write(rsp, stack)
+        self.snap_written = False
+        if generation != self.generation:
+            self.generation = generation
+            self.copies = {}
+
+    def _process_page(self, page: int) -> bytes | None:
+        if page in self.copies:
+            return self.copies[page]
+        data = self.read_process(page, PAGE)
+        self.copies[page] = data
+        return data
 
     def _map(self, page: int, code: bool, content: bool = True) -> bool:
         """Map ``page`` from the process (zeros when ``content`` is False and it cannot be read)."""
         u = _uc()
-        data = self.read_process(page, PAGE)
+        data = self.read_process(page, PAGE) if code else self._process_page(page)
         if data is None and content:
             return False
         try:
@@ -144,25 +164,42 @@ class _Emulator:
             self.fresh.add(page)
         return True
 
+    def _write_snapshot(self) -> bool:
+        """Write the interrupt-time stack over its pages (mapped as zeros if the process is gone)."""
+        if not self.snap_written:
+            self.snap_written = True
+            rsp, stack = self.snap_base, self.snap
+            for page in range(rsp & ~(PAGE - 1), rsp + len(stack), PAGE):
+                if page not in self.pages and not self._map(page, code=False, content=False):
+                    self.snap = b""
+                    return False
+            self.write(rsp, stack)
+        return True
+
     def ensure(self, addr: int, size: int) -> bool:
         """Make [addr, addr+size) current for this run: map or refresh its pages. False if unmapped."""
-        snap_end = self.snap_base + len(self.snap)
-        for page in range(addr & ~(PAGE - 1), addr + size, PAGE):
+        end = addr + size
+        snap_lo, snap_hi = self.snap_base, self.snap_base + len(self.snap)
+        if snap_lo <= addr and end <= snap_hi:
+            return self._write_snapshot()  # wholly inside the snapshot
+        for page in range(addr & ~(PAGE - 1), end, PAGE):
+            if page in self.fresh:
+                continue
             is_code = self.pages.get(page)
+            if is_code:
+                continue
+            on_stack = bool(self.snap) and page < snap_hi and snap_lo < page + PAGE
             if is_code is None:
-                if not self._map(page, code=False):
+                if not self._map(page, code=False, content=not on_stack):
                     return False
-                if self.snap and page <= snap_end and self.snap_base < page + PAGE:
-                    self._restore_snapshot(page)
-            elif not is_code and page not in self.fresh:
-                if self.snap_base <= addr and addr + size <= snap_end:
-                    continue  # wholly inside the snapshot, which begin() wrote
-                data = self.read_process(page, PAGE)
+            else:
+                data = self._process_page(page)
                 if data is None:
                     return False
                 self.write(page, data)
-                self._restore_snapshot(page)
                 self.fresh.add(page)
+            if on_stack:
+                self._restore_snapshot(page)
         return True
 
     def _restore_snapshot(self, page: int) -> None:
@@ -204,28 +241,23 @@ class _Emulator:
             head += self.read_process(page + PAGE, 16 - n) or b""
         return head
 
-    # registers -----------------------------------------------------------------------
-    def write_regs(self, regs: dict[str, int]) -> None:
-        r = _raw()
-        r.vals[:] = [regs.get("flags" if name == "eflags" else name, 0) & 0xFFFFFFFFFFFFFFFF for name in r.names]
-        r.write_batch(self.handle, r.ids, r.ptrs, r.n)
-
-    def read_regs(self) -> dict[str, int]:
-        r = _raw()
-        r.read_batch(self.handle, r.ids, r.ptrs, r.n)
-        return dict(zip(r.names, r.vals[:], strict=True))
-
-    def step(self, pc: int) -> int:
-        return int(_raw().emu_start(self.handle, pc, 0, 0, 1))
-
-    def insn(self, pc: int) -> InsnDetail | None:
-        if pc in self.insns:
-            return self.insns[pc]
+    def plan(self, pc: int) -> tuple[InsnDetail | None, str | None]:
+        """The instruction at ``pc`` and, when the interpreter cannot run it whatever the state, why."""
         code = self.code(pc)
         d = decode(code, pc) if code else None
-        if code and self.pages.get(pc & ~(PAGE - 1)) and len(self.insns) < 65536:
-            self.insns[pc] = d  # only once the page is ours: the process's own bytes may be read mid-write
-        return d
+        stop = None
+        if d is None:
+            stop = "undecodable" if code else "unmapped"
+        elif d.kind == "syscall":
+            stop = "syscall"
+        elif d.mem is not None and d.mem.segment:
+            stop = "tls"
+        elif d.string_op:
+            stop = "unsupported"
+        plan = (d, stop)
+        if code and self.pages.get(pc & ~(PAGE - 1)) and len(self.plans) < 65536:
+            self.plans[pc] = plan  # only once the page is ours: the process's own bytes may be read mid-write
+        return plan
 
     def read_vec(self, name: str) -> int:
         x = _uc().x86_const
@@ -242,7 +274,12 @@ class Interpreter:
         self._emus: OrderedDict[int, _Emulator] = OrderedDict()
         self.stops: Counter[str] = Counter()
         self.runs = 0
+        self.generation = 0  # process memory read in one generation is reused within it
         self.steps = 0
+
+    def next_drain(self) -> None:
+        """Runs from here on read process memory afresh (each page once, then the copy)."""
+        self.generation += 1
 
     def forget(self, pid: int) -> None:
         """The process exited or exec'd: its pages are no longer valid."""
@@ -261,88 +298,94 @@ class Interpreter:
 
     def run(self, pid: int, regs: dict[str, int], stack: bytes, length: int,
             known_vec: dict[str, int] | None = None) -> RunResult:
-        """``regs``: 64-bit general-purpose registers, rip and flags at the interrupt; ``stack``: the
-        bytes from rsp up. ``known_vec``: vector registers whose values are known (exact mode)."""
+        """One run as Steps. ``regs``: 64-bit general-purpose registers, rip and flags at the
+        interrupt; ``stack``: the bytes from rsp up. ``known_vec``: vector registers whose values are
+        known (exact mode)."""
+        self.next_drain()  # a lone run reads the process's memory now
+        recs: list[StepRecord] = []
+        row = ROW_STRUCT.pack(*(regs.get(n, 0) & MASK64 for n in ROW_REGS))
+        reason = self.execute(pid, row, stack, length, recs, 0, known_vec)
+        steps = StepBatch.from_records(recs, [None]).to_steps()
+        return RunResult(steps[0][1] if steps else [], reason)
+
+    def execute(self, pid: int, row: bytes, stack: bytes, length: int, out: list[StepRecord], run: int,
+                known_vec: dict[str, int] | None = None) -> str:
+        """Emulate up to ``length`` instructions from the registers ``row`` (ROW_REGS order, packed
+        as ROW_STRUCT) and append a StepRecord per instruction to ``out``, tagged ``run``; returns why
+        the run stopped. The hot loop of value sampling: per step one emulated instruction and one
+        batch read of the registers, kept as bytes (numpy takes them whole)."""
         self.runs += 1
         e = self._emulator(pid)
-        e.begin(regs.get("rsp", 0), stack)
-        pc = regs["rip"]
-        e.write_regs(regs)
+        e.begin(_reg(row, _RSP), stack, self.generation)
+        r = _raw()
+        h = e.handle
+        ctypes.memmove(r.vals, row, len(row))
+        r.write_batch(h, r.ids, r.ptrs, r.n)
         vec = dict(known_vec or {})
         if known_vec:
             x = _uc().x86_const
             for name, v in known_vec.items():
                 e.uc.reg_write(getattr(x, f"UC_X86_REG_{name.upper()}"), v)
-        cur = dict(regs)
-        steps: list[Step] = []
+        pc = _reg(row, _RIP)
+        cur = row
         reason = "length"
+        n = 0
+        plans = e.plans
         for i in range(length):
-            insn = e.insn(pc)
-            if insn is None:
-                reason = "undecodable" if pc in e.insns else "unmapped"
+            plan = plans.get(pc)
+            if plan is None:
+                plan = e.plan(pc)
+            insn, stop = plan
+            if stop is not None:
+                reason = stop
                 break
-            if insn.kind == "syscall":
-                reason = "syscall"
-                break
-            if insn.mem is not None and insn.mem.segment:
-                reason = "tls"
-                break
+            assert insn is not None
             if insn.vreads and any(v not in vec for v in insn.vreads):
                 reason = "vector"
                 break
-            if insn.string_op:
-                reason = "unsupported"
-                break
-            step = Step(pc, insn, cur, sampled=(i == 0))
             m = insn.mem
+            ea = loaded = stored = None
             if m is not None:
-                step.ea = effective_address(m, cur, insn.next_address)
-                if step.ea is not None:
-                    if not e.ensure(step.ea, max(1, m.size)):
+                ea = effective_address_row(m, cur, insn.next_address)
+                if ea is not None:
+                    if not e.ensure(ea, max(1, m.size)):
                         reason = "unmapped"
                         break
                     if m.read:
-                        data = e.read(step.ea, min(m.size, 8))
-                        step.loaded = int.from_bytes(data, "little") if data else None
+                        data = e.read(ea, min(m.size, 8))
+                        loaded = int.from_bytes(data, "little") if data else None
             if insn.stack_op:
-                sp = cur.get("rbp", 0) if insn.mnemonic == "leave" else cur.get("rsp", 0)
+                sp = _reg(cur, _RBP if insn.mnemonic == "leave" else _RSP)
                 if not e.ensure(sp - 8, 16):
                     reason = "unmapped"
                     break
-            err = e.step(pc)
+            err = r.emu_start(h, pc, 0, 0, 1)
             if err or e.failed:
                 reason = "unmapped" if e.failed or err in _UNMAPPED_ERRORS else "fault"
                 break
-            after = e.read_regs()
-            step.results = {w.name: w.extract(after[w.full]) for w in insn.writes}
-            for vname in insn.vwrites:
-                val = e.read_vec(vname)
-                vec[vname] = val
-                step.results[vname] = val & 0xFFFFFFFFFFFFFFFF
-            if m is not None and m.write and step.ea is not None:
-                data = e.read(step.ea, min(m.size, 8))
-                step.stored = int.from_bytes(data, "little") if data else None
-            step.next_pc = after["rip"]
-            steps.append(step)
-            self.steps += 1
-            after["flags"] = after.pop("eflags")
+            r.read_batch(h, r.ids, r.ptrs, r.n)
+            after = bytes(r.vals)
+            vres = None
+            if insn.vwrites:
+                vres = {}
+                for vname in insn.vwrites:
+                    val = e.read_vec(vname)
+                    vec[vname] = val
+                    vres[vname] = val & MASK64
+            if m is not None and m.write and ea is not None:
+                data = e.read(ea, min(m.size, 8))
+                stored = int.from_bytes(data, "little") if data else None
+            next_pc = r.vals[_RIP]
+            out.append(StepRecord(run, i == 0, pc, insn, cur, after, ea, loaded, stored, next_pc, vres))
+            n += 1
             cur = after
-            pc = after["rip"]
+            pc = next_pc
+        self.steps += n
         self.stops[reason] += 1
-        return RunResult(steps, reason)
-
-
-def regs_from_perf(row: Any, columns: dict[str, int]) -> dict[str, int]:
-    """A decoded user-register row → {64-bit name: value} for the interpreter."""
-    vals = [int(v) for v in row]
-    out = {name: vals[col] for name, col in columns.items() if name not in ("cs", "ss")}
-    return out
+        return reason
 
 
 def describe_stops(stops: Counter[str]) -> str:
     total = sum(stops.values()) or 1
     return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in stops.most_common())
 
-
-def insn_for(code: bytes, pc: int) -> InsnDetail | None:
-    return decode(code, pc)

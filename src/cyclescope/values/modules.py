@@ -14,13 +14,24 @@ from __future__ import annotations
 
 import importlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import entry_points
+
+import numpy as np
 
 from cyclescope.errors import UsageError
 from cyclescope.values import DEFAULT_MODULES as _DEFAULT_MODULES
-from cyclescope.values.api import BaseModule, Capture, Emit, FormatContext, Step, Value, ValueModule
-from cyclescope.values.insn import InsnDetail
+from cyclescope.values.api import (
+    BaseModule,
+    BatchEmit,
+    BatchModule,
+    Capture,
+    FormatContext,
+    StepBatch,
+    Value,
+    ValueModule,
+)
+from cyclescope.values.insn import REG_VIEWS, ROW_COL, InsnDetail, RegView
 
 ENTRY_POINT_GROUP = "cyclescope.values"
 # A Value whose v0 is an absolute code address: the collector maps it into (image, offset).
@@ -51,7 +62,17 @@ def _bits_of(kind: str) -> int:
     return view.bits if view is not None else 64
 
 
-class Operands(BaseModule):
+def _gp_views(which: Callable[[InsnDetail], Sequence[RegView]]) -> Callable[[InsnDetail], list[RegView]]:
+    return lambda insn: [r for r in which(insn) if r.full not in _SKIP_INPUTS and r.full in ROW_COL]
+
+
+def _view_columns(views: Sequence[RegView], prefix: str) -> tuple[np.ndarray, ...]:
+    """Per register view: its row column, shift, mask, and kind name (prefix + name)."""
+    return (np.array([ROW_COL[r.full] for r in views], np.int64), np.array([r.shift for r in views], np.uint64),
+            np.array([r.mask for r in views], np.uint64), np.array([prefix + r.name for r in views], object))
+
+
+class Operands(BatchModule):
     name = "operands"
     description = "registers each instruction reads (in:REG), and per call site (in:REG@ctx)"
 
@@ -68,19 +89,24 @@ class Operands(BaseModule):
                 out.append(Capture(f"in:{r.name}@ctx", "reg", r, with_ctx=True))
         return out
 
-    def transform(self, steps: Sequence[Step]) -> Iterable[Emit]:
-        for s in steps:
-            if s.sampled:
-                continue  # taken at the interrupt already
-            for r in s.insn.reads:
-                if r.full in _SKIP_INPUTS:
-                    continue
-                v = s.regs_in.get(r.full)
-                if v is not None:
-                    yield Emit(s.pc, f"in:{r.name}", Value(r.extract(v)))
-                    if self.per_call_site and s.context is not None:
-                        c = s.context
-                        yield Emit(s.pc, f"in:{r.name}@ctx", Value(r.extract(v), c.v0, c.image))
+    def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
+        rows, idx, items = batch.per_insn(_gp_views(lambda i: i.reads))
+        if not items:
+            return
+        keep = ~batch.sampled[rows]  # the sampled instruction's operands were taken at the interrupt
+        rows, idx = rows[keep], idx[keep]
+        col, shift, mask, kind = _view_columns(items, "in:")
+        c = col[idx]
+        if batch.in_known is not None:
+            known = batch.in_known[rows, c]
+            rows, idx, c = rows[known], idx[known], c[known]
+        v = (batch.regs_in[rows, c] >> shift[idx]) & mask[idx]
+        yield BatchEmit(kind[idx], rows, v)
+        if self.per_call_site:
+            has = batch.ctx_img[rows] >= 0
+            r = rows[has]
+            yield BatchEmit(np.char.add(kind[idx[has]].astype(str), "@ctx"), r, v[has], batch.ctx_v0[r],
+                            batch.ctx_img[r])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith("in:"):
@@ -92,7 +118,7 @@ class Operands(BaseModule):
         return text
 
 
-class Addresses(BaseModule):
+class Addresses(BatchModule):
     name = "addresses"
     description = "effective addresses (addr), loaded and stored values (load, store)"
 
@@ -102,18 +128,20 @@ class Addresses(BaseModule):
             return ()
         return (Capture("addr", "addr"),)
 
-    def transform(self, steps: Sequence[Step]) -> Iterable[Emit]:
-        for s in steps:
-            m = s.insn.mem
-            if m is None:
-                continue
-            if s.ea is not None and not s.sampled and not m.constant:
-                yield Emit(s.pc, "addr", Value(s.ea))
-            suffix = "." + s.insn.fp if s.insn.fp else ""
-            if s.loaded is not None and m.read:
-                yield Emit(s.pc, "load" + suffix, Value(s.loaded))
-            if s.stored is not None and m.write:
-                yield Emit(s.pc, "store" + suffix, Value(s.stored))
+    def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
+        mem = batch.of_insn(lambda i: i.mem is not None, bool)
+        const = batch.of_insn(lambda i: i.mem is not None and i.mem.constant, bool)
+        reads = batch.of_insn(lambda i: i.mem is not None and i.mem.read, bool)
+        writes = batch.of_insn(lambda i: i.mem is not None and i.mem.write, bool)
+        addr = np.flatnonzero(mem & batch.has_ea & ~batch.sampled & ~const)
+        yield BatchEmit("addr", addr, batch.ea[addr])
+        suffix = [("." + i.fp if i.fp else "") for i in batch.insns]
+        for flag, has, vals, name in ((reads, batch.has_loaded, batch.loaded, "load"),
+                                      (writes, batch.has_stored, batch.stored, "store")):
+            rows = np.flatnonzero(flag & has)
+            if len(rows):
+                kinds = np.array([name + x for x in suffix], object)
+                yield BatchEmit(kinds[batch.group[rows]], rows, vals[rows])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if kind == "addr":
@@ -125,7 +153,7 @@ class Addresses(BaseModule):
         return None
 
 
-class Context(BaseModule):
+class Context(BatchModule):
     name = "context"
     description = "the call site that led to the sampled procedure (ctx, at its entry)"
 
@@ -138,7 +166,7 @@ class Context(BaseModule):
         return ctx.symbolize(value.image, value.v0) if value.image >= 0 else hex(value.v0)
 
 
-class Results(BaseModule):
+class Results(BatchModule):
     name = "results"
     description = "values instructions produce (out:REG)"
 
@@ -154,20 +182,19 @@ class Results(BaseModule):
             out.append(Capture(f"out:{r.name}", "prev", r))
         if prev.kind in ("call", "icall"):
             # At a return point the previous instruction is the call: rax holds what the callee returned.
-            from cyclescope.values.insn import REG_VIEWS
-
             out.append(Capture("out:rax", "prev", REG_VIEWS["rax"]))
         return out
 
-    def transform(self, steps: Sequence[Step]) -> Iterable[Emit]:
-        from cyclescope.values.insn import REG_VIEWS
-
-        for s in steps:
-            for name, v in s.results.items():
-                view = REG_VIEWS.get(name)
-                if view is None or view.full in _SKIP_INPUTS:
-                    continue
-                yield Emit(s.pc, f"out:{name}", Value(v & view.mask))
+    def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
+        rows, idx, items = batch.per_insn(_gp_views(lambda i: i.writes))
+        if not items:
+            return
+        col, shift, mask, kind = _view_columns(items, "out:")
+        c = col[idx]
+        if batch.out_known is not None:
+            known = batch.out_known[rows, c]
+            rows, idx, c = rows[known], idx[known], c[known]
+        yield BatchEmit(kind[idx], rows, (batch.regs_out[rows, c] >> shift[idx]) & mask[idx])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith("out:"):
@@ -175,14 +202,14 @@ class Results(BaseModule):
         return fmt_int(value.v0, _bits_of(kind))
 
 
-class Edges(BaseModule):
+class Edges(BatchModule):
     name = "edges"
     description = "branch outcomes (edge: the address control went to)"
 
-    def transform(self, steps: Sequence[Step]) -> Iterable[Emit]:
-        for s in steps:
-            if s.insn.kind in ("branch", "ijump", "icall") and s.next_pc is not None:
-                yield Emit(s.pc, "edge", Value(s.next_pc, 0, MAP_CODE))
+    def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
+        rows = np.flatnonzero(batch.of_insn(lambda i: i.kind in ("branch", "ijump", "icall"), bool)
+                              & batch.has_next)
+        yield BatchEmit("edge", rows, batch.next_pc[rows], 0, MAP_CODE)
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if kind != "edge":
@@ -190,29 +217,35 @@ class Edges(BaseModule):
         return "-> " + (ctx.symbolize(value.image, value.v0) if value.image >= 0 else hex(value.v0))
 
 
-class VReplay(BaseModule):
+class VReplay(BatchModule):
     name = "vreplay"
     description = "pairs of instructions touching one address or addresses 4 KiB apart in a window (alias)"
 
-    def transform(self, steps: Sequence[Step]) -> Iterable[Emit]:
-        seen: list[Step] = []
-        for s in steps:
-            m = s.insn.mem
-            if m is None or s.ea is None:
-                continue
-            for t in seen:
-                tm = t.insn.mem
-                assert tm is not None and t.ea is not None
-                if not (m.write or tm.write):
-                    continue  # two loads do not forward or alias
-                lo1, hi1 = t.ea, t.ea + tm.size
-                lo2, hi2 = s.ea, s.ea + m.size
-                if lo1 < hi2 and lo2 < hi1:
-                    yield Emit(s.pc, "alias", Value(t.pc, 0, MAP_CODE))
-                elif (lo1 & 0xFFF) < (hi2 & 0xFFF or 0x1000) and (lo2 & 0xFFF) < (hi1 & 0xFFF or 0x1000) \
-                        and (lo1 >> 12) != (lo2 >> 12):
-                    yield Emit(s.pc, "alias", Value(t.pc, 1, MAP_CODE))
-            seen.append(s)
+    def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
+        size = batch.of_insn(lambda i: i.mem.size if i.mem is not None else 0, np.int64)
+        write = batch.of_insn(lambda i: i.mem is not None and i.mem.write, bool)
+        m = np.flatnonzero((size > 0) & batch.has_ea)  # memory steps, in sequence order
+        if len(m) < 2:
+            return
+        run = batch.run[m]
+        lo = batch.ea[m].astype(np.int64)  # wraps for kernel-half addresses: both sides alike
+        hi = lo + size[m]
+        wr = write[m]
+        # Each memory step against each earlier one of its sequence: the one d memory steps before.
+        for d in range(1, len(m)):
+            s, t = np.arange(d, len(m)), np.arange(len(m) - d)
+            together = run[s] == run[t]
+            if not together.any():
+                break  # no sequence has more than d memory steps
+            pair = together & (wr[s] | wr[t])  # two loads neither forward nor alias
+            s, t = s[pair], t[pair]
+            same = (lo[t] < hi[s]) & (lo[s] < hi[t])
+            h2 = np.where(hi[s] & 0xFFF, hi[s] & 0xFFF, 0x1000)
+            h1 = np.where(hi[t] & 0xFFF, hi[t] & 0xFFF, 0x1000)
+            alias = ~same & ((lo[t] & 0xFFF) < h2) & ((lo[s] & 0xFFF) < h1) & ((lo[t] >> 12) != (lo[s] >> 12))
+            for sel, v1 in ((same, 0), (alias, 1)):
+                if sel.any():
+                    yield BatchEmit("alias", m[s[sel]], batch.pc[m[t[sel]]], v1, MAP_CODE)
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if kind != "alias":
