@@ -6,6 +6,7 @@ import os
 import stat
 import struct
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -19,7 +20,7 @@ from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValuesMeta, compact_v
 from cyclescope.db.values import write_values as write_value_file
 from cyclescope.errors import UsageError
 from cyclescope.images.registry import ImageInfo, ImageTable
-from cyclescope.values.api import Step, StepBatch, StepRecord, Value
+from cyclescope.values.api import BaseModule, BatchEmit, BatchModule, Emit, Step, StepBatch, StepRecord, Value
 from cyclescope.values.capture import CodeIndex, ProcCode, ValueCapture, ValueOptions
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
 from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, ROW_STRUCT, decode, effective_address
@@ -349,6 +350,37 @@ def test_capture_respects_owner_and_command_filters() -> None:
     s, img, off, regs, stack, slen = _batch([0x1003] * 6, [1] * 6, [2] * 6, 0)
     assert vc.process(s, img, off, regs, stack, slen, np.array([2, 2, 2, 2, 1, 1])) == 2
     assert vc.skipped["not allowed"] == 4
+
+
+def test_a_failing_module_loses_only_its_own_values() -> None:
+    class BrokenBatch(BatchModule):
+        name = "broken-batch"
+
+        def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
+            raise RuntimeError("bug")
+
+    class Picky(BaseModule):  # transform only: gets Step lists rebuilt from the batch
+        name = "picky"
+
+        def transform(self, steps: Sequence[Step]) -> Iterable[Emit]:
+            if steps[1].regs_in["rdi"] == 0x5001:
+                raise ValueError("bug")
+            yield Emit(steps[1].pc, "picky", Value(7))
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    vc = ValueCapture(ValueOptions(length=2, exact=True, seed=1), _Mapper(), table, code=_Code(table),
+                      modules=[Operands(per_call_site=False), BrokenBatch(), Picky()])
+    base = 0x555000000000
+    seqs = [([_step(base + 0x1003, "480fafc6", {"rax": 5, "rsi": 3, "rdi": rdi}, next_pc=base + 0x1007,
+                    sampled=True),
+              _step(base + 0x1007, "488b4f08", {"rdi": rdi}, ea=rdi + 8, loaded=0, results={"rcx": 0},
+                    next_pc=base + 0x100B)], "length") for rdi in (0x5001, 0x5002, 0x5003)]
+    vc.add_sequences(os.getpid(), seqs)
+    assert vc.skipped == {"module broken-batch failed": 3, "module picky failed": 1}
+    rows = _rows(vc)
+    assert sorted(v[0] for v in rows[(0x1007, "in:rdi")]) == [0x5001, 0x5002, 0x5003]  # operands: all three
+    assert sum(rows[(0x1007, "picky")].values()) == 2  # picky: the two runs it did not fail on
 
 
 def test_interpretation_stays_within_its_cpu_budget_and_counts_what_it_left_out() -> None:

@@ -533,22 +533,25 @@ class ValueCapture:
                    vals_parts: list[np.ndarray]) -> None:
         """Every module's values from a batch of sequences; ``pid``/``uid``: each run's process and owner."""
         cols: list[tuple[np.ndarray, ...]] = []
-        slow: list[tuple[int, int, Emit]] | None = None
+        slow: list[tuple[int, int, Emit]] = []
+        seqs: list[tuple[int, list[Step]]] | None = None
         for m in self.modules:
-            try:
-                fast = getattr(m, "emit_batch", None)
-                if fast is not None:
-                    for e in fast(batch):
-                        if len(e.rows):
-                            cols.append(self._batch_columns(batch, e, pid, uid))
+            fast = getattr(m, "emit_batch", None)
+            if fast is not None:
+                try:
+                    mine = [self._batch_columns(batch, e, pid, uid) for e in fast(batch) if len(e.rows)]
+                except Exception:  # a broken module loses its own values of this drain, nothing else
+                    self.skipped[f"module {m.name} failed"] += len(np.unique(batch.run))
                     continue
-                if slow is None:
-                    slow = []
-                    seqs = batch.to_steps()
-                for r, seq in seqs:
-                    slow.extend((int(pid[r]), int(uid[r]), e) for e in m.transform(seq))
-            except Exception:
-                self.skipped[f"module {m.name} failed"] += 1
+                cols.extend(mine)
+                continue
+            if seqs is None:
+                seqs = batch.to_steps()  # Step lists for modules that only define transform
+            for r, seq in seqs:
+                try:
+                    slow.extend([(int(pid[r]), int(uid[r]), e) for e in m.transform(seq)])
+                except Exception:
+                    self.skipped[f"module {m.name} failed"] += 1
         if slow:
             m64 = MASK64
             flat = [(p, u, e.pc & m64, e.value.v0 & m64, e.value.v1 & m64, e.value.image, self._kind(e.kind))

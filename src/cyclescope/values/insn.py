@@ -219,25 +219,15 @@ def effective_address(mem: MemRef, regs: dict[str, int], next_pc: int) -> int | 
     """The address ``mem`` refers to, given 64-bit register values (None if one is unknown)."""
     if mem.segment:
         return None  # fs/gs bases are not in the sampled registers
-    a = mem.disp
-    if mem.base == "rip":
-        a += next_pc
-    elif mem.base:
-        v = regs.get(mem.base)
-        if v is None:
-            return None
-        a += v
-    if mem.index:
-        v = regs.get(mem.index)
-        if v is None:
-            return None
-        a += v * mem.scale
-    return a & 0xFFFFFFFFFFFFFFFF
+    if any(r and r != "rip" and r not in regs for r in (mem.base, mem.index)):
+        return None
+    return effective_address_row(mem, ROW_STRUCT.pack(*(regs.get(n, 0) & 0xFFFFFFFFFFFFFFFF for n in ROW_REGS)),
+                                 next_pc)
 
 
 def effective_address_row(mem: MemRef, row: bytes, next_pc: int) -> int | None:
-    """``effective_address`` over a packed register row (ROW_STRUCT; no segment); None for a
-    register outside the row."""
+    """The address ``mem`` refers to, given a packed register row (ROW_STRUCT; ``mem`` has no
+    segment); None for a register outside the row."""
     a = mem.disp
     if mem.base == "rip":
         a += next_pc
