@@ -242,8 +242,9 @@ class StepBatch:
                     if kin is None or kin[c]}
             results = {wr.name: wr.extract(rout[j][ROW_COL[wr.full]]) for wr in insn.writes
                        if kout is None or kout[ROW_COL[wr.full]]}
-            if self.vres[j]:
-                results.update(self.vres[j] or {})
+            vec = self.vres[j]
+            if vec:
+                results.update(vec)
             ctx = Value(int(self.ctx_v0[j]), 0, int(self.ctx_img[j])) if self.ctx_img[j] >= 0 else None
             step = Step(int(self.pc[j]), insn, regs,
                         int(self.ea[j]) if self.has_ea[j] else None,

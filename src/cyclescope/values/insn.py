@@ -29,6 +29,11 @@ ROW_STRUCT = struct.Struct(f"<{len(ROW_REGS)}Q")  # a row packed: what the inter
 _Q = struct.Struct("<Q")
 
 
+def row_value(row: bytes, col: int) -> int:
+    """Column ``col`` of a packed register row."""
+    return int(_Q.unpack_from(row, 8 * col)[0])
+
+
 @dataclass(frozen=True)
 class RegView:
     """A (sub-)register: which 64-bit register, and the bits of it."""
@@ -235,10 +240,10 @@ def effective_address_row(mem: MemRef, row: bytes, next_pc: int) -> int | None:
         c = ROW_COL.get(mem.base)
         if c is None:
             return None
-        a += _Q.unpack_from(row, 8 * c)[0]
+        a += row_value(row, c)
     if mem.index:
         c = ROW_COL.get(mem.index)
         if c is None:
             return None
-        a += _Q.unpack_from(row, 8 * c)[0] * mem.scale
-    return int(a) & 0xFFFFFFFFFFFFFFFF
+        a += row_value(row, c) * mem.scale
+    return a & 0xFFFFFFFFFFFFFFFF

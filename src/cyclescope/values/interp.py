@@ -26,25 +26,19 @@ all registers (measured here), and a run makes dozens of them.
 from __future__ import annotations
 
 import ctypes
-import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cyclescope.values.api import MASK64, Step, StepBatch, StepRecord
-from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, decode, effective_address_row
+from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, decode, effective_address_row, row_value
 from cyclescope.values.procmem import ProcessMemory
 
 PAGE = 4096
 STOP_REASONS = ("length", "syscall", "fault", "unmapped", "tls", "vector", "undecodable", "unsupported")
 MemReader = Callable[[int, int], bytes | None]
 _RSP, _RBP, _RIP = ROW_COL["rsp"], ROW_COL["rbp"], ROW_COL["rip"]
-_Q = struct.Struct("<Q")
-
-
-def _reg(row: bytes, col: int) -> int:
-    return int(_Q.unpack_from(row, 8 * col)[0])
 _UNMAPPED_ERRORS = frozenset({6, 7, 8})  # UC_ERR_READ_UNMAPPED, UC_ERR_WRITE_UNMAPPED, UC_ERR_FETCH_UNMAPPED
 
 
@@ -316,7 +310,7 @@ class Interpreter:
         batch read of the registers, kept as bytes (numpy takes them whole)."""
         self.runs += 1
         e = self._emulator(pid)
-        e.begin(_reg(row, _RSP), stack, self.generation)
+        e.begin(row_value(row, _RSP), stack, self.generation)
         r = _raw()
         h = e.handle
         ctypes.memmove(r.vals, row, len(row))
@@ -326,7 +320,7 @@ class Interpreter:
             x = _uc().x86_const
             for name, v in known_vec.items():
                 e.uc.reg_write(getattr(x, f"UC_X86_REG_{name.upper()}"), v)
-        pc = _reg(row, _RIP)
+        pc = row_value(row, _RIP)
         cur = row
         reason = "length"
         n = 0
@@ -355,7 +349,7 @@ class Interpreter:
                         data = e.read(ea, min(m.size, 8))
                         loaded = int.from_bytes(data, "little") if data else None
             if insn.stack_op:
-                sp = _reg(cur, _RBP if insn.mnemonic == "leave" else _RSP)
+                sp = row_value(cur, _RBP if insn.mnemonic == "leave" else _RSP)
                 if not e.ensure(sp - 8, 16):
                     reason = "unmapped"
                     break

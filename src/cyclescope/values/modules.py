@@ -66,10 +66,23 @@ def _gp_views(which: Callable[[InsnDetail], Sequence[RegView]]) -> Callable[[Ins
     return lambda insn: [r for r in which(insn) if r.full not in _SKIP_INPUTS and r.full in ROW_COL]
 
 
-def _view_columns(views: Sequence[RegView], prefix: str) -> tuple[np.ndarray, ...]:
-    """Per register view: its row column, shift, mask, and kind name (prefix + name)."""
-    return (np.array([ROW_COL[r.full] for r in views], np.int64), np.array([r.shift for r in views], np.uint64),
-            np.array([r.mask for r in views], np.uint64), np.array([prefix + r.name for r in views], object))
+def _register_values(batch: StepBatch, which: Callable[[InsnDetail], Sequence[RegView]], prefix: str,
+                     regs: np.ndarray, known: np.ndarray | None, skip: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The registers ``which`` names for each step's instruction, as (kind names, step rows, values)
+    taken from ``regs`` (the batch's input or output rows) where ``known``, on rows not ``skip``."""
+    rows, idx, views = batch.per_insn(_gp_views(which))
+    if skip is not None:
+        keep = ~skip[rows]
+        rows, idx = rows[keep], idx[keep]
+    col = np.array([ROW_COL[r.full] for r in views], np.int64)[idx]
+    if known is not None:
+        k = known[rows, col]
+        rows, idx, col = rows[k], idx[k], col[k]
+    shift = np.array([r.shift for r in views], np.uint64)[idx]
+    mask = np.array([r.mask for r in views], np.uint64)[idx]
+    kind = np.array([prefix + r.name for r in views], object)[idx]
+    return kind, rows, (regs[rows, col] >> shift) & mask
 
 
 class Operands(BatchModule):
@@ -90,22 +103,16 @@ class Operands(BatchModule):
         return out
 
     def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
-        rows, idx, items = batch.per_insn(_gp_views(lambda i: i.reads))
-        if not items:
+        # The sampled instruction's operands were taken at the interrupt.
+        kind, rows, v = _register_values(batch, lambda i: i.reads, "in:", batch.regs_in, batch.in_known,
+                                         skip=batch.sampled)
+        if not len(rows):
             return
-        keep = ~batch.sampled[rows]  # the sampled instruction's operands were taken at the interrupt
-        rows, idx = rows[keep], idx[keep]
-        col, shift, mask, kind = _view_columns(items, "in:")
-        c = col[idx]
-        if batch.in_known is not None:
-            known = batch.in_known[rows, c]
-            rows, idx, c = rows[known], idx[known], c[known]
-        v = (batch.regs_in[rows, c] >> shift[idx]) & mask[idx]
-        yield BatchEmit(kind[idx], rows, v)
+        yield BatchEmit(kind, rows, v)
         if self.per_call_site:
             has = batch.ctx_img[rows] >= 0
             r = rows[has]
-            yield BatchEmit(np.char.add(kind[idx[has]].astype(str), "@ctx"), r, v[has], batch.ctx_v0[r],
+            yield BatchEmit(np.char.add(kind[has].astype(str), "@ctx"), r, v[has], batch.ctx_v0[r],
                             batch.ctx_img[r])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
@@ -186,15 +193,9 @@ class Results(BatchModule):
         return out
 
     def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
-        rows, idx, items = batch.per_insn(_gp_views(lambda i: i.writes))
-        if not items:
-            return
-        col, shift, mask, kind = _view_columns(items, "out:")
-        c = col[idx]
-        if batch.out_known is not None:
-            known = batch.out_known[rows, c]
-            rows, idx, c = rows[known], idx[known], c[known]
-        yield BatchEmit(kind[idx], rows, (batch.regs_out[rows, c] >> shift[idx]) & mask[idx])
+        kind, rows, v = _register_values(batch, lambda i: i.writes, "out:", batch.regs_out, batch.out_known)
+        if len(rows):
+            yield BatchEmit(kind, rows, v)
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith("out:"):
