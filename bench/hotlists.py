@@ -14,6 +14,13 @@ mode (single-stepping) from programs, whose complete counts are the truth. Repor
 contender: mean absolute error of the estimated probabilities of the true top 3 values, and how
 often the estimated top value is the true one.
 
+A second table measures the per-call-site hotlists (kinds ``KIND@ctx``): one hotlist per
+instruction holds (value, call site) pairs of every caller, and the report divides by each site's
+share. Streams of pairs from 4 call sites (shares 40/30/20/10%), each site with its own top value
+(60% of its calls) and a tail over 1,000 values; error of P(top value | site) per site, GM with the
+paper's N = 16 against N = 64 (what cyclescope gives these kinds), and one N = 16 hotlist per
+site (the same memory for 4 sites, but it grows with the callers: not what cyclescope does).
+
 Usage: python bench/hotlists.py [--trials 20] [--length 100000] [--programs values,gzip]
 """
 
@@ -33,7 +40,7 @@ import numpy as np
 from common import ROOT, build, machine, save
 
 sys.path.insert(0, str(ROOT / "src"))
-from cyclescope.values.hotlist import Hotlist
+from cyclescope.values.hotlist import N_PER_CALL_SITE, Hotlist
 
 N = 16
 
@@ -171,6 +178,59 @@ def synthetic(kind: str, n: int, rng: np.random.Generator) -> list[Hashable]:
     raise ValueError(kind)
 
 
+def call_site_stream(n: int, rng: np.random.Generator, sites: int = 4) -> list[tuple[int, int]]:
+    """(value, site) pairs: site s has share w[s], its own top value 10 + s in 60% of its calls, and
+    a tail over 1,000 values (shared by all sites)."""
+    w = np.array([0.4, 0.3, 0.2, 0.1])[:sites]
+    site = rng.choice(len(w), n, p=w / w.sum())
+    value = np.where(rng.random(n) < 0.6, 10 + site, rng.integers(1000, 2000, n))
+    return list(zip(value.tolist(), site.tolist(), strict=True))
+
+
+def score_call_sites(stream: list[tuple[int, int]], n: int, seed: int,
+                     per_site: bool = False) -> tuple[float, float]:
+    """Mean over sites of |estimated - true P(top value | site)|, and the share of sites whose
+    estimated top value is the true one; P(site) exact (as the ctx hotlist at the procedure's entry
+    has it when a procedure has at most 16 callers). ``per_site``: one hotlist of size n per site
+    (memory grows with the callers) in place of one hotlist of pairs."""
+    truth = Counter(stream)
+    site_n = Counter(s for _, s in stream)
+    if per_site:
+        hs = {s: Hotlist(n, rng=random.Random(seed * 64 + s)) for s in site_n}
+        for v, s in stream:
+            hs[s].add(v)
+        counts = {(v, s): hs[s].estimate(v) for s in hs for v in hs[s].counts}
+    else:
+        h = Hotlist(n, rng=random.Random(seed))
+        h.extend(stream)
+        counts = {vs: h.estimate(vs) for vs in h.counts}
+    errs, right = [], []
+    for s, ns in site_n.items():
+        top_v = max((v for v, s2 in truth if s2 == s), key=lambda v: truth[(v, s)])
+        est = {v: c / ns for (v, s2), c in counts.items() if s2 == s}
+        errs.append(abs(est.get(top_v, 0.0) - truth[(top_v, s)] / ns))
+        right.append(bool(est) and max(est, key=est.__getitem__) == top_v)
+    return float(np.mean(errs)), float(np.mean(right))
+
+
+def run_call_sites(length: int, trials: int) -> dict[str, dict[str, float]]:
+    stream = call_site_stream(length, np.random.default_rng(7))
+    out = {}
+    for label, n, per_site in ((f"N={N}", N, False), (f"N={N_PER_CALL_SITE}", N_PER_CALL_SITE, False),
+                               (f"N={N}/site", N, True)):
+        res = [score_call_sites(stream, n, t, per_site) for t in range(trials)]
+        out[label] = {"mae_top": float(np.mean([e for e, _ in res])),
+                         "mae_top_max": float(np.max([e for e, _ in res])),
+                         "top1_right": float(np.mean([r for _, r in res]))}
+    print(f"\nper-call-site hotlists: {length:,} (value, site) pairs from 4 sites (40/30/20/10%), each site's "
+          f"top value 60%; {trials} trials")
+    print(f"{'hotlist':<14}{'mean abs. error of P(top | site)':>34}{'worst trial':>14}{'top right':>12}")
+    for k, r in out.items():
+        print(f"{'GM ' + k:<14}{100 * r['mae_top']:>31.2f} pt{100 * r['mae_top_max']:>11.2f} pt"
+              f"{100 * r['top1_right']:>11.0f}%")
+    return out
+
+
 def exact_streams(exe: Path, argv: list[str], length: int, rate: float, min_len: int) -> dict[str, list[int]]:
     """Value streams per (pc, kind) from exact-mode single-stepping of ``exe``."""
     from cyclescope.values.exact import WALL, ExactTracer
@@ -258,6 +318,7 @@ def main() -> None:
     syn = [(k, synthetic(k, args.length, rng)) for k in ("70/20/10-spread", "zipf-1.2", "uniform-8", "phase-change")]
     results = {"synthetic": run_all(syn, args.trials)}
     print_table(f"synthetic streams of {args.length:,} values, {args.trials} GM trials", results["synthetic"])
+    results["call_sites"] = run_call_sites(args.length, args.trials)  # type: ignore[assignment]
     real: list[tuple[str, list[Hashable]]] = []
     tmp = Path("/tmp/cs-bench-hotlists")
     for prog in [p for p in args.programs.split(",") if p]:

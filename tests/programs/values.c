@@ -2,9 +2,10 @@
  *
  * scale(x): called with x = 3 70% of the time, 11 20%, and something else (spread over
  * 1000 values) 10%; its loop keeps x in a register, so samples in it see x as an operand.
- * offset_of(): called from two sites: site_a always passes 5, site_b one of 8 other values (few
- * enough that the per-call-site hotlist keeps every pair: its estimates are exact, so the test of
- * per-site detection does not depend on the hotlist's sampling error, measured elsewhere).
+ * offset_of(): called from two sites: site_a always passes 5, site_b one of 40 other values (more
+ * than the paper's N = 16, which a hotlist of (value, call site) pairs shared with site_a's would
+ * thin, but few enough that the per-call-site hotlist, N = 64, keeps every pair: its estimates are
+ * exact, so the test of per-site detection does not depend on the hotlist's sampling error).
  * table_sum(): loads doubles from a table at an index drawn 70% 0, 30% spread.
  */
 #include <stdio.h>
@@ -37,7 +38,7 @@ __attribute__((noinline)) long offset_of(long k) {
 }
 
 __attribute__((noinline)) long site_a(void) { return offset_of(5); }
-__attribute__((noinline)) long site_b(void) { return offset_of(100 + (long)(next_rand() % 8)); }
+__attribute__((noinline)) long site_b(void) { return offset_of(100 + (long)(next_rand() % 40)); }
 
 __attribute__((noinline)) double table_sum(long idx) {
     double s = 0;

@@ -100,9 +100,9 @@ def test_invariants_point_at_the_semi_invariant_operands(recorded: Path) -> None
     assert scale[0]["save"] > 0
     assert scale[0]["source"].startswith("values.c:")
     # offset_of(k) sees k = 5 from one call site only: found per call site, not overall.
-    # Per call site it is always 5 (truth 1.0; overall 0.5). site_b passes 8 other values, so the
-    # per-site hotlist keeps every pair and its estimate is exact: with many values at site_b the
-    # hotlist's sampling error grows to 0.15-0.3 (docs/benchmarks.md, hotlist accuracy).
+    # Per call site it is always 5 (truth 1.0; overall 0.5). site_b passes 40 other values: the
+    # per-call-site hotlist (N = 64) keeps every pair and its estimate is exact; with many more
+    # values at site_b its sampling error grows (docs/benchmarks.md, hotlist accuracy).
     site = [i for i in items if i["where"].startswith("offset_of") and i["value"] == "5"]
     assert site and site[0]["call_site"] and site[0]["prob"] > 0.9, site
 

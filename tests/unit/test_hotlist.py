@@ -7,7 +7,17 @@ import random
 import numpy as np
 import pytest
 
-from cyclescope.values.hotlist import VALUE_DTYPE, Hotlist, HotlistSet, merge_sets, reduce_set
+from cyclescope.values.hotlist import (
+    N_DEFAULT,
+    N_PER_CALL_SITE,
+    VALUE_DTYPE,
+    Hotlist,
+    HotlistSet,
+    hotlist_size,
+    hotlist_sizes,
+    merge_sets,
+    reduce_set,
+)
 
 
 def stream(n: int, seed: int) -> list[int]:
@@ -147,3 +157,41 @@ def test_reduction_in_one_pass_matches_the_papers_rounds_in_distribution() -> No
     assert abs(np.std(a[0]) - np.std(b[0])) < 0.15 * np.std(b[0])
     for est in (a[1], b[1]):
         assert abs(np.mean(est) - 60) < 4 * np.std(est) / np.sqrt(len(est))
+
+
+def test_call_site_kinds_get_a_larger_hotlist_and_stay_unbiased() -> None:
+    # Two kinds at one instruction: in:rdi (N = 16) and in:rdi@ctx (N = 64), each offered the same
+    # 40 distinct values (a heavy one and 39 once-seen). The plain hotlist is reduced to 16, the
+    # per-call-site one keeps all 40 exactly; over 64 values the larger one is reduced too, its
+    # f = 64/63 and estimate unbiased.
+    kinds = ["in:rdi", "in:rdi@ctx"]
+    sizes = hotlist_sizes(kinds)
+    assert sizes.tolist() == [N_DEFAULT, N_PER_CALL_SITE] and hotlist_size("ctx") == N_DEFAULT
+    kd = np.dtype([("offset", "<u8"), ("kind", "<i4")])
+
+    def observations(distinct: int) -> tuple[np.ndarray, np.ndarray]:
+        v = np.concatenate([np.zeros(100, np.uint64), np.arange(1, distinct, dtype=np.uint64)])
+        keys = np.zeros(2 * len(v), kd)
+        keys["kind"] = np.repeat([0, 1], len(v))
+        vals = np.zeros(2 * len(v), VALUE_DTYPE)
+        vals["v0"] = np.tile(v, 2)
+        return keys, vals
+
+    rng = np.random.default_rng(3)
+    r = reduce_set(HotlistSet.exact(*observations(40)), sizes, rng)
+    per = np.bincount(r.hot, minlength=2)
+    assert per[0] <= N_DEFAULT and r.p[0] < 1.0
+    assert per[1] == 40 and r.p[1] == 1.0
+    est, ps = [], []
+    for _ in range(2000):
+        r = reduce_set(HotlistSet.exact(*observations(200)), sizes, rng)
+        assert np.bincount(r.hot, minlength=2)[1] <= N_PER_CALL_SITE
+        heavy = r.counts[(r.hot == 1) & (r.values["v0"] == 0)]
+        est.append(float(heavy.sum()) / float(r.p[1]))
+        ps.append(float(r.p[1]))
+    assert max(ps) < 1.0
+    assert abs(np.mean(est) - 100) < 4 * np.std(est) / np.sqrt(len(est))
+    # Merging keeps each kind's N.
+    m = merge_sets([HotlistSet.exact(*observations(40)), HotlistSet.exact(*observations(20))], sizes, rng)
+    assert np.bincount(m.hot, minlength=2)[1] == 40 and m.p[1] == 1.0
+    assert np.bincount(m.hot, minlength=2)[0] <= N_DEFAULT

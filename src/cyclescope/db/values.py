@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
 from cyclescope.errors import DataError
-from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, merge_sets, unique_struct
+from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, hotlist_sizes, merge_sets, unique_struct
 
 META_KEY = b"cyclescope-values"
 _VAL_RE = re.compile(r"^vals-(\d{8,})-(\d{8,})\.parquet$")
@@ -299,7 +299,7 @@ def load_values(db: Database, epochs: list[int], hosts: list[str] | None = None,
                         meta = m
                     else:
                         meta.merge(m)
-    merged = merge_sets(sets, rng=rng) if sets else HotlistSet.empty(KEY_DTYPE)
+    merged = merge_sets(sets, hotlist_sizes(kinds), rng=rng) if sets else HotlistSet.empty(KEY_DTYPE)
     return ValueSelection(NamedHotlists(merged, list(images), list(kinds)), meta, files, unreadable, corrupt)
 
 
@@ -323,7 +323,7 @@ def compact_values(db: Database, epoch: int, host: str, uid: int, min_files: int
             else:
                 meta.merge(m)
         assert meta is not None
-        merged = merge_sets(sets)
+        merged = merge_sets(sets, hotlist_sizes(kinds))
         first, last = live[0].first, live[-1].last
         meta.first, meta.last = first, last
         d = values_dir(db, epoch, host, uid)

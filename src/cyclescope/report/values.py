@@ -16,10 +16,10 @@ from cyclescope.images.symbolize import Symbolizer
 from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
 from cyclescope.report.summary import Summary
 from cyclescope.values.api import FormatContext, Value, ValueModule
+from cyclescope.values.hotlist import PER_CALL_SITE
 from cyclescope.values.insn import REG_VIEWS, InsnDetail, decode
 from cyclescope.values.modules import format_value
 
-PER_CALL_SITE = "@ctx"
 NOT_INVARIANT_KINDS = ("ctx", "edge", "alias")  # what a program is, not values an optimizer folds
 
 

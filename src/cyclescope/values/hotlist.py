@@ -7,7 +7,8 @@ one to C[v] with probability p. When that makes more than N counters non-zero,
 p becomes p/f and every recorded instance is kept with probability 1/f (each
 C[v] becomes Binomial(C[v], 1/f)), until at most N remain. C[v]/p is then an
 unbiased estimate of how many times v was seen. N = 16, f = N/(N-1), as in the
-paper.
+paper; hotlists of (value, call site) pairs get N = 64, room for 16 per site for
+four call sites.
 
 Hotlists merge across flushes, epochs and hosts: both are brought to the
 lower p by binomial thinning, added, and reduced to N the same way.
@@ -22,6 +23,28 @@ from dataclasses import dataclass, field
 import numpy as np
 
 N_DEFAULT = 16
+# Kinds of (value, call site) pairs keep every site's values in the instruction's one hotlist, so
+# they get room for several sites: N = 64 holds the paper's 16 for each of 4 call sites.
+PER_CALL_SITE = "@ctx"
+N_PER_CALL_SITE = 64
+
+
+def hotlist_size(kind: str) -> int:
+    """N for a hotlist of this value kind."""
+    return N_PER_CALL_SITE if kind.endswith(PER_CALL_SITE) else N_DEFAULT
+
+
+def hotlist_sizes(kinds: Iterable[str]) -> np.ndarray:
+    """N per kind code (for :func:`reduce_set` and :func:`merge_sets` over keys with a ``kind`` field)."""
+    return np.array([hotlist_size(k) for k in kinds] or [N_DEFAULT], np.int64)
+
+
+def _sizes_of(keys: np.ndarray, n: int | np.ndarray) -> np.ndarray:
+    """N per hotlist: ``n`` itself, or ``n[kind]`` when ``n`` is an array indexed by kind code."""
+    if isinstance(n, np.ndarray):
+        out: np.ndarray = np.asarray(n, np.int64)[keys["kind"]]
+        return out
+    return np.full(len(keys), int(n), np.int64)
 
 
 def _binomial(rng: random.Random, n: int, q: float) -> int:
@@ -194,18 +217,20 @@ class HotlistSet:
         up, _, counts = unique_struct(pair)
         return HotlistSet(uk, np.ones(len(uk)), total, up["h"].astype(np.int64), up["v"], counts.astype(np.int64))
 
-    def hotlist(self, i: int) -> Hotlist:
-        """Hotlist ``i`` as a :class:`Hotlist` (values as (v0, v1, vimg) tuples)."""
+    def hotlist(self, i: int, n: int = N_DEFAULT) -> Hotlist:
+        """Hotlist ``i`` as a :class:`Hotlist` of size ``n`` (values as (v0, v1, vimg) tuples)."""
         rows = np.flatnonzero(self.hot == i)
         counts = {(int(v["v0"]), int(v["v1"]), int(v["vimg"])): int(c)
                   for v, c in zip(self.values[rows], self.counts[rows], strict=True)}
-        return Hotlist(N_DEFAULT, float(self.p[i]), int(self.total[i]), counts)  # type: ignore[arg-type]
+        return Hotlist(n, float(self.p[i]), int(self.total[i]), counts)  # type: ignore[arg-type]
 
 
-def merge_sets(sets: list[HotlistSet], n: int = N_DEFAULT, rng: np.random.Generator | None = None) -> HotlistSet:
+def merge_sets(sets: list[HotlistSet], n: int | np.ndarray = N_DEFAULT,
+               rng: np.random.Generator | None = None) -> HotlistSet:
     """Hotlists of all the streams: per key, every input is thinned to the lowest p (each C[v]
     becomes Binomial(C[v], p_low / p)), the counts are added, and the result is reduced to at most
-    ``n`` values the paper's way (p /= f and binomial thinning by 1/f until at most n remain)."""
+    ``n`` values the paper's way (p /= f and binomial thinning by 1/f until at most n remain).
+    ``n`` is one N for all, or N per kind code (:func:`hotlist_sizes`)."""
     nonempty = [s for s in sets if len(s)]
     if not nonempty:
         return sets[0] if sets else HotlistSet.empty(np.dtype([("k", "<i8")]))
@@ -245,9 +270,10 @@ def merge_sets(sets: list[HotlistSet], n: int = N_DEFAULT, rng: np.random.Genera
     return reduce_set(out, n, rng)
 
 
-def reduce_set(s: HotlistSet, n: int = N_DEFAULT, rng: np.random.Generator | None = None,
+def reduce_set(s: HotlistSet, n: int | np.ndarray = N_DEFAULT, rng: np.random.Generator | None = None,
                per_instance_limit: int = 4_000_000) -> HotlistSet:
-    """Bring every hotlist of ``s`` to at most ``n`` non-zero counters (in place of a copy).
+    """Bring every hotlist of ``s`` to at most ``n`` non-zero counters (in place of a copy); ``n``
+    is one N for all, or N per kind code (:func:`hotlist_sizes`), and f = N/(N-1) per hotlist.
 
     The paper's rounds (p /= f, every instance kept with probability 1/f, until at most ``n``
     counters remain) are run in one pass, exactly in distribution: each recorded instance
@@ -257,33 +283,36 @@ def reduce_set(s: HotlistSet, n: int = N_DEFAULT, rng: np.random.Generator | Non
     few hotlists with hundreds of distinct values, which take dozens of rounds one by one. When
     the counts are too large to draw per instance, the rounds run one by one over those rows."""
     rng = rng or np.random.default_rng()
-    f = n / (n - 1)
+    size = _sizes_of(s.keys, n)
     hot, counts, p = s.hot, s.counts.copy(), s.p.copy()
     nz = counts > 0
-    over = np.bincount(hot[nz], minlength=len(s.keys)) > n
+    over = np.bincount(hot[nz], minlength=len(s.keys)) > size
     if not over.any():
         keep = nz
         return HotlistSet(s.keys, p, s.total, hot[keep], s.values[keep], counts[keep])
     sub = np.flatnonzero(over[hot] & nz)
     ids, local = np.unique(hot[sub], return_inverse=True)  # the hotlists over n, numbered densely
+    nl = size[ids]
+    f = nl / (nl - 1.0)
     c = counts[sub]
     if int(c.sum()) <= per_instance_limit:
         rows_of = np.repeat(np.arange(len(sub)), c)
-        g = rng.geometric(1.0 - 1.0 / f, size=len(rows_of)) - 1  # rounds each instance survives
+        q = 1.0 - 1.0 / (f[local[rows_of]] if (nl != nl[0]).any() else f[0])  # (a scalar draws faster)
+        g = rng.geometric(q, size=len(rows_of)) - 1  # rounds each instance survives
         starts = np.concatenate(([0], np.cumsum(c)[:-1]))
         tmax = np.maximum.reduceat(g, starts)
         order = np.lexsort((-tmax, local))  # per hotlist, counters by max G, largest first
         first = np.searchsorted(local[order], np.arange(len(ids)))
-        rounds = tmax[order[first + n]] + 1  # every hotlist here has more than n counters
+        rounds = tmax[order[first + nl]] + 1  # every hotlist here has more than n counters
         c = np.bincount(rows_of, weights=g >= rounds[local[rows_of]], minlength=len(sub)).astype(np.int64)
     else:
         live = np.ones(len(ids), bool)
         rounds = np.zeros(len(ids), np.int64)
         while live.any():
             rows = live[local] & (c > 0)
-            c[rows] = rng.binomial(c[rows], 1.0 / f)
+            c[rows] = rng.binomial(c[rows], 1.0 / f[local[rows]])
             rounds[live] += 1
-            live &= np.bincount(local[c > 0], minlength=len(ids)) > n
+            live &= np.bincount(local[c > 0], minlength=len(ids)) > nl
     counts[sub] = c
     p[ids] /= f ** rounds.astype(np.float64)
     keep = counts > 0

@@ -31,6 +31,7 @@ from cyclescope.values.api import (
     Value,
     ValueModule,
 )
+from cyclescope.values.hotlist import PER_CALL_SITE
 from cyclescope.values.insn import REG_VIEWS, ROW_COL, InsnDetail, RegView
 
 ENTRY_POINT_GROUP = "cyclescope.values"
@@ -99,7 +100,7 @@ class Operands(BatchModule):
                 continue
             out.append(Capture(f"in:{r.name}", "reg", r))
             if self.per_call_site:
-                out.append(Capture(f"in:{r.name}@ctx", "reg", r, with_ctx=True))
+                out.append(Capture(f"in:{r.name}{PER_CALL_SITE}", "reg", r, with_ctx=True))
         return out
 
     def emit_batch(self, batch: StepBatch) -> Iterable[BatchEmit]:
@@ -112,14 +113,14 @@ class Operands(BatchModule):
         if self.per_call_site:
             has = batch.ctx_img[rows] >= 0
             r = rows[has]
-            yield BatchEmit(np.char.add(kind[has].astype(str), "@ctx"), r, v[has], batch.ctx_v0[r],
+            yield BatchEmit(np.char.add(kind[has].astype(str), PER_CALL_SITE), r, v[has], batch.ctx_v0[r],
                             batch.ctx_img[r])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith("in:"):
             return None
         text = fmt_int(value.v0, _bits_of(kind))
-        if kind.endswith("@ctx"):
+        if kind.endswith(PER_CALL_SITE):
             site = ctx.symbolize(value.image, value.v1) if value.image >= 0 else "?"
             return f"{text} from {site}"
         return text
