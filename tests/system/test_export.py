@@ -64,6 +64,23 @@ def test_stacks_are_selected_by_process(recorded: Path) -> None:
     assert "no call stacks" in p.stderr and not p.stdout.strip()
 
 
+def test_stack_files_of_many_flushes_compact_and_export_the_same(tmp_path: Path) -> None:
+    exe = tmp_path / "callgraph"
+    subprocess.run(["gcc", "-O2", "-g", "-fno-omit-frame-pointer", "-o", str(exe),
+                    str(Path(__file__).parents[1] / "programs" / "callgraph.c")], check=True, capture_output=True)
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "-g", "fp", "--flush-interval", "0.2", "--", str(exe), "400000",
+       timeout=300)
+    stk = sorted(db.glob("epoch=*/host=*/stacks/stk-*.parquet"))
+    assert len(stk) >= 2, stk
+    before = cs("export", "collapsed", "--db", str(db)).stdout
+    out = cs("db", "compact", "--db", str(db)).stdout
+    assert f"{len(stk)} stack files" in out, out
+    after = sorted(db.glob("epoch=*/host=*/stacks/stk-*.parquet"))
+    assert len(after) == 1 and after[0].name.endswith(f"-{stk[-1].name.split('-')[2]}")
+    assert folded(cs("export", "collapsed", "--db", str(db)).stdout) == folded(before)
+
+
 def test_speedscope_export_follows_the_file_format(recorded: Path, tmp_path: Path) -> None:
     out = tmp_path / "p.speedscope.json"
     cs("export", "speedscope", "--db", str(recorded), "-o", str(out))

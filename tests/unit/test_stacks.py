@@ -11,7 +11,7 @@ import pytest
 
 from cyclescope.collect.stacks import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER, StackAggregator, split_chain
 from cyclescope.db.layout import Database
-from cyclescope.db.stacks import load_stacks, stacks_dir, write_stacks
+from cyclescope.db.stacks import compact_stacks, load_stacks, stacks_dir, write_stacks
 from cyclescope.errors import DataError
 from cyclescope.report.export import SPEEDSCOPE_SCHEMA, collapsed, named_stacks, speedscope
 
@@ -211,3 +211,56 @@ def test_llvm_sample_nests_inlined_code_at_its_call_site() -> None:
         "  2.1: 1000\n"
         "  3: 7\n"
     )
+
+
+def test_stack_files_compact_into_one_that_counts_the_same(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    epoch = db.ensure_epoch()
+    keys = ["[unknown]", "buildid-a", "kernel"]
+    chains = [(PERF_CONTEXT_USER, 0x401000, 0x402005), (PERF_CONTEXT_USER, 0x401000, 0x403005)]
+    for i in range(5):  # five flushes of the same two stacks (i + 1 and i + 2 samples), in "prog"
+        agg = StackAggregator()
+        for j, chain in enumerate(chains):
+            n = i + j + 1
+            agg.add(_Mapper(), np.array([7] * n), np.array([0x401000] * n, np.uint64), np.zeros(n, np.int64),
+                    [chain] * n, [1] * n)
+        write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock"], {f"img{i}": {"key": f"img{i}"}},
+                     ["[unknown]", "prog"])
+    d = stacks_dir(db, epoch, "h")
+
+    def files() -> list[str]:
+        return sorted(f.name for f in d.iterdir() if f.name.startswith("stk-"))
+
+    full = load_stacks(db, [epoch])
+    assert full.files == 5 and sum(full.counts.values()) == sum(2 * i + 3 for i in range(5))
+    # A corrupt file at the third flush: compaction leaves it alone and never covers it.
+    (d / "stk-00000003-00000003.parquet").rename(d / "keep")
+    (d / "stk-00000003-00000003.parquet").write_bytes(b"PAR1 not really")
+    before = load_stacks(db, [epoch])
+    before_prog = load_stacks(db, [epoch], processes={"prog"}).counts
+    assert before.files == 4 and len(before.corrupt) == 1 and before_prog == before.counts
+    r = compact_stacks(db, epoch, "h")
+    assert r is not None and r.merged == 2 and r.skipped_corrupt == ["stk-00000003-00000003.parquet"]
+    assert r.rows_before == 4 and r.rows_after == 2  # two stacks in each of flushes 1 and 2, summed
+    assert files() == ["stk-00000001-00000002.parquet", "stk-00000003-00000003.parquet",
+                       "stk-00000004-00000004.parquet", "stk-00000005-00000005.parquet"]
+    r = compact_stacks(db, epoch, "h")  # the run after the corrupt file
+    assert r is not None and r.merged == 2
+    assert files() == ["stk-00000001-00000002.parquet", "stk-00000003-00000003.parquet",
+                       "stk-00000004-00000005.parquet"]
+    after = load_stacks(db, [epoch])
+    assert after.counts == before.counts and after.images == before.images
+    assert load_stacks(db, [epoch], processes={"prog"}).counts == before_prog
+    assert compact_stacks(db, epoch, "h") is None  # runs of one file around the corrupt one
+    # The corrupt file mended; then a crash after a compacted file was linked but before its
+    # inputs went (a copy stands in for an input): nothing counts twice, and the next compaction
+    # deletes the covered file.
+    (d / "keep").replace(d / "stk-00000003-00000003.parquet")
+    assert load_stacks(db, [epoch]).counts == full.counts
+    left = d / "stk-00000004-00000004.parquet"
+    left.write_bytes((d / "stk-00000004-00000005.parquet").read_bytes())
+    assert load_stacks(db, [epoch]).counts == full.counts
+    r = compact_stacks(db, epoch, "h")
+    assert r is not None and not left.exists()
+    assert files() == ["stk-00000001-00000005.parquet"]
+    assert load_stacks(db, [epoch]).counts == full.counts and load_stacks(db, [epoch]).images == full.images

@@ -28,7 +28,8 @@ class Db(Command):
     help = "inspect or compact the profile database"
     description = (
         "inspect: epochs, hosts, segments, samples and sizes (--verbose: each segment's metadata).\n"
-        "compact: merge each epoch's segments per host (the daemon also does this on its own)."
+        "compact: merge each epoch's segments, stack files and value files per host (the daemon also\n"
+        "does this on its own)."
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,7 @@ class Db(Command):
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.compact import compact
         from cyclescope.db.query import parse_epochs
+        from cyclescope.db.stacks import compact_stacks
         from cyclescope.db.values import compact_values
         from cyclescope.db.values import uids as value_uids
 
@@ -58,14 +60,15 @@ class Db(Command):
                         if out is not None:
                             n += 1
                             print(f"epoch {ep} host {h}: value files of uid {uid} -> {out.name}")
-                    r = compact(db, ep, h)
-                    if r is None:
-                        continue
-                    n += 1
-                    print(f"epoch {ep} host {h}: {r.merged} segments, {fmt_count(r.rows_before)} rows "
-                          f"{_size(r.bytes_before)} -> {fmt_count(r.rows_after)} rows {_size(r.bytes_after)}")
-                    for c in r.skipped_corrupt:
-                        print(f"  left corrupt segment {c} untouched")
+                    for what, fn in (("segments", compact), ("stack files", compact_stacks)):
+                        r = fn(db, ep, h)
+                        if r is None:
+                            continue
+                        n += 1
+                        print(f"epoch {ep} host {h}: {r.merged} {what}, {fmt_count(r.rows_before)} rows "
+                              f"{_size(r.bytes_before)} -> {fmt_count(r.rows_after)} rows {_size(r.bytes_after)}")
+                        for c in r.skipped_corrupt:
+                            print(f"  left corrupt file {c} untouched")
             if not n:
                 print("nothing to compact")
             return 0

@@ -60,7 +60,7 @@ def compact(db: Database, epoch: int, host: str, min_segments: int = 2) -> Compa
             except DataError:
                 corrupt.append(s)  # leave it alone: compaction never destroys data
         # The merged range must not swallow a corrupt segment it did not read.
-        run = _contiguous_run([r[0] for r in readable.values()], corrupt)
+        run = contiguous_run([r[0] for r in readable.values()], corrupt)
         if len(run) < min_segments:
             return None
         good = run
@@ -88,7 +88,7 @@ def compact(db: Database, epoch: int, host: str, min_segments: int = 2) -> Compa
                              [c.name for c in corrupt])
 
 
-def _contiguous_run(good: list[SegmentRef], corrupt_ranges: list[SegmentRef]) -> list[SegmentRef]:
+def contiguous_run(good: list[SegmentRef], corrupt_ranges: list[SegmentRef]) -> list[SegmentRef]:
     """The longest run of readable segments with no corrupt segment inside its range."""
     runs: list[list[SegmentRef]] = [[]]
     for s in sorted(good):

@@ -4,7 +4,10 @@ Rows: (event, process, count, images, offsets): one per distinct stack, event an
 leaf first as two list columns (image keys repeat across frames and rows and compress to a dictionary). The footer
 holds the images the frames refer to (their paths and kinds), since a caller's image may have no
 flat samples. Writes follow the segments' rules: a temporary file, fsync, then a link to a name
-no other file has.
+no other file has. Compaction (`compact_stacks`, with the segments' in `db compact` and the
+daemon's) merges a run of files into one covering their flush range, summing equal stacks, and
+then deletes them; readers take only the files no other strictly covers, so a crash between the
+two counts nothing twice.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.collect.stacks import StackCounts
-from cyclescope.db.layout import Database, fsync_file
+from cyclescope.db.compact import CompactResult, contiguous_run
+from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope-stacks"
@@ -39,36 +43,120 @@ def stacks_dir(db: Database, epoch: int, host: str) -> Path:
     return db.host_dir(epoch, host) / "stacks"
 
 
+def stack_files(db: Database, epoch: int, host: str, live_only: bool = True) -> list[SegmentRef]:
+    """The stack files of ``epoch``/``host`` in flush order; ``live_only``: without those a
+    compacted file covers (left behind by a crash before their deletion)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for f in stacks_dir(db, epoch, host).iterdir():
+            if m := _STK_RE.match(f.name):
+                out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
+    return live_segments(out) if live_only else sorted(out)
+
+
+def _table(events: list[str], processes: list[str | None], counts: list[int],
+           images: list[list[str]], offsets: list[list[int]]) -> pa.Table:
+    return pa.table({
+        "event": pa.array(events, pa.string()).dictionary_encode(),
+        "process": pa.array(processes, pa.string()).dictionary_encode(),
+        "count": pa.array(counts, pa.uint64()),
+        "images": pa.array(images, pa.list_(pa.string())).cast(SCHEMA.field("images").type),
+        "offsets": pa.array(offsets, pa.list_(pa.uint64())),
+    })
+
+
+def _link(db: Database, d: Path, table: pa.Table, meta: dict[str, Any], first: int, last: int) -> Path:
+    tmp = db.temp_path(d)
+    try:
+        t = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        pq.write_table(t, tmp, compression="zstd")
+        fsync_file(tmp)
+        return db.link_new(tmp, d, first, last, prefix="stk")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
 def write_stacks(db: Database, epoch: int, host: str, sc: StackCounts, image_keys: list[str],
                  events: list[str], images: dict[str, Any], comm_names: list[str] | None = None) -> Path:
     stacks, ev, counts, comms = sc.rows()
     names = comm_names or []
     key_of = [k if i > 0 else "[unknown]" for i, k in enumerate(image_keys)]
-    img_col = [[key_of[i] if 0 <= i < len(key_of) else "[unknown]" for i, _ in st] for st in stacks]
-    off_col = [[o for _, o in st] for st in stacks]
-    table = pa.table({
-        "event": pa.array([events[e] if 0 <= e < len(events) else str(e) for e in ev]).dictionary_encode(),
-        "process": pa.array([names[c] if 0 <= c < len(names) else "[unknown]" for c in comms],
-                            pa.string()).dictionary_encode(),
-        "count": pa.array(counts, pa.uint64()),
-        "images": pa.array(img_col, pa.list_(pa.string())).cast(SCHEMA.field("images").type),
-        "offsets": pa.array(off_col, pa.list_(pa.uint64())),
-    })
+    table = _table([events[e] if 0 <= e < len(events) else str(e) for e in ev],
+                   [names[c] if 0 <= c < len(names) else "[unknown]" for c in comms], counts,
+                   [[key_of[i] if 0 <= i < len(key_of) else "[unknown]" for i, _ in st] for st in stacks],
+                   [[o for _, o in st] for st in stacks])
     with db.host_lock(epoch, host):
         d = stacks_dir(db, epoch, host)
         d.mkdir(parents=True, exist_ok=True)
-        seqs = [int(m.group(2)) for f in d.iterdir() if (m := _STK_RE.match(f.name))]
-        seq = max(seqs, default=0) + 1
-        tmp = db.temp_path(d)
-        try:
-            meta = {"epoch": epoch, "host": host, "images": images}
-            t = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-            pq.write_table(t, tmp, compression="zstd")
-            fsync_file(tmp)
-            return db.link_new(tmp, d, seq, seq, prefix="stk")
-        finally:
+        seq = max((s.last for s in stack_files(db, epoch, host, live_only=False)), default=0) + 1
+        return _link(db, d, table, {"epoch": epoch, "host": host, "images": images}, seq, seq)
+
+
+def _read(path: Path) -> tuple[dict[str, Any], pa.Table]:
+    """One stack file: its footer and its rows (DataError when it cannot be read)."""
+    try:
+        pf = pq.ParquetFile(path)
+        meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
+        t = pf.read()
+    except (OSError, pa.ArrowException, ValueError) as err:
+        raise DataError(f"{path}: {err}") from None
+    missing = [n for n in ("event", "count", "images", "offsets") if n not in t.column_names]
+    if missing:
+        raise DataError(f"{path}: not a cyclescope stack file (no {', '.join(missing)} column)")
+    return meta, t
+
+
+def _rows(t: pa.Table) -> zip[tuple[str, int, list[str], list[int], str | None]]:
+    """(event, count, images, offsets, process) per row; process None in files from before it."""
+    procs = t.column("process").to_pylist() if "process" in t.column_names else [None] * t.num_rows
+    return zip(t.column("event").to_pylist(), t.column("count").to_pylist(), t.column("images").to_pylist(),
+               t.column("offsets").to_pylist(), procs, strict=True)
+
+
+def compact_stacks(db: Database, epoch: int, host: str, min_files: int = 2) -> CompactResult | None:
+    """Merge the live stack files of ``epoch``/``host`` into one covering their flush range (equal
+    stack, event and command summed); None when there is nothing to do. A corrupt file is left
+    alone and the merged range never covers it."""
+    with db.host_lock(epoch, host):
+        d = stacks_dir(db, epoch, host)
+        if not d.is_dir():
+            return None
+        db.clean_temp(d)
+        live = stack_files(db, epoch, host)
+        for s in stack_files(db, epoch, host, live_only=False):
+            if s not in live:  # covered by a compaction that crashed before deleting it
+                with contextlib.suppress(FileNotFoundError):
+                    s.path.unlink()
+        readable: dict[str, tuple[dict[str, Any], pa.Table]] = {}
+        corrupt: list[SegmentRef] = []
+        for s in live:
+            try:
+                readable[s.name] = _read(s.path)
+            except DataError:
+                corrupt.append(s)
+        run = contiguous_run([s for s in live if s.name in readable], corrupt)
+        if len(run) < min_files:
+            return None
+        summed: Counter[tuple[str, str | None, tuple[str, ...], tuple[int, ...]]] = Counter()
+        images: dict[str, Any] = {}
+        for s in run:
+            meta, t = readable[s.name]
+            images.update(meta.get("images", {}))
+            for ev, c, im, of, pr in _rows(t):
+                summed[(ev, pr, tuple(im), tuple(of))] += int(c)
+        rows = summed.most_common()
+        table = _table([k[0] for k, _ in rows], [k[1] for k, _ in rows], [c for _, c in rows],
+                       [list(k[2]) for k, _ in rows], [list(k[3]) for k, _ in rows])
+        first, last = run[0].first, run[-1].last
+        out = _link(db, d, table, {"epoch": epoch, "host": host, "images": images}, first, last)
+        before = sum(s.path.stat().st_size for s in run)
+        for s in run:
             with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+                s.path.unlink()
+        fsync_dir(d)
+        return CompactResult(epoch, host, len(run), before, out.stat().st_size,
+                             sum(readable[s.name][1].num_rows for s in run), len(rows), [c.name for c in corrupt])
 
 
 @dataclass
@@ -89,28 +177,15 @@ def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
         for host in db.hosts(epoch):
             if hosts is not None and host not in hosts:
                 continue
-            d = stacks_dir(db, epoch, host)
-            if not d.is_dir():
-                continue
-            for f in sorted(d.iterdir()):
-                if not _STK_RE.match(f.name):
-                    continue
+            for ref in stack_files(db, epoch, host):
                 try:
-                    pf = pq.ParquetFile(f)
-                    meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
-                    t = pf.read()
-                except (OSError, pa.ArrowException, ValueError) as err:
-                    out.corrupt.append(f"{f}: {err}")
+                    meta, t = _read(ref.path)
+                except DataError as err:
+                    out.corrupt.append(str(err))
                     continue
                 out.files += 1
                 out.images.update(meta.get("images", {}))
-                ev = t.column("event").to_pylist()
-                cnt = t.column("count").to_pylist()
-                imgs = t.column("images").to_pylist()
-                offs = t.column("offsets").to_pylist()
-                procs = (t.column("process").to_pylist() if "process" in t.column_names
-                         else [None] * len(ev))
-                for name, c, im, of, pr in zip(ev, cnt, imgs, offs, procs, strict=True):
+                for name, c, im, of, pr in _rows(t):
                     if images is not None and (not im or im[0] not in images):
                         continue
                     if processes is not None and pr not in processes:
