@@ -11,12 +11,20 @@ valgrind 3.19 cannot read clang-14's DWARF 5):
   callgrind  the same with --callgrind: exact counts of a valgrind run, the best any profile of this
              form (line counts, nested inline profiles) can do
   instr      -fprofile-instr-use with the profile of a -fprofile-instr-generate build's training run
+  SRC+profi  any of the sample profiles above, with LLVM's profile inference (-mllvm
+             -sample-profile-use-profi: block and edge counts made consistent by min-cost flow,
+             "profi", in place of clang's older weight propagation)
 All run alternately, rotating the order, for --runs rounds on the training input itself (the
 usual AutoFDO/PGO set-up when comparing profile sources). Reported: the CPU-time speedup over base
 per round, median with a distribution-free 95% confidence interval of the median, and the share of
 instrumented PGO's gain each profile reaches: (speedup - 1) / (speedup_instr - 1) (AutoFDO
 reports 85% with branch records). Also, timing-free: llvm-profdata's overlap of each profile with
-the exact-count one (similarity of normalized line counts, hot-block overlap).
+the exact-count one (similarity of normalized line counts, hot-block overlap), and (--simulate, on
+by default) one run of each build under valgrind's cachegrind with its cache and branch simulation:
+instructions, I1/D1 and LL misses and branch mispredictions, combined as KCachegrind's cycle
+estimate CEst = Ir + 10 Bm + 10 L1m + 100 LLm. That figure is deterministic, so it answers what
+the timings of this noisy VM cannot: which profile helps, and by how much of instrumented PGO's
+gain, on a model machine (not this CPU: no measured latencies, a simple branch predictor).
 
 Programs from Debian sources (bench/suite.py fetches and configures them): bzip2 (one clang
 command), gzip, xz (statically linked liblzma) and zlib's minigzip (their configured trees are
@@ -24,7 +32,8 @@ copied and rebuilt with `make CC=clang-14 CFLAGS=...` per variant), each compres
 INPUT_MB megabytes of bench/out/suite/input.txt (Python sources); and our own (--programs): the
 demo workload, bench/workload.c and tests/programs/kernels.c.
 
-Usage: python bench/optimize.py [--runs 31] [--programs bzip2,gzip,xz,zlib] [--sources calc,samples,callgrind]
+Usage: python bench/optimize.py [--runs 31] [--programs bzip2,gzip,xz,zlib]
+                                [--sources calc,samples,callgrind,calc+profi]
 """
 
 from __future__ import annotations
@@ -126,6 +135,25 @@ def overlap(base: Path, test: Path) -> dict[str, float]:
     return {"similarity": pct("Whole program profile similarity"), "hot_blocks": pct("Hot-block overlap")}
 
 
+_CG = {"Ir": r"I\s+refs:\s+([\d,]+)", "I1m": r"I1\s+misses:\s+([\d,]+)", "D1m": r"D1\s+misses:\s+([\d,]+)",
+       "LLm": r"LL misses:\s+([\d,]+)", "Bc": r"Branches:\s+([\d,]+)", "Bm": r"Mispredicts:\s+([\d,]+)"}
+
+
+def simulate(argv: list[str]) -> dict[str, int]:
+    """One run under cachegrind (cache and branch simulation): its event totals and KCachegrind's
+    cycle estimate CEst = Ir + 10 Bm + 10 L1m + 100 LLm."""
+    r = sh(["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes",
+            "--cachegrind-out-file=/dev/null", *argv])
+    out = {}
+    for k, pat in _CG.items():
+        m = re.search(pat, r.stderr)
+        if not m:
+            raise RuntimeError(f"cachegrind printed no {k}: {r.stderr[-400:]}")
+        out[k] = int(m.group(1).replace(",", ""))
+    out["CEst"] = out["Ir"] + 10 * out["Bm"] + 10 * (out["I1m"] + out["D1m"]) + 100 * out["LLm"]
+    return out
+
+
 def cpu_of(argv: list[str]) -> float:
     return run_cpu(argv, None)[0]  # the same measurement `cyclescope optimize` makes
 
@@ -138,6 +166,8 @@ def main() -> None:
     ap.add_argument("--sources", default="calc,samples,callgrind",
                     help="count sources of the sample profiles compared (export llvm-sample --counts calc|samples, "
                          "or callgrind: exact counts from a valgrind run, the anchor for the profile's form)")
+    ap.add_argument("--no-simulate", dest="simulate", action="store_false",
+                    help="skip the deterministic comparison under cachegrind")
     args = ap.parse_args()
     sources = args.sources.split(",")
     work = Path(tempfile.mkdtemp(prefix="cs-bench-opt-"))
@@ -170,10 +200,13 @@ def main() -> None:
                 *argv(base)])
         cons = [("base", base)]
         for src in sources:
-            how = ["--callgrind", str(d / "cg.out")] if src == "callgrind" else ["--counts", src]
-            prof = d / f"{src}.prof"
-            sh([*cs, "export", "llvm-sample", "--db", str(d / "db"), "--image", str(base), *how, "-o", str(prof)])
-            cons.append((src, build(d / src, f"-fprofile-sample-use={prof}")))
+            counts, _, variant = src.partition("+")
+            how = ["--callgrind", str(d / "cg.out")] if counts == "callgrind" else ["--counts", counts]
+            prof = d / f"{counts}.prof"
+            if not prof.exists():
+                sh([*cs, "export", "llvm-sample", "--db", str(d / "db"), "--image", str(base), *how, "-o", str(prof)])
+            extra = " -mllvm -sample-profile-use-profi" if variant == "profi" else ""
+            cons.append((src, build(d / src.replace("+", "-"), f"-fprofile-sample-use={prof}{extra}")))
         # Instrumented PGO.
         gen = build(d / "gen", "-fprofile-instr-generate")
         sh(argv(gen), env={**os.environ, "LLVM_PROFILE_FILE": str(d / "i.profraw")})
@@ -181,7 +214,13 @@ def main() -> None:
         cons.append(("instr", build(d / "instr", f"-fprofile-instr-use={d / 'i.profdata'}")))
         # How close each profile is to the one made from exact counts (deterministic, unlike the timings).
         similarity = {src: overlap(d / "callgrind.prof", d / f"{src}.prof") for src in sources
-                      if src != "callgrind" and "callgrind" in sources}
+                      if "+" not in src and src != "callgrind" and "callgrind" in sources}
+        sim = {}
+        if args.simulate:
+            for c, exe in cons:
+                sim[c] = simulate(argv(exe))
+                print(f"{name} under cachegrind: {c} CEst {sim[c]['CEst']:,} (Ir {sim[c]['Ir']:,}, "
+                      f"mispredicts {sim[c]['Bm']:,})", flush=True)
         cpu: dict[str, list[float]] = {c: [] for c, _ in cons}
         for rnd in range(args.runs):
             k = rnd % len(cons)
@@ -191,7 +230,7 @@ def main() -> None:
         speedup = {c: [b / x for b, x in zip(cpu["base"], cpu[c], strict=True)] for c, _ in cons[1:]}
         gain_i = median(speedup["instr"]) - 1
         share = {c: (median(speedup[c]) - 1) / gain_i if gain_i > 0.005 else None for c in sources}
-        results[name] = {"cpu": cpu, "speedup": speedup, "share": share, "similarity": similarity}
+        results[name] = {"cpu": cpu, "speedup": speedup, "share": share, "similarity": similarity, "sim": sim}
     print(f"\nclang-14 {FLAGS}; speedup over the unprofiled build per round: median (95% confidence")
     print(f"interval of the median) of {args.runs} rounds; the share of instrumented PGO's gain in brackets\n")
     print(f"{'program':<8} {'base s':>6} " + " ".join(f"{c:>28}" for c in [*sources, "instr"]))
@@ -208,6 +247,23 @@ def main() -> None:
         for name, r in results.items():
             print(f"{name:<8} " + "  ".join(f"{c}: {v['similarity']:.1f}%, {v['hot_blocks']:.1f}%"
                                              for c, v in r["similarity"].items()))
+    if any(r["sim"] for r in results.values()):
+        print("\nUnder cachegrind (one deterministic run each): KCachegrind's cycle estimate of each build over "
+              "the\nunprofiled one's (CEst base / CEst), the share of instrumented PGO's gain in brackets; "
+              "then Ir and\nmispredicted branches relative to base")
+        print(f"{'program':<8} " + " ".join(f"{c:>26}" for c in [*sources, "instr"]))
+        for name, r in results.items():
+            sim = r["sim"]
+            if not sim:
+                continue
+            gain = sim["base"]["CEst"] / sim["instr"]["CEst"] - 1
+            cells = []
+            for c in [*sources, "instr"]:
+                g = sim["base"]["CEst"] / sim[c]["CEst"]
+                sh_ = f" [{100 * (g - 1) / gain:.0f}%]" if gain > 0.002 and c != "instr" else ""
+                cells.append(f"{g:.3f}x{sh_} Ir {sim[c]['Ir'] / sim['base']['Ir']:.3f} "
+                             f"Bm {sim[c]['Bm'] / max(sim['base']['Bm'], 1):.2f}")
+            print(f"{name:<8} " + " ".join(f"{x:>26}" for x in cells))
     path = save(args.save_as, {"machine": machine(), "args": vars(args), "results": results})
     print(f"\ntarget: at least 85% of instrumented PGO's gain; raw data: {path}")
 

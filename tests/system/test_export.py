@@ -243,6 +243,7 @@ def test_optimize_closes_the_loop_with_clang(tmp_path: Path) -> None:
     assert doc["same_output"] and len(doc["base_cpu_s"]) == len(doc["opt_cpu_s"]) == 2
     assert doc["speedup"] > 0 and Path(doc["profile"]).stat().st_size > 0
     assert "leaf" in Path(doc["profile"]).read_text()
+    assert doc["inference"] == "profi" and "-sample-profile-use-profi" in p.stderr  # clang-14 accepted it
 
 
 def test_bolt_fdata_is_read_by_llvm_bolt(tmp_path: Path) -> None:
