@@ -2,7 +2,8 @@
 
 Build (with {flags} empty) -> profile a training run -> export an LLVM sample profile from calc's
 estimates -> rebuild with -fprofile-sample-use (and LLVM's profile inference) -> run both builds
-alternately and report the speedup with its spread. Everything goes into one work directory, kept for inspection.
+alternately and report the speedup with its spread. Everything goes into one work directory, kept
+for inspection.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ PROFILE_FLAGS = "-fdebug-info-for-profiling"
 # LLVM's profile inference ("profi", LLVM 14 and later): block and edge counts made consistent by a
 # min-cost flow over the CFG, in place of the older weight propagation. Timer samples give line
 # counts with gaps and noise, which is what it was made for: under cachegrind's model it took
-# calc's profile of bzip2 from 66% to 94% of instrumented PGO's gain (docs/benchmarks.md).
+# calc's profile of bzip2 from 57% to 85% of instrumented PGO's gain (docs/benchmarks.md).
 INFERENCE_FLAGS = {"profi": "-mllvm -sample-profile-use-profi", "propagate": ""}
 
 
