@@ -51,7 +51,7 @@ def compact(db: Database, epoch: int, host: str, min_segments: int = 2) -> Compa
     with db.host_lock(epoch, host) as d:
         db.clean_temp(d)
         live = db.segments(epoch, host)
-        _delete_covered(db, epoch, host, live)
+        delete_covered(db.segments(epoch, host, live_only=False), live)
         readable: dict[str, tuple[SegmentRef, SegmentMeta, pa.Table]] = {}
         corrupt: list[SegmentRef] = []
         for s in live:
@@ -98,10 +98,11 @@ def contiguous_run(good: list[SegmentRef], corrupt_ranges: list[SegmentRef]) -> 
     return max(runs, key=len)
 
 
-def _delete_covered(db: Database, epoch: int, host: str, live: list[SegmentRef]) -> None:
-    """Remove segments a finished compaction covers (left over by a crash)."""
+def delete_covered(every: list[SegmentRef], live: list[SegmentRef]) -> None:
+    """Remove the files of ``every`` that are not ``live``: those a finished compaction covers (left
+    over by a crash between linking the merged file and deleting its inputs)."""
     names = {s.name for s in live}
-    for s in db.segments(epoch, host, live_only=False):
+    for s in every:
         if s.name not in names:
             with contextlib.suppress(FileNotFoundError):
                 s.path.unlink()

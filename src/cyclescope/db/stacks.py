@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.collect.stacks import StackCounts
-from cyclescope.db.compact import CompactResult, contiguous_run
+from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
 from cyclescope.errors import DataError
 
@@ -124,10 +124,7 @@ def compact_stacks(db: Database, epoch: int, host: str, min_files: int = 2) -> C
             return None
         db.clean_temp(d)
         live = stack_files(db, epoch, host)
-        for s in stack_files(db, epoch, host, live_only=False):
-            if s not in live:  # covered by a compaction that crashed before deleting it
-                with contextlib.suppress(FileNotFoundError):
-                    s.path.unlink()
+        delete_covered(stack_files(db, epoch, host, live_only=False), live)
         readable: dict[str, tuple[dict[str, Any], pa.Table]] = {}
         corrupt: list[SegmentRef] = []
         for s in live:

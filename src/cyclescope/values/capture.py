@@ -43,7 +43,7 @@ from cyclescope.values.hotlist import (
     VALUE_DTYPE,
     HotlistSet,
     cat_struct,
-    hotlist_size,
+    hotlist_sizes,
     merge_sets,
     reduce_set,
     unique_struct,
@@ -224,7 +224,6 @@ class ValueCapture:
         self.interp = interpreter or (Interpreter() if opts.length > 0 and not opts.exact else None)
         self.check: Counter[str] = Counter()
         self.kinds: list[str] = []
-        self._sizes = np.zeros(0, np.int64)  # hotlist N per kind code
         self._kind_ids: dict[str, int] = {}
         self._plans: dict[tuple[int, int], Plan | None] = {}
         self._owners: dict[int, int | None] = {}
@@ -288,7 +287,6 @@ class ValueCapture:
         if k is None:
             k = len(self.kinds)
             self.kinds.append(name)
-            self._sizes = np.append(self._sizes, hotlist_size(name))
             self._kind_ids[name] = k
         return k
 
@@ -398,11 +396,11 @@ class ValueCapture:
         if keys_parts:
             keys = cat_struct(keys_parts)
             vals = cat_struct(vals_parts)
-            batch = reduce_set(HotlistSet.exact(keys, vals), self._sizes, rng=self._rng)
+            batch = reduce_set(HotlistSet.exact(keys, vals), hotlist_sizes(self.kinds), rng=self._rng)
             self._pending.append(batch)
             self._pending_rows += batch.rows
             if self._pending_rows > 400_000 and len(self._pending) > 1:
-                merged = merge_sets(self._pending, self._sizes, rng=self._rng)
+                merged = merge_sets(self._pending, hotlist_sizes(self.kinds), rng=self._rng)
                 self._pending = [merged]
                 self._pending_rows = merged.rows
         return n
@@ -639,7 +637,7 @@ class ValueCapture:
         self._transform(batch, np.full(n, pid, np.int64), np.full(n, uid, np.int64), keys_parts, vals_parts)
         if keys_parts and sum(len(k) for k in keys_parts):
             batch_set = reduce_set(HotlistSet.exact(cat_struct(keys_parts), cat_struct(vals_parts)),
-                                   self._sizes, rng=self._rng)
+                                   hotlist_sizes(self.kinds), rng=self._rng)
             self._pending.append(batch_set)
             self._pending_rows += batch_set.rows
 
@@ -648,7 +646,7 @@ class ValueCapture:
         """Everything since the last take, per owner uid."""
         if not self._pending and not self.stats:
             return {}
-        merged = (merge_sets(self._pending, self._sizes, rng=self._rng) if self._pending
+        merged = (merge_sets(self._pending, hotlist_sizes(self.kinds), rng=self._rng) if self._pending
                   else HotlistSet.empty(MEM_KEY_DTYPE))
         self._pending, self._pending_rows = [], 0
         out: dict[int, tuple[NamedHotlists, ValuesMeta]] = {}
