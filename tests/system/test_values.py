@@ -103,7 +103,8 @@ def test_invariants_point_at_the_semi_invariant_operands(recorded: Path) -> None
     # Per call site it is always 5 (truth 1.0; overall 0.5). site_b passes 40 other values: the
     # per-call-site hotlist (N = 64) keeps every pair and its estimate is exact; with many more
     # values at site_b its sampling error grows (docs/benchmarks.md, hotlist accuracy).
-    site = [i for i in items if i["where"].startswith("offset_of") and i["value"] == "5"]
+    # (The hotlist of all callers may list it too, at a noisy estimate of its true 51%.)
+    site = [i for i in items if i["where"].startswith("offset_of") and i["value"] == "5" and i["call_site"]]
     assert site and site[0]["call_site"] and site[0]["prob"] > 0.9, site
 
 

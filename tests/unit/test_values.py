@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 from collections import Counter
@@ -20,7 +21,7 @@ from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValuesMeta, compact_v
 from cyclescope.db.values import write_values as write_value_file
 from cyclescope.errors import UsageError
 from cyclescope.images.registry import ImageInfo, ImageTable
-from cyclescope.values.api import BaseModule, BatchEmit, BatchModule, Emit, Step, StepBatch, StepRecord, Value
+from cyclescope.values.api import BaseModule, BatchEmit, BatchModule, Emit, Step, StepBatch, Value, kind_names
 from cyclescope.values.capture import CodeIndex, ProcCode, ValueCapture, ValueOptions
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
 from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, ROW_STRUCT, decode, effective_address
@@ -120,15 +121,16 @@ def test_interpreter_records_results_loads_and_stores_without_side_effects() -> 
     it2.next_drain()
     store = ROW_STRUCT.pack(*(_regs(rax=99, rdi=HEAP).get(n, 0) for n in ROW_REGS))
     load = ROW_STRUCT.pack(*(_regs(rax=99, rdi=HEAP, rip=CODE + 3).get(n, 0) for n in ROW_REGS))
-    recs: list[StepRecord] = []
-    it2.execute(1, store, bytes(64), 2, recs, 0)
-    assert [r.stored for r in recs] == [99, None] and recs[1].loaded == 99  # the run sees its own store
-    it2.execute(1, load, bytes(64), 1, recs, 1)
-    assert recs[2].loaded == int.from_bytes(bytes(range(8)), "little")  # the next run does not
+    it2.execute(1, store, bytes(64), 2, 0)
+    it2.execute(1, load, bytes(64), 1, 1)
+    b = it2.take(np.zeros(2, np.uint64), np.full(2, -1))
+    assert b.has_stored.tolist() == [True, False, False] and int(b.stored[0]) == 99
+    assert int(b.loaded[1]) == 99  # the run sees its own store
+    assert int(b.loaded[2]) == int.from_bytes(bytes(range(8)), "little")  # the next run does not
     assert reads.count(HEAP) == 1  # and the heap page was read once for both
     it2.next_drain()
-    it2.execute(1, load, bytes(64), 1, recs, 2)
-    assert reads.count(HEAP) == 2
+    it2.execute(1, load, bytes(64), 1, 0)
+    assert reads.count(HEAP) == 2 and len(it2.take(np.zeros(1, np.uint64), np.full(1, -1))) == 1
 
 
 def test_interpreter_stops_cleanly_and_says_why() -> None:
@@ -193,20 +195,34 @@ def test_a_batch_of_runs_gives_what_each_run_gives_alone() -> None:
     code = bytes.fromhex("4801d8" "488b0424" "488907" "488b0f" "4883f903" "7500" "480fafc7" "0f05")
     text, heap = _memory(code)
     it = Interpreter(reader=_reader(text, heap))
-    recs: list[StepRecord] = []
     ctx: list[Value | None] = []
     for r in range(12):
         row = ROW_STRUCT.pack(*(_regs(rax=r, rbx=r % 3, rdi=HEAP + 8 * (r % 2), rip=CODE + 3 * (r % 2)).get(n, 0)
                                 for n in ROW_REGS))
-        assert it.execute(1, row, struct.pack("<Q", r % 4) + bytes(56), 6, recs, r) in ("length", "syscall")
+        assert it.execute(1, row, struct.pack("<Q", r % 4) + bytes(56), 6, r) in ("length", "syscall")
         ctx.append(Value(0x40 + r % 2, 0, 1) if r % 3 else None)
-    batch = StepBatch.from_records(recs, ctx)
-    assert len(batch) == len(recs) and set(batch.run.tolist()) == set(range(12))
+    cv0 = np.array([c.v0 if c else 0 for c in ctx], np.uint64)
+    cimg = np.array([c.image if c else -1 for c in ctx])
+    batch = it.take(cv0, cimg)
+    assert len(batch) == it.steps and set(batch.run.tolist()) == set(range(12))
+    # The same runs in one call (the collector's way) give the same steps.
+    rows = np.array([[_regs(rax=r, rbx=r % 3, rdi=HEAP + 8 * (r % 2), rip=CODE + 3 * (r % 2)).get(n, 0)
+                      for n in ROW_REGS] for r in range(12)], np.uint64)
+    stacks = np.zeros((12, 64), np.uint8)
+    stacks[:, 0] = np.arange(12) % 4
+    it2 = Interpreter(reader=_reader(text, heap))
+    # Six steps each: the syscall is the eighth instruction.
+    assert it2.execute_many([1] * 12, rows, stacks, np.full(12, 64), 6) == ["length"] * 12
+    b2 = it2.take(cv0, cimg)
+    for col in ("run", "pc", "regs_in", "regs_out", "ea", "loaded", "stored", "has_stored", "next_pc", "ctx_v0"):
+        assert np.array_equal(getattr(batch, col), getattr(b2, col)), col
+    # Past its deadline it starts nothing (the budget), and says so by returning fewer reasons.
+    assert it2.execute_many([1] * 12, rows, stacks, np.full(12, 64), 6, deadline=1e-9) == []
     for m in (Operands(), Addresses(), Results(), Edges(), VReplay()):
         together: Counter[tuple[int, str, Value]] = Counter()
         for e in m.emit_batch(batch):
             n = len(e.rows)
-            kinds = [e.kind] * n if isinstance(e.kind, str) else [str(k) for k in e.kind]
+            kinds = kind_names(e.kind, n)
             for pc, k, a, b, i in zip(batch.pc[e.rows].tolist(), kinds, np.asarray(e.v0).tolist(),
                                       np.broadcast_to(np.asarray(e.v1), (n,)).tolist(),
                                       np.broadcast_to(np.asarray(e.image), (n,)).tolist(), strict=True):
@@ -394,10 +410,19 @@ def test_interpretation_stays_within_its_cpu_budget_and_counts_what_it_left_out(
         def next_drain(self) -> None:
             pass
 
-        def execute(self, pid: int, row: bytes, stack: bytes, length: int, out: list[object], run: int) -> str:
-            self.runs += 1
-            _time.sleep(0.003)
-            return "length"
+        def execute_many(self, pids: list[int], rows: np.ndarray, stacks: np.ndarray, lens: np.ndarray,
+                         length: int, deadline: float = 0.0) -> list[str]:
+            out = []
+            for j in range(len(pids)):  # as the C loop does: the clock every 8 runs
+                if deadline and j % 8 == 0 and _time.perf_counter() > deadline:
+                    break
+                self.runs += 1
+                _time.sleep(0.003)
+                out.append("length")
+            return out
+
+        def take(self, ctx_v0: np.ndarray, ctx_img: np.ndarray) -> StepBatch:
+            return StepBatch.empty()
 
     table = ImageTable()
     table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
@@ -487,3 +512,30 @@ def test_a_corrupt_value_file_is_reported_and_the_rest_kept(tmp_path: Path) -> N
     vs = load_values(db, [ep])
     assert vs.files == 1 and len(vs.corrupt) == 1 and "corrupt value file" in vs.corrupt[0]
     assert compact_values(db, ep, "h", os.getuid()) is None  # never merges over a damaged file
+
+
+# --- the interpreter's C loop: building it ----------------------------------------------------------
+
+
+def test_the_c_loop_reports_a_failed_build_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cyclescope.values import stepper
+
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'stepper.c:1:1: error: no compiler here' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(stepper.StepperError, match=re.escape("failed: stepper.c:1:1: error: no compiler here")):
+        stepper.build(tmp_path / "out" / "stepper.so")
+    assert not list(tmp_path.glob("out/*"))  # nothing half-built left behind
+
+
+def test_the_c_loop_is_cached_only_in_a_private_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cyclescope.values import stepper
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert stepper.cache_dir() == tmp_path / "cyclescope"
+    assert (tmp_path / "cyclescope").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "cyclescope").chmod(0o777)  # others could plant a library there: not used
+    other = stepper.cache_dir()
+    assert other != tmp_path / "cyclescope" and other.stat().st_mode & 0o077 == 0

@@ -38,7 +38,7 @@ from cyclescope.images.disasm import read_code
 from cyclescope.images.elf import ElfInfo, read_load_info
 from cyclescope.images.registry import ImageTable
 from cyclescope.images.symbolize import Symbolizer
-from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Step, StepBatch, StepRecord, Value, ValueModule
+from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Kinds, Step, StepBatch, ValueModule
 from cyclescope.values.hotlist import (
     VALUE_DTYPE,
     HotlistSet,
@@ -509,29 +509,22 @@ class ValueCapture:
             return
         self._rng.shuffle(chosen)  # when the budget runs out, the ones left out are a random subset
         self.interp.next_drain()
-        blob = np.ascontiguousarray(R[chosen][:, _ROW_PERM], "<u8").tobytes()
-        w = 8 * len(_ROW_PERM)
-        recs: list[StepRecord] = []
-        runs: list[int] = []  # sample index of each run
-        chosen_l = chosen.tolist()
-        for j, i in enumerate(chosen_l):
-            if self.opts.budget > 0 and j % 8 == 0 and time.perf_counter() > deadline:
-                for rest in chosen_l[j:]:
-                    self.stats[int(owner[rest])].over_budget += 1
-                self.skipped["interpretation over CPU budget"] += len(chosen_l) - j
-                break
-            reason = self.interp.execute(int(pids[i]), blob[w * j : w * (j + 1)], S[i, : int(L[i])].tobytes(),
-                                         self.opts.length, recs, len(runs))
-            runs.append(i)
-            st = self.stats[int(owner[i])]
+        rows = np.ascontiguousarray(R[chosen][:, _ROW_PERM], "<u8")
+        own_l = owner[chosen].tolist()
+        reasons = self.interp.execute_many(pids[chosen].tolist(), rows, S[chosen], L[chosen], self.opts.length,
+                                           deadline if self.opts.budget > 0 else 0.0)
+        if len(reasons) < len(chosen):  # the budget ran out: the rest keep their interrupt-time values
+            for o in own_l[len(reasons):]:
+                self.stats[o].over_budget += 1
+            self.skipped["interpretation over CPU budget"] += len(chosen) - len(reasons)
+        for o, reason in zip(own_l, reasons, strict=False):
+            st = self.stats[o]
             st.interpreted += 1
             st.stops[reason] += 1
-        if not recs:
+        ri = chosen[: len(reasons)]
+        batch = self.interp.take(ctx_off[ri], ctx_img[ri])
+        if not len(batch):
             return
-        ri = np.array(runs, np.int64)
-        ctx = [Value(int(o), 0, int(g)) if g >= 0 else None
-               for o, g in zip(ctx_off[ri].tolist(), ctx_img[ri].tolist(), strict=True)]
-        batch = StepBatch.from_records(recs, ctx)
         steps = np.bincount(batch.run, minlength=len(ri))
         for o in np.unique(owner[ri]).tolist():
             self.stats[o].steps += int(steps[owner[ri] == o].sum())
@@ -578,6 +571,9 @@ class ValueCapture:
         run = batch.run[e.rows]
         if isinstance(e.kind, str):
             kind = np.full(n, self._kind(e.kind), np.int32)
+        elif isinstance(e.kind, Kinds):
+            codes = np.array([self._kind(k) for k in e.kind.names] or [0], np.int32)
+            kind = codes[np.asarray(e.kind.codes, np.int64)]
         else:
             names, inv = np.unique(np.asarray(e.kind).astype(str), return_inverse=True)
             kind = np.array([self._kind(str(k)) for k in names], np.int32)[inv.reshape(-1)]

@@ -2,25 +2,30 @@
 
 From the registers captured at the interrupt, the stack snapshot and the process's
 memory read promptly with process_vm_readv, the unicorn engine emulates the next L
-instructions without side effects, one at a time, and each step is recorded:
-registers read, effective address, loaded and stored values, registers written,
-where control went. A run stops cleanly, and says why, at a system call or other
-instruction that leaves user space, at a fault or unmapped memory, at an access
-through fs/gs (their bases are not in the sampled registers), at a vector register
-whose value is unknown (perf does not sample xmm registers), or after L steps.
+instructions without side effects, and each step is recorded: registers read,
+effective address, loaded and stored values, registers written, where control went.
+A run stops cleanly, and says why, at a system call or other instruction that leaves
+user space, at a fault or unmapped memory, at an access through fs/gs (their bases
+are not in the sampled registers), at a vector register whose value is unknown (perf
+does not sample xmm registers), or after L steps.
+
+The per-step loop is C (stepper.c, built once by stepper.py): a unicorn code hook
+closes each step and opens the next, a write hook logs the old bytes of every write.
+Python decodes each address once (capstone) into a plan the loop keeps, and maps and
+refreshes pages when the loop asks. Each run is one call: about 5 us for L = 4, where a
+Python loop of single steps cost about 75 us (unicorn's per-start cost and ctypes calls
+per step).
 
 Memory model: every page is the emulator's own copy. Code pages are copied from the
 process on first fetch and kept (code does not change, JIT aside). A data page is
-written afresh the first time a run touches it (the effective address is known
-before each step), from a copy read from the process once per drain, and the stack
-snapshot taken at the interrupt is written over it, so the run sees the
-interrupt-time stack and the process's memory as of the drain.
-Writes never reach the process. (Unicorn's MMIO pages would avoid the copies, but
-their Python callbacks cost about 15 us per access here: more than a page copy.)
-
-The hot calls go to libunicorn through ctypes directly: unicorn's Python binding
-costs about 5 us per register read and write, the raw batch calls about 1 us for
-all registers (measured here), and a run makes dozens of them.
+refreshed the first time a drain's runs touch it (the effective address is known before
+each step), from a copy read from the process once per drain. The stack snapshot taken
+at the interrupt is written over its pages for the run. After each run every write it
+made, and the snapshot, are undone, so the next run sees the process's memory as of the
+drain, never another run's writes; writes never reach the process. (Unicorn's MMIO pages
+would avoid the copies, but their Python callbacks cost about 15 us per access here;
+unmapping and mapping pages again costs 30 us or more a page, growing with the pages
+mapped.)
 """
 
 from __future__ import annotations
@@ -31,15 +36,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cyclescope.values.api import MASK64, Step, StepBatch, StepRecord
-from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, decode, effective_address_row, row_value
+import numpy as np
+
+from cyclescope.values import stepper
+from cyclescope.values.api import MASK64, Step, StepBatch
+from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, decode
 from cyclescope.values.procmem import ProcessMemory
 
 PAGE = 4096
 STOP_REASONS = ("length", "syscall", "fault", "unmapped", "tls", "vector", "undecodable", "unsupported")
 MemReader = Callable[[int, int], bytes | None]
-_RSP, _RBP, _RIP = ROW_COL["rsp"], ROW_COL["rbp"], ROW_COL["rip"]
-_UNMAPPED_ERRORS = frozenset({6, 7, 8})  # UC_ERR_READ_UNMAPPED, UC_ERR_WRITE_UNMAPPED, UC_ERR_FETCH_UNMAPPED
+MAX_PLANS = 65536  # decoded instructions kept per process
+MAX_INSNS = 1 << 20  # decoded instructions kept in all
 
 
 @dataclass
@@ -55,81 +63,70 @@ def _uc() -> Any:
     return unicorn
 
 
-class _Raw:
-    """Direct libunicorn entry points for the per-step calls."""
-
-    def __init__(self) -> None:
-        from unicorn.unicorn_py3.unicorn import uclib
-
-        lib = ctypes.CDLL(uclib._name)
-        self.read_batch = lib.uc_reg_read_batch
-        self.read_batch.restype = ctypes.c_int
-        self.write_batch = lib.uc_reg_write_batch
-        self.write_batch.restype = ctypes.c_int
-        self.emu_start = lib.uc_emu_start
-        self.emu_start.restype = ctypes.c_int
-        self.emu_start.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
-                                   ctypes.c_size_t]
-        self.mem_read = lib.uc_mem_read
-        self.mem_read.restype = ctypes.c_int
-        self.mem_read.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
-        self.mem_write = lib.uc_mem_write
-        self.mem_write.restype = ctypes.c_int
-        self.mem_write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
-        self.buf = ctypes.create_string_buffer(64)
-        x = _uc().x86_const
-        names = ["eflags" if n == "flags" else n for n in ROW_REGS]
-        self.names = names
-        self.n = len(names)
-        self.ids = (ctypes.c_int * self.n)(*[getattr(x, f"UC_X86_REG_{r.upper()}") for r in names])
-        self.vals = (ctypes.c_uint64 * self.n)()
-        base = ctypes.addressof(self.vals)
-        self.ptrs = (ctypes.c_void_p * self.n)(*[base + 8 * i for i in range(self.n)])
-
-
-_RAW: _Raw | None = None
-
-
-def _raw() -> _Raw:
-    global _RAW
-    if _RAW is None:
-        _RAW = _Raw()
-    return _RAW
+def _plan(pc: int, insn: InsnDetail | None, stop: str | None, ident: int) -> stepper.Plan:
+    """The C loop's plan of the instruction at ``pc``."""
+    p = stepper.Plan()
+    p.pc = pc
+    p.id = ident
+    p.stop = STOP_REASONS.index(stop) if stop else 0
+    if insn is None:
+        return p
+    p.isize = insn.size
+    m = insn.mem
+    if m is not None:
+        p.flags |= stepper.P_MEM | (stepper.P_READ if m.read else 0) | (stepper.P_WRITE if m.write else 0)
+        p.size = min(m.size, 255)
+        p.disp = m.disp
+        p.scale = m.scale
+        p.base = stepper.REG_NONE if not m.base else stepper.REG_RIP if m.base == "rip" \
+            else ROW_COL.get(m.base, stepper.REG_UNKNOWN)
+        p.index = stepper.REG_NONE if not m.index else ROW_COL.get(m.index, stepper.REG_UNKNOWN)
+    if insn.stack_op:
+        p.flags |= stepper.P_STACK | (stepper.P_LEAVE if insn.mnemonic == "leave" else 0)
+    for names, mask in ((insn.vreads, p.vread), (insn.vwrites, p.vwrite)):
+        for name in names:
+            b = stepper.VEC_BIT.get(name)
+            if b is None:  # a vector register the loop does not know: never run it
+                p.stop = STOP_REASONS.index("unsupported")
+            else:
+                mask[b >> 6] |= 1 << (b & 63)
+    return p
 
 
 class _Emulator:
-    """One process's emulator. Every page is unicorn RAM: code pages are copied once and kept;
-    data pages are written afresh the first time a run touches them (and the stack snapshot over
-    them), so a run never sees an earlier run's writes. A data page is read from the process once
-    per drain (``generation``) and the copy reused by the drain's other runs: process_vm_readv
-    costs about 6.5 us here whatever the size, writing a page into unicorn under 1 us, and the
-    runs of a drain are all interpreted within milliseconds, well after their interrupts anyway.
-    The snapshot is written only when a run first touches it."""
+    """One process's emulator and its C loop. Every page is unicorn RAM: code pages are copied once
+    and kept; a data page is refreshed (``refresh``) when the loop first touches it in a drain, from
+    a copy read from the process once per drain (``generation``) and reused by the drain's other
+    runs: process_vm_readv costs about 6.5 us here whatever the size, writing a page into unicorn
+    under 1 us, and the runs of a drain are all interpreted within milliseconds, well after their
+    interrupts anyway."""
 
-    def __init__(self, pid: int, reader: MemReader) -> None:
+    def __init__(self, pid: int, reader: MemReader, lib: Any, callback: Any) -> None:
         u = _uc()
         self.pid = pid
         self.read_process = reader
         self.uc = u.Uc(u.UC_ARCH_X86, u.UC_MODE_64)
         self.handle = ctypes.c_void_p(self.uc._uch.value)
         self.pages: dict[int, bool] = {}  # page -> is code
-        self.fresh: set[int] = set()  # data pages written afresh in this run
         self.generation = -1
         self.copies: dict[int, bytes | None] = {}  # data pages as read from the process in this generation
-        # Decoded instructions by address (code is copied once), with why a run must stop there.
-        self.plans: dict[int, tuple[InsnDetail | None, str | None]] = {}
-        self.snap_base = 0
-        self.snap = b""
-        self.snap_written = False
-        self.failed = False
+        self.plans = 0  # plans the loop holds
         self.uc.hook_add(u.UC_HOOK_MEM_UNMAPPED, self._unmapped)
+        self.lib = lib
+        self.ctx = lib.stp_new(self.handle, callback, pid)
+        if not self.ctx:
+            raise stepper.StepperError("the interpreter's inner loop could not hook the emulator")
+
+    def close(self, unhook: bool = True) -> None:
+        if self.ctx:
+            self.lib.stp_free(self.ctx, int(unhook))
+            self.ctx = None
+
+    def __del__(self) -> None:
+        self.close(unhook=False)  # the emulator may be gone already (a cycle's finalizers run in any order)
 
     # memory -------------------------------------------------------------------------
-    def begin(self, rsp: int, stack: bytes, generation: int) -> None:
-        self.fresh = set()
-        self.failed = False
-        self.snap_base, self.snap = rsp, stack
-        self.snap_written = False
+    def begin(self, generation: int) -> None:
         if generation != self.generation:
             self.generation = generation
             self.copies = {}
@@ -154,75 +151,39 @@ class _Emulator:
         if data is not None:
             self.write(page, data)
         self.pages[page] = code
-        if not code:
-            self.fresh.add(page)
         return True
 
-    def _write_snapshot(self) -> bool:
-        """Write the interrupt-time stack over its pages (mapped as zeros if the process is gone)."""
-        if not self.snap_written:
-            self.snap_written = True
-            rsp, stack = self.snap_base, self.snap
-            for page in range(rsp & ~(PAGE - 1), rsp + len(stack), PAGE):
-                if page not in self.pages and not self._map(page, code=False, content=False):
-                    self.snap = b""
-                    return False
-            self.write(rsp, stack)
+    def refresh(self, page: int, stack: bool) -> bool:
+        """Make ``page`` hold this drain's copy (the loop asks once per page and drain); a stack page
+        the process will not give is mapped as zeros (the snapshot is written over it)."""
+        is_code = self.pages.get(page)
+        if is_code:
+            return True
+        if is_code is None:
+            return self._map(page, code=False, content=not stack)
+        data = self._process_page(page)
+        if data is None:
+            return stack
+        self.write(page, data)
         return True
-
-    def ensure(self, addr: int, size: int) -> bool:
-        """Make [addr, addr+size) current for this run: map or refresh its pages. False if unmapped."""
-        end = addr + size
-        snap_lo, snap_hi = self.snap_base, self.snap_base + len(self.snap)
-        if snap_lo <= addr and end <= snap_hi:
-            return self._write_snapshot()  # wholly inside the snapshot
-        for page in range(addr & ~(PAGE - 1), end, PAGE):
-            if page in self.fresh:
-                continue
-            is_code = self.pages.get(page)
-            if is_code:
-                continue
-            on_stack = bool(self.snap) and page < snap_hi and snap_lo < page + PAGE
-            if is_code is None:
-                if not self._map(page, code=False, content=not on_stack):
-                    return False
-            else:
-                data = self._process_page(page)
-                if data is None:
-                    return False
-                self.write(page, data)
-                self.fresh.add(page)
-            if on_stack:
-                self._restore_snapshot(page)
-        return True
-
-    def _restore_snapshot(self, page: int) -> None:
-        lo = max(page, self.snap_base)
-        hi = min(page + PAGE, self.snap_base + len(self.snap))
-        if lo < hi:
-            self.write(lo, self.snap[lo - self.snap_base : hi - self.snap_base])
 
     def read(self, addr: int, size: int) -> bytes | None:
-        r = _raw()
-        if size > 64 or r.mem_read(self.handle, addr, r.buf, size):
+        try:
+            return bytes(self.uc.mem_read(addr, size))
+        except _uc().UcError:
             return None
-        return r.buf.raw[:size]
 
     def write(self, addr: int, data: bytes) -> None:
-        _raw().mem_write(self.handle, addr, data, len(data))
+        self.uc.mem_write(addr, data)
 
     def _unmapped(self, uc: Any, access: int, address: int, size: int, value: int, user: Any) -> bool:
         u = _uc()
         page = address & ~(PAGE - 1)
         ok = self._map(page, code=access == u.UC_MEM_FETCH_UNMAPPED)
-        if ok and self.snap:
-            self._restore_snapshot(page)
         end_page = (address + size - 1) & ~(PAGE - 1)
         if ok and end_page != page and end_page not in self.pages:
             ok = self._map(end_page, code=False)
-        if not ok:
-            self.failed = True
-        return ok
+        return ok  # False: unicorn stops the run with an unmapped-memory error
 
     def code(self, pc: int) -> bytes | None:
         """Up to 16 instruction bytes at ``pc``: from our copy of the page, else the process."""
@@ -248,28 +209,31 @@ class _Emulator:
             stop = "tls"
         elif d.string_op:
             stop = "unsupported"
-        plan = (d, stop)
-        if code and self.pages.get(pc & ~(PAGE - 1)) and len(self.plans) < 65536:
-            self.plans[pc] = plan  # only once the page is ours: the process's own bytes may be read mid-write
-        return plan
-
-    def read_vec(self, name: str) -> int:
-        x = _uc().x86_const
-        v = self.uc.reg_read(getattr(x, f"UC_X86_REG_{name.upper()}"))
-        return int(v) if isinstance(v, int) else 0
+        return d, stop
 
 
 class Interpreter:
-    """Emulates up to L instructions from a sampled state, per process, without side effects."""
+    """Emulates up to L instructions from a sampled state, per process, without side effects.
+
+    A drain's runs go one ``execute`` call each into one buffer of steps; ``take`` turns them into a
+    StepBatch and empties it."""
 
     def __init__(self, max_processes: int = 8, reader: Callable[[int], MemReader] | None = None) -> None:
         self.max_processes = max_processes
         self._reader = reader or (lambda pid: ProcessMemory(pid).read)
+        self._lib = stepper.load()
+        self._callback = stepper.PAGE_CALLBACK(self._need_page)  # kept alive as long as the C side may call it
         self._emus: OrderedDict[int, _Emulator] = OrderedDict()
         self.stops: Counter[str] = Counter()
         self.runs = 0
         self.generation = 0  # process memory read in one generation is reused within it
         self.steps = 0
+        self.insns: list[InsnDetail] = []  # every instruction planned, by the id the loop records
+        self._insn_ids: dict[InsnDetail, int] = {}
+        self._out = stepper.Out()
+        self._steps = np.zeros(0, stepper.STEP_DTYPE)
+        self._vres = np.zeros(0, stepper.VRES_DTYPE)
+        self._reserve(256)
 
     def next_drain(self) -> None:
         """Runs from here on read process memory afresh (each page once, then the copy)."""
@@ -277,18 +241,73 @@ class Interpreter:
 
     def forget(self, pid: int) -> None:
         """The process exited or exec'd: its pages are no longer valid."""
-        self._emus.pop(pid, None)
+        e = self._emus.pop(pid, None)
+        if e is not None:
+            e.close()
 
     def _emulator(self, pid: int) -> _Emulator:
+        """The process's emulator, ready for this drain (the least recently used ones beyond
+        max_processes are closed by ``_evict``, never while a call may still use them)."""
         e = self._emus.get(pid)
         if e is None:
-            e = _Emulator(pid, self._reader(pid))
+            e = _Emulator(pid, self._reader(pid), self._lib, self._callback)
             self._emus[pid] = e
-            while len(self._emus) > self.max_processes:
-                self._emus.popitem(last=False)
         else:
             self._emus.move_to_end(pid)
+        e.begin(self.generation)
         return e
+
+    def _evict(self) -> None:
+        while len(self._emus) > self.max_processes:
+            self._emus.popitem(last=False)[1].close()
+
+    def _need_page(self, key: int, page: int, stack: int) -> int:
+        """The loop's request for a page of process ``key`` (a ctypes callback: never raises)."""
+        try:
+            e = self._emus.get(key)
+            return int(e is not None and e.refresh(page, bool(stack)))
+        except Exception:
+            return 0
+
+    def _add_plan(self, e: _Emulator) -> None:
+        """Decode the instruction the loop stopped at for want of a plan, and give it the plan."""
+        lib = self._lib
+        pc = lib.stp_need_pc(e.ctx)
+        insn, stop = e.plan(pc)
+        if e.plans >= MAX_PLANS:
+            lib.stp_clear_plans(e.ctx)
+            e.plans = 0
+        lib.stp_add_plan(e.ctx, ctypes.byref(_plan(pc, insn, stop, self._insn_id(insn) if insn else -1)))
+        e.plans += 1
+
+    def _finish(self, e: _Emulator) -> int:
+        """Run on after a stop for want of a plan until the run ends; its reason code."""
+        r = stepper.NEED_PLAN
+        while r == stepper.NEED_PLAN:
+            self._add_plan(e)
+            r = self._lib.stp_go(e.ctx)
+        return r & 0xFF
+
+    def _reserve(self, steps: int) -> None:
+        """Room for ``steps`` more steps (and their vector results) in the buffer."""
+        o = self._out
+        if o.n + steps <= len(self._steps) and o.vn + 4 * steps <= len(self._vres):
+            return
+        cap = max(2 * len(self._steps), o.n + steps, 256)
+        grown = np.zeros(cap, stepper.STEP_DTYPE)
+        grown[: o.n] = self._steps[: o.n]
+        vgrown = np.zeros(4 * cap, stepper.VRES_DTYPE)
+        vgrown[: o.vn] = self._vres[: o.vn]
+        self._steps, self._vres = grown, vgrown
+        o.steps, o.cap = grown.ctypes.data, cap
+        o.vres, o.vcap = vgrown.ctypes.data, 4 * cap
+
+    def _insn_id(self, insn: InsnDetail) -> int:
+        i = self._insn_ids.get(insn)
+        if i is None:
+            i = self._insn_ids[insn] = len(self.insns)
+            self.insns.append(insn)
+        return i
 
     def run(self, pid: int, regs: dict[str, int], stack: bytes, length: int,
             known_vec: dict[str, int] | None = None) -> RunResult:
@@ -296,87 +315,107 @@ class Interpreter:
         interrupt; ``stack``: the bytes from rsp up. ``known_vec``: vector registers whose values are
         known (exact mode)."""
         self.next_drain()  # a lone run reads the process's memory now
-        recs: list[StepRecord] = []
+        self._out.n = self._out.vn = 0
         row = ROW_STRUCT.pack(*(regs.get(n, 0) & MASK64 for n in ROW_REGS))
-        reason = self.execute(pid, row, stack, length, recs, 0, known_vec)
-        steps = StepBatch.from_records(recs, [None]).to_steps()
+        reason = self.execute(pid, row, stack, length, 0, known_vec)
+        steps = self.take(np.zeros(1, np.uint64), np.full(1, -1)).to_steps()
         return RunResult(steps[0][1] if steps else [], reason)
 
-    def execute(self, pid: int, row: bytes, stack: bytes, length: int, out: list[StepRecord], run: int,
+    def execute(self, pid: int, row: bytes, stack: bytes, length: int, run: int,
                 known_vec: dict[str, int] | None = None) -> str:
         """Emulate up to ``length`` instructions from the registers ``row`` (ROW_REGS order, packed
-        as ROW_STRUCT) and append a StepRecord per instruction to ``out``, tagged ``run``; returns why
-        the run stopped. The hot loop of value sampling: per step one emulated instruction and one
-        batch read of the registers, kept as bytes (numpy takes them whole)."""
-        self.runs += 1
+        as ROW_STRUCT) and the stack snapshot ``stack`` (from row's rsp up); the steps go to the
+        buffer tagged ``run``. Why the run stopped."""
         e = self._emulator(pid)
-        e.begin(row_value(row, _RSP), stack, self.generation)
-        r = _raw()
-        h = e.handle
-        ctypes.memmove(r.vals, row, len(row))
-        r.write_batch(h, r.ids, r.ptrs, r.n)
-        vec = dict(known_vec or {})
+        known = [0, 0]
         if known_vec:
             x = _uc().x86_const
             for name, v in known_vec.items():
-                e.uc.reg_write(getattr(x, f"UC_X86_REG_{name.upper()}"), v)
-        pc = row_value(row, _RIP)
-        cur = row
-        reason = "length"
-        n = 0
-        plans = e.plans
-        for i in range(length):
-            plan = plans.get(pc)
-            if plan is None:
-                plan = e.plan(pc)
-            insn, stop = plan
-            if stop is not None:
-                reason = stop
-                break
-            assert insn is not None
-            if insn.vreads and any(v not in vec for v in insn.vreads):
-                reason = "vector"
-                break
-            m = insn.mem
-            ea = loaded = stored = None
-            if m is not None:
-                ea = effective_address_row(m, cur, insn.next_address)
-                if ea is not None:
-                    if not e.ensure(ea, max(1, m.size)):
-                        reason = "unmapped"
-                        break
-                    if m.read:
-                        data = e.read(ea, min(m.size, 8))
-                        loaded = int.from_bytes(data, "little") if data else None
-            if insn.stack_op:
-                sp = row_value(cur, _RBP if insn.mnemonic == "leave" else _RSP)
-                if not e.ensure(sp - 8, 16):
-                    reason = "unmapped"
-                    break
-            err = r.emu_start(h, pc, 0, 0, 1)
-            if err or e.failed:
-                reason = "unmapped" if e.failed or err in _UNMAPPED_ERRORS else "fault"
-                break
-            r.read_batch(h, r.ids, r.ptrs, r.n)
-            after = bytes(r.vals)
-            vres = None
-            if insn.vwrites:
-                vres = {}
-                for vname in insn.vwrites:
-                    val = e.read_vec(vname)
-                    vec[vname] = val
-                    vres[vname] = val & MASK64
-            if m is not None and m.write and ea is not None:
-                data = e.read(ea, min(m.size, 8))
-                stored = int.from_bytes(data, "little") if data else None
-            next_pc = r.vals[_RIP]
-            out.append(StepRecord(run, i == 0, pc, insn, cur, after, ea, loaded, stored, next_pc, vres))
-            n += 1
-            cur = after
-            pc = next_pc
-        self.steps += n
+                b = stepper.VEC_BIT.get(name)
+                if b is not None:
+                    e.uc.reg_write(getattr(x, f"UC_X86_REG_{name.upper()}"), v)
+                    known[b >> 6] |= 1 << (b & 63)
+        self._reserve(length)
+        before = self._out.n
+        r = self._lib.stp_run(e.ctx, ctypes.byref(self._out), row, stack, len(stack), length, run,
+                              self.generation % 0xFFFFFFFF + 1, known[0], known[1])
+        code = self._finish(e) if r == stepper.NEED_PLAN else r & 0xFF
+        self._evict()
+        reason = STOP_REASONS[code]
+        self.runs += 1
+        self.steps += self._out.n - before
         self.stops[reason] += 1
         return reason
+
+    def execute_many(self, pids: list[int], rows: np.ndarray, stacks: np.ndarray, lens: np.ndarray, length: int,
+                     deadline: float = 0.0) -> list[str]:
+        """A drain's runs in one call: run j from ``rows[j]`` (ROW_REGS columns) and the first
+        ``lens[j]`` bytes of ``stacks[j]``, in process ``pids[j]``, its steps tagged j. With a
+        ``deadline`` (time.perf_counter seconds) the loop checks the clock every 8 runs and starts no
+        run past it. The reasons of the runs done: a prefix of them all."""
+        n = len(pids)
+        if not n:
+            return []
+        rows = np.ascontiguousarray(rows, "<u8").reshape(n, len(ROW_REGS))
+        if stacks.shape[1] == 0:
+            stacks = np.zeros((n, 8), np.uint8)
+        stacks = np.ascontiguousarray(stacks, np.uint8)
+        lens = np.ascontiguousarray(lens, np.uint32)
+        emus = {pid: self._emulator(pid) for pid in dict.fromkeys(pids)}
+        ctxs = (ctypes.c_void_p * n)(*[emus[p].ctx for p in pids])
+        self._reserve(n * length)
+        before = self._out.n
+        reasons = np.zeros(n, np.uint8)
+        at = ctypes.c_int32(0)
+        deadline_ns = int(deadline * 1e9) if deadline > 0 else 0
+        gen = self.generation % 0xFFFFFFFF + 1
+        lib, out = self._lib, ctypes.byref(self._out)
+        start = 0
+        while True:
+            r = lib.stp_run_many(ctxs, out, rows.ctypes.data, stacks.ctypes.data, stacks.shape[1], lens.ctypes.data,
+                                 n, length, gen, deadline_ns, start, reasons.ctypes.data, ctypes.byref(at))
+            if r != stepper.NEED_PLAN:
+                break
+            reasons[at.value] = self._finish(emus[pids[at.value]])
+            start = at.value + 1
+        self._evict()
+        done = at.value
+        names = [STOP_REASONS[c] for c in reasons[:done].tolist()]
+        self.runs += done
+        self.steps += self._out.n - before
+        self.stops.update(names)
+        return names
+
+    def take(self, ctx_v0: np.ndarray, ctx_img: np.ndarray) -> StepBatch:
+        """The buffer's steps as a StepBatch; empties the buffer. ``ctx_v0``, ``ctx_img``: each run's
+        call site (an offset in image ctx_img, -1: unknown), indexed by run."""
+        o = self._out
+        n, vn = o.n, o.vn
+        o.n = o.vn = 0
+        if len(self.insns) > MAX_INSNS:  # a long-lived daemon forgets old instructions now and then
+            steps = self._steps[:n]
+            for e in self._emus.values():
+                self._lib.stp_clear_plans(e.ctx)
+                e.plans = 0
+            live, steps["insn"] = np.unique(steps["insn"], return_inverse=True)
+            self.insns = [self.insns[i] for i in live.tolist()]
+            self._insn_ids = {d: i for i, d in enumerate(self.insns)}
+        if not n:
+            return StepBatch.empty()
+        st = self._steps[:n]
+        ids, group = np.unique(st["insn"], return_inverse=True)
+        run = st["run"].astype(np.int64)
+        vres: list[dict[str, int] | None] = [None] * n
+        if vn:
+            for j, name, v in self._vres[:vn][["step", "name", "value"]].tolist():
+                d = vres[j] = vres[j] or {}
+                d[stepper.VEC_NAMES[name]] = v
+        cv0, cimg = np.asarray(ctx_v0, np.uint64), np.asarray(ctx_img, np.int64)
+        return StepBatch(run, st["sampled"].astype(bool), st["pc"].copy(), group.reshape(-1).astype(np.int64),
+                         [self.insns[i] for i in ids.tolist()], st["in"].copy(), st["out"].copy(), None, None,
+                         st["ea"].copy(), st["has_ea"].astype(bool), st["loaded"].copy(),
+                         st["has_loaded"].astype(bool), st["stored"].copy(), st["has_stored"].astype(bool),
+                         st["next_pc"].copy(), np.ones(n, bool), cv0[run], cimg[run], vres)
 
 
 def describe_stops(stops: Counter[str]) -> str:

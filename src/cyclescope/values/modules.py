@@ -27,6 +27,7 @@ from cyclescope.values.api import (
     BatchModule,
     Capture,
     FormatContext,
+    Kinds,
     StepBatch,
     Value,
     ValueModule,
@@ -69,8 +70,8 @@ def _gp_views(which: Callable[[InsnDetail], Sequence[RegView]]) -> Callable[[Ins
 
 def _register_values(batch: StepBatch, which: Callable[[InsnDetail], Sequence[RegView]], prefix: str,
                      regs: np.ndarray, known: np.ndarray | None, skip: np.ndarray | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The registers ``which`` names for each step's instruction, as (kind names, step rows, values)
+                     ) -> tuple[Kinds, np.ndarray, np.ndarray]:
+    """The registers ``which`` names for each step's instruction, as (kinds, step rows, values)
     taken from ``regs`` (the batch's input or output rows) where ``known``, on rows not ``skip``."""
     rows, idx, views = batch.per_insn(_gp_views(which))
     if skip is not None:
@@ -82,8 +83,7 @@ def _register_values(batch: StepBatch, which: Callable[[InsnDetail], Sequence[Re
         rows, idx, col = rows[k], idx[k], col[k]
     shift = np.array([r.shift for r in views], np.uint64)[idx]
     mask = np.array([r.mask for r in views], np.uint64)[idx]
-    kind = np.array([prefix + r.name for r in views], object)[idx]
-    return kind, rows, (regs[rows, col] >> shift) & mask
+    return Kinds([prefix + r.name for r in views], idx), rows, (regs[rows, col] >> shift) & mask
 
 
 class Operands(BatchModule):
@@ -113,8 +113,8 @@ class Operands(BatchModule):
         if self.per_call_site:
             has = batch.ctx_img[rows] >= 0
             r = rows[has]
-            yield BatchEmit(np.char.add(kind[has].astype(str), PER_CALL_SITE), r, v[has], batch.ctx_v0[r],
-                            batch.ctx_img[r])
+            yield BatchEmit(Kinds([k + PER_CALL_SITE for k in kind.names], kind.codes[has]), r, v[has],
+                            batch.ctx_v0[r], batch.ctx_img[r])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith("in:"):
@@ -148,8 +148,7 @@ class Addresses(BatchModule):
                                       (writes, batch.has_stored, batch.stored, "store")):
             rows = np.flatnonzero(flag & has)
             if len(rows):
-                kinds = np.array([name + x for x in suffix], object)
-                yield BatchEmit(kinds[batch.group[rows]], rows, vals[rows])
+                yield BatchEmit(Kinds([name + x for x in suffix], batch.group[rows]), rows, vals[rows])
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if kind == "addr":
