@@ -118,8 +118,9 @@ class _Emulator:
             raise stepper.StepperError("the interpreter's inner loop could not hook the emulator")
 
     def close(self, unhook: bool = True) -> None:
-        if self.ctx:
-            self.lib.stp_free(self.ctx, int(unhook))
+        ctx = getattr(self, "ctx", None)  # None too when __init__ failed before making it
+        if ctx:
+            self.lib.stp_free(ctx, int(unhook))
             self.ctx = None
 
     def __del__(self) -> None:
