@@ -110,7 +110,6 @@ class _Emulator:
         self.pages: dict[int, bool] = {}  # page -> is code
         self.generation = -1
         self.copies: dict[int, bytes | None] = {}  # data pages as read from the process in this generation
-        self.plans = 0  # plans the loop holds
         self.uc.hook_add(u.UC_HOOK_MEM_UNMAPPED, self._unmapped)
         self.lib = lib
         self.ctx = lib.stp_new(self.handle, callback, pid)
@@ -275,11 +274,9 @@ class Interpreter:
         lib = self._lib
         pc = lib.stp_need_pc(e.ctx)
         insn, stop = e.plan(pc)
-        if e.plans >= MAX_PLANS:
+        if lib.stp_plan_count(e.ctx) >= MAX_PLANS:
             lib.stp_clear_plans(e.ctx)
-            e.plans = 0
         lib.stp_add_plan(e.ctx, ctypes.byref(_plan(pc, insn, stop, self._insn_id(insn) if insn else -1)))
-        e.plans += 1
 
     def _finish(self, e: _Emulator) -> int:
         """Run on after a stop for want of a plan until the run ends; its reason code."""
@@ -288,6 +285,17 @@ class Interpreter:
             self._add_plan(e)
             r = self._lib.stp_go(e.ctx)
         return r & 0xFF
+
+    def _stamp(self) -> int:
+        """This drain's generation as the loop counts them (from 1: 0 marks a page never refreshed)."""
+        return self.generation % 0xFFFFFFFF + 1
+
+    def _account(self, steps_before: int, reasons: list[str]) -> None:
+        """Count runs just done (their reasons) and the steps they added to the buffer."""
+        self._evict()
+        self.runs += len(reasons)
+        self.steps += self._out.n - steps_before
+        self.stops.update(reasons)
 
     def _reserve(self, steps: int) -> None:
         """Room for ``steps`` more steps (and their vector results) in the buffer."""
@@ -338,14 +346,10 @@ class Interpreter:
                     known[b >> 6] |= 1 << (b & 63)
         self._reserve(length)
         before = self._out.n
-        r = self._lib.stp_run(e.ctx, ctypes.byref(self._out), row, stack, len(stack), length, run,
-                              self.generation % 0xFFFFFFFF + 1, known[0], known[1])
-        code = self._finish(e) if r == stepper.NEED_PLAN else r & 0xFF
-        self._evict()
-        reason = STOP_REASONS[code]
-        self.runs += 1
-        self.steps += self._out.n - before
-        self.stops[reason] += 1
+        r = self._lib.stp_run(e.ctx, ctypes.byref(self._out), row, stack, len(stack), length, run, self._stamp(),
+                              known[0], known[1])
+        reason = STOP_REASONS[self._finish(e) if r == stepper.NEED_PLAN else r & 0xFF]
+        self._account(before, [reason])
         return reason
 
     def execute_many(self, pids: list[int], rows: np.ndarray, stacks: np.ndarray, lens: np.ndarray, length: int,
@@ -369,7 +373,7 @@ class Interpreter:
         reasons = np.zeros(n, np.uint8)
         at = ctypes.c_int32(0)
         deadline_ns = int(deadline * 1e9) if deadline > 0 else 0
-        gen = self.generation % 0xFFFFFFFF + 1
+        gen = self._stamp()
         lib, out = self._lib, ctypes.byref(self._out)
         start = 0
         while True:
@@ -379,12 +383,8 @@ class Interpreter:
                 break
             reasons[at.value] = self._finish(emus[pids[at.value]])
             start = at.value + 1
-        self._evict()
-        done = at.value
-        names = [STOP_REASONS[c] for c in reasons[:done].tolist()]
-        self.runs += done
-        self.steps += self._out.n - before
-        self.stops.update(names)
+        names = [STOP_REASONS[c] for c in reasons[: at.value].tolist()]
+        self._account(before, names)
         return names
 
     def take(self, ctx_v0: np.ndarray, ctx_img: np.ndarray) -> StepBatch:
@@ -397,7 +397,6 @@ class Interpreter:
             steps = self._steps[:n]
             for e in self._emus.values():
                 self._lib.stp_clear_plans(e.ctx)
-                e.plans = 0
             live, steps["insn"] = np.unique(steps["insn"], return_inverse=True)
             self.insns = [self.insns[i] for i in live.tolist()]
             self._insn_ids = {d: i for i, d in enumerate(self.insns)}

@@ -337,7 +337,7 @@ void stp_sizes(uint32_t *out) {
 uint64_t stp_need_pc(ctx_t *c) { return c->need_pc; }
 
 /* Every data page is stale: the next touch refreshes it (after a write that could not be undone). */
-void stp_forget_pages(ctx_t *c) {
+static void forget_pages(ctx_t *c) {
     for (uint32_t i = 0; i < c->fcap; i++) c->fresh_gen[i] = 0;
 }
 
@@ -365,7 +365,7 @@ int stp_go(ctx_t *c) {
     if (c->reason < 0) c->reason = R_LENGTH;
     end_run(c);
     int r = c->reason | (c->lost ? LOST_FLAG : 0);
-    if (c->lost) stp_forget_pages(c);
+    if (c->lost) forget_pages(c);
     return r;
 }
 

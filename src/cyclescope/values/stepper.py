@@ -141,8 +141,6 @@ def load() -> ctypes.CDLL:
     lib.stp_plan_count.restype = u32
     lib.stp_need_pc.argtypes = [vp]
     lib.stp_need_pc.restype = u64
-    lib.stp_forget_pages.argtypes = [vp]
-    lib.stp_forget_pages.restype = None
     lib.stp_go.argtypes = [vp]
     lib.stp_go.restype = ctypes.c_int
     lib.stp_run.argtypes = [vp, ctypes.POINTER(Out), ctypes.c_char_p, ctypes.c_char_p, u32, ctypes.c_int, i32, u32,
