@@ -455,6 +455,10 @@ class Session:
     def drain(self) -> list[bytes]:
         return [r.read() for r in self.rings]
 
+    def fullest(self) -> float:
+        """How full the fullest ring is, from 0 to 1 (two loads from each ring's control page)."""
+        return max((r.pending() / r.size for r in self.rings), default=0.0)
+
     def rerandomize(self) -> None:
         """Draw a new period per event and apply it to the events we opened.
 
