@@ -218,14 +218,6 @@ class Collector:
                 now = time.monotonic()
                 if hooks is not None and hooks.tick is not None:
                     hooks.tick(now)
-                # The kernel wakes us each time a ring's head crosses the next multiple of the
-                # watermark, counted from the ring's start, not from where we last read: after a
-                # drain on the timer (drain_s shorter than the time to fill half a ring, as with
-                # interpretation) the next wake-up comes with only a fraction of a watermark in the
-                # ring. Draining then would double the drains and their fixed cost; the timer or the
-                # next crossing (at most half a ring later) takes those samples instead.
-                if ready is True and self.session.fullest() < WAKE_MIN_FILL:
-                    ready = False
                 if ready or now >= next_drain:
                     self.step()
                     next_drain = now + self.cfg.drain_s
@@ -263,9 +255,9 @@ class Collector:
             self.close()
         return self.totals
 
-    def _wait(self, timeout: float, extra: tuple[int, ...] = ()) -> bool | str:
-        """Sleep until a ring is past its watermark (True) or hung up or in error ("hup"), a
-        control request was served, an ``extra`` descriptor is readable, or timeout (False)."""
+    def _wait(self, timeout: float, extra: tuple[int, ...] = ()) -> bool:
+        """Sleep until a ring is worth draining (True), a control request was served, an
+        ``extra`` descriptor is readable, or timeout."""
         p = select.poll()
         fds = self.session.fds
         for fd in fds:
@@ -278,16 +270,20 @@ class Collector:
             events = p.poll(math.ceil(timeout * 1000))  # round up: a 0 ms timeout would spin
         except InterruptedError:
             return False
-        ring: bool | str = False
+        ring = hup = False
         for fd, ev in events:
             if self.control is not None and fd == self.control.fileno():
                 self._serve()
             elif fd not in extra:
-                if ev & (select.POLLHUP | select.POLLERR):
-                    ring = "hup"  # poll reports it again at once: drain now, never skip
-                elif ring is False:
-                    ring = True
-        return ring
+                ring = True
+                hup |= bool(ev & (select.POLLHUP | select.POLLERR))  # poll reports it again at once
+        # The kernel wakes us each time a ring's head crosses the next multiple of the watermark,
+        # counted from the ring's start, not from where we last read: after a drain on the timer
+        # (drain_s shorter than the time to fill half a ring, as with interpretation) the next
+        # wake-up comes with only a fraction of a watermark in the ring. Draining then would double
+        # the drains and their fixed cost; the timer or the next crossing (at most half a ring
+        # later) takes those samples instead. A hang-up or error is drained at once.
+        return ring and (hup or self.session.fullest() >= WAKE_MIN_FILL)
 
     def close(self) -> None:
         if self._compacting is not None:
