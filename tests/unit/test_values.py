@@ -6,6 +6,8 @@ import os
 import re
 import stat
 import struct
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -539,3 +541,15 @@ def test_the_c_loop_is_cached_only_in_a_private_directory(tmp_path: Path, monkey
     (tmp_path / "cyclescope").chmod(0o777)  # others could plant a library there: not used
     other = stepper.cache_dir()
     assert other != tmp_path / "cyclescope" and other.stat().st_mode & 0o077 == 0
+    assert stepper.cache_dir() == other  # one fallback per process, not one per call
+
+
+def test_the_private_fallback_cache_is_removed_at_exit(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    (tmp_path / "cyclescope").mkdir(mode=0o700)
+    (tmp_path / "cyclescope").chmod(0o777)
+    code = "from cyclescope.values import stepper; print(stepper.cache_dir()); print(stepper.cache_dir())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    first, second = r.stdout.split()
+    assert first == second and first != str(tmp_path / "cyclescope")
+    assert not Path(first).exists()  # the process's fallback directory went with it

@@ -9,6 +9,7 @@ and a missing compiler is found at install time.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -77,8 +78,20 @@ def cache_dir() -> Path:
             return d
     except OSError:
         pass
-    # Not ours or not private: a private directory of our own instead (built afresh).
-    return Path(tempfile.mkdtemp(prefix="cyclescope-"))
+    # Not ours or not private: a private directory of this process's instead (built afresh there),
+    # one per process and removed at exit (a library loaded from it stays mapped until then).
+    return _private_fallback()
+
+
+_FALLBACK: Path | None = None
+
+
+def _private_fallback() -> Path:
+    global _FALLBACK
+    if _FALLBACK is None or not _FALLBACK.is_dir():
+        _FALLBACK = Path(tempfile.mkdtemp(prefix="cyclescope-"))
+        atexit.register(shutil.rmtree, _FALLBACK, ignore_errors=True)
+    return _FALLBACK
 
 
 def library_path() -> Path:
