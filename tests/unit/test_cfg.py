@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 
 from cyclescope.analysis.cfg import CFG, ENTRY, EXIT, Block, Edge, build_cfg
 from cyclescope.analysis.equivalence import cycle_equivalence
-from cyclescope.images.disasm import disassemble, read_code
-from cyclescope.images.elf import read_load_info, read_symbols
+from cyclescope.images.disasm import disassemble, insn_info, read_code
+from cyclescope.images.elf import apply_relative, read_load_info, read_symbols, relative_relocations
 
 
 def make_cfg(nblocks: int, arcs: list[tuple[int, int]]) -> CFG:
@@ -188,3 +189,101 @@ def test_objdump_agrees_on_block_boundaries(compile_c: Callable[..., Path]) -> N
     starts = {b.start for b in cfg.blocks}
     inside = {t for t in targets if cfg.blocks[0].start <= t < cfg.blocks[-1].end}
     assert inside <= starts
+
+
+DISPATCH = r"""
+#include <stdio.h>
+#include <stdlib.h>
+/* A small bytecode interpreter dispatching with computed goto, as Lua and CPython do. */
+enum { PUSH, ADD, SUB, MUL, DUP, SWAP, JNZ, DEC, PRINT, HALT };
+__attribute__((noinline)) long run(const int *code, long n) {
+    static const void *const table[] = { &&op_push, &&op_add, &&op_sub, &&op_mul, &&op_dup, &&op_swap,
+                                         &&op_jnz, &&op_dec, &&op_print, &&op_halt };
+    long stack[64]; long sp = 0; const int *pc = code; long acc = n;
+#define NEXT() goto *table[*pc++ & 15]
+    NEXT();
+op_push: stack[sp++] = *pc++; NEXT();
+op_add: sp--; stack[sp - 1] += stack[sp]; NEXT();
+op_sub: sp--; stack[sp - 1] -= stack[sp]; NEXT();
+op_mul: sp--; stack[sp - 1] *= stack[sp]; NEXT();
+op_dup: stack[sp] = stack[sp - 1]; sp++; NEXT();
+op_swap: { long t = stack[sp - 1]; stack[sp - 1] = stack[sp - 2]; stack[sp - 2] = t; } NEXT();
+op_jnz: { int off = *pc++; if (acc) pc += off; } NEXT();
+op_dec: acc--; NEXT();
+op_print: printf("%ld\n", stack[sp - 1]); NEXT();
+op_halt: return stack[sp - 1] + acc;
+}
+int main(int argc, char **argv) {
+    long n = argc > 1 ? atol(argv[1]) : 1000;
+    static const int prog[] = { PUSH, 1, PUSH, 3, ADD, DUP, MUL, PUSH, 2, SUB, DEC, JNZ, -10, PRINT, HALT };
+    return (int)(run(prog, n) & 1);
+}
+"""
+
+
+def dispatch_cfg(exe: Path, relocate: bool = True) -> CFG:
+    """The CFG of the interpreter's ``run``, reading its table as the loaded program sees it."""
+    syms = read_symbols(str(exe))
+    i = syms.names.index("run")
+    start, end = int(syms.starts[i]), int(syms.ends[i])
+    info = read_load_info(str(exe))
+    code = read_code(str(exe), start, end, info)
+
+    def read(addr: int, n: int) -> bytes | None:
+        data = read_code(str(exe), addr, addr + n, info)
+        return apply_relative(str(exe), addr, data) if relocate else data
+
+    return build_cfg(disassemble(code, start), start, end, read=read, infos=insn_info(code, start))
+
+
+def assert_dispatch_resolved(cfg: CFG) -> None:
+    assert not cfg.missing_edges, cfg.notes
+    handlers = {e.dst for e in cfg.edges if e.kind == "table"}
+    assert len(handlers) == 10  # every opcode's handler, from every dispatch point
+    sources = {e.src for e in cfg.edges if e.kind == "table"}
+    assert len(sources) >= 8  # clang and GCC both copy the dispatch into each handler
+    assert not handlers & cfg.unreachable
+
+
+def test_a_computed_goto_dispatch_is_resolved_gcc(compile_c: Callable[..., Path]) -> None:
+    # GCC: mov rax, qword ptr [r12 + rax*8]; jmp rax, the table's address set once in r12.
+    exe = compile_c("dispatch", "-O2", "-g", source=DISPATCH)
+    assert_dispatch_resolved(dispatch_cfg(exe))
+    assert_dispatch_resolved(dispatch_cfg(exe, relocate=False))  # GNU ld writes the addends in the file too
+
+
+def test_a_computed_goto_dispatch_is_resolved_clang(tmp_path: Path) -> None:
+    # clang: jmp qword ptr [rbp + rdx*8], the table's register copied and reloaded between handlers.
+    clang = shutil.which("clang-14") or shutil.which("clang")
+    if clang is None:
+        pytest.skip("clang is not installed (scripts/setup installs clang-14)")
+    src = tmp_path / "dispatch.c"
+    src.write_text(DISPATCH)
+    exe = tmp_path / "dispatch"
+    subprocess.run([clang, "-O2", "-g", "-o", str(exe), str(src)], check=True, capture_output=True)
+    assert_dispatch_resolved(dispatch_cfg(exe))
+
+
+def test_a_table_left_zero_in_the_file_is_read_through_its_relocations(compile_c: Callable[..., Path],
+                                                                        tmp_path: Path) -> None:
+    """lld leaves a PIE's tables of code addresses zero in the file (unless --apply-dynamic-relocs)
+    and puts the addresses in R_X86_64_RELATIVE relocations only: zero the table of a real binary
+    the same way, and the CFG must still find every handler."""
+    exe = compile_c("dispatch", "-O2", "-g", source=DISPATCH)
+    syms = read_symbols(str(exe))
+    i = syms.names.index("run")
+    start, end = int(syms.starts[i]), int(syms.ends[i])
+    offs, vals = relative_relocations(str(exe))
+    slots = [int(o) for o, v in zip(offs, vals, strict=True) if start <= int(v) < end]
+    assert len(slots) == 10
+    info = read_load_info(str(exe))
+    data = bytearray(exe.read_bytes())
+    for o in slots:
+        off = info.file_offset(o)
+        assert off is not None
+        data[off : off + 8] = bytes(8)
+    zeroed = tmp_path / "dispatch-zeroed"
+    zeroed.write_bytes(bytes(data))
+    relative_relocations.cache_clear()
+    assert dispatch_cfg(zeroed, relocate=False).missing_edges  # the file alone no longer says where
+    assert_dispatch_resolved(dispatch_cfg(zeroed))

@@ -110,7 +110,7 @@ def calc_procedure(
     if len(infos) != len(insns):  # capstone's detail and lite modes disagree: keep them aligned
         infos = (infos + [InsnInfo(frozenset(), frozenset(), False, False, frozenset(), "other")] * len(insns))[
             : len(insns)]
-    cfg = build_cfg(insns, start, end, name_at, read)
+    cfg = build_cfg(insns, start, end, name_at, read, infos)
     classes = cycle_equivalence(cfg)
     blocks = [insns[b.first : b.last + 1] for b in cfg.blocks]
     raw = model_procedure(blocks, cache, cache_key, mcpu)

@@ -46,7 +46,7 @@ def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcp
     from cyclescope.db.query import query_counts
     from cyclescope.images.cache import Cache
     from cyclescope.images.disasm import read_code
-    from cyclescope.images.elf import read_load_info
+    from cyclescope.images.elf import apply_relative, read_load_info
     from cyclescope.report.listing import counts_at
     from cyclescope.report.prof import counts_by_image
 
@@ -68,8 +68,10 @@ def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcp
 
     def read(addr: int, n: int) -> bytes | None:
         try:
-            return read_code(b.path or "", addr, addr + n, elf)
-        except Exception:  # an address outside the file: no table there
+            data = read_code(b.path or "", addr, addr + n, elf)
+            # A table of code addresses in a PIE is zeros in the file until relocated.
+            return apply_relative(b.path or "", addr, data) if elf.elf_type == "ET_DYN" else data
+        except Exception:  # an address outside the file (no table there), or unreadable relocations
             return None
 
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,

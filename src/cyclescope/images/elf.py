@@ -366,6 +366,60 @@ def _plt_symbols(elf: ELFFile) -> list[tuple[int, int, str]]:
     return out
 
 
+R_X86_64_RELATIVE = 8
+_RELA_DTYPE = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
+
+
+@lru_cache(maxsize=8)
+def relative_relocations(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses, values) of the R_X86_64_RELATIVE relocations of ``path``, sorted by address.
+
+    In a position-independent executable or library, a table of code addresses
+    (a computed-goto dispatch table, a vtable) may hold zeros in the file (lld
+    writes them; GNU ld writes the addends there too): the dynamic loader
+    writes base + addend. Reading such a table as the
+    program sees it (relative to its own vaddrs) means applying these addends.
+    pyelftools finds the sections; the entries are read as one numpy array
+    (iterating pyelftools' relocation objects costs ~10 us each, and large
+    libraries have hundreds of thousands).
+    """
+    from elftools.elf.relocation import RelocationSection
+
+    with open(path, "rb") as f:
+        elf = _open_elf(f, path)
+        if elf["e_machine"] != "EM_X86_64":
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+        parts = []
+        for sec in elf.iter_sections():
+            if isinstance(sec, RelocationSection) and sec.is_RELA() and sec["sh_entsize"] == _RELA_DTYPE.itemsize:
+                data = sec.data()
+                parts.append(np.frombuffer(data[: len(data) - len(data) % _RELA_DTYPE.itemsize], _RELA_DTYPE))
+    if not parts:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    r = np.concatenate(parts)
+    r = r[(r["info"] & 0xFFFFFFFF) == R_X86_64_RELATIVE]
+    order = np.argsort(r["offset"], kind="stable")
+    return r["offset"][order].copy(), r["addend"][order].astype(np.uint64)
+
+
+def apply_relative(path: str, address: int, data: bytes) -> bytes:
+    """``data`` read from the file at vaddr ``address``, with the RELATIVE relocations inside it
+    applied as if loaded at the file's own addresses (8-byte slots)."""
+    offs, vals = relative_relocations(path)
+    if not len(offs):
+        return data
+    lo = int(np.searchsorted(offs, np.uint64(address)))
+    hi = int(np.searchsorted(offs, np.uint64(address + len(data))))
+    if lo == hi:
+        return data
+    out = bytearray(data)
+    for o, v in zip(offs[lo:hi].tolist(), vals[lo:hi].tolist(), strict=True):
+        k = o - address
+        if k + 8 <= len(out):
+            out[k : k + 8] = int(v).to_bytes(8, "little")
+    return bytes(out)
+
+
 def read_symbols(path: str, stream: BinaryIO | None = None, demangle: bool = True) -> SymbolTable:
     """.symtab and .dynsym of ``path``, plus those of its separate debug file."""
     from elftools.common.exceptions import ELFError
