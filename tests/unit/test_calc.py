@@ -7,7 +7,8 @@ import pytest
 
 from cyclescope.analysis.calc import calc_procedure
 from cyclescope.analysis.skid import skidded
-from cyclescope.images.disasm import disassemble, insn_info, read_code
+from cyclescope.errors import CycleScopeError
+from cyclescope.images.disasm import Insn, disassemble, insn_info, read_code
 from cyclescope.report.calc import calc_to_json, summarize
 from tests.unit.test_listing import DATA
 
@@ -62,3 +63,32 @@ def test_a_stalled_instruction_gets_culprits_and_a_lower_confidence() -> None:
     assert "p" in c.culprits[k].codes  # the head of a block entered by a conditional branch
     assert 0x11BB in c.culprits[k].culprit_addrs["p"]
     assert c.freq.block_confidence[loop.id] == "low"
+
+
+def _block(code: bytes, at: int = 0x1000) -> list[Insn]:
+    return disassemble(code, at)
+
+
+# luaH_getshortstr's first block (clang-14 -O2): `mov cl, [rdi+0xb]` merges into rcx, which the block
+# rewrites at its end, so llvm-mca running it as a loop chains each iteration to the next.
+GETSHORTSTR = bytes.fromhex("8a4f0b" "b8ffffffff" "d3e0" "f7d0" "23460c" "4898" "488d0c40" "48c1e103"
+                            "48034f18" "488d059cfc0000" "eb1b")
+
+
+def test_a_block_that_does_not_loop_is_modelled_without_the_loop_llvm_mca_would_make_of_it() -> None:
+    from cyclescope.analysis.schedule import carried_registers, llvm_mca, model_blocks
+
+    blk = _block(GETSHORTSTR)
+    assert [i.mnemonic for i in blk][:2] == ["mov", "mov"] and blk[-1].mnemonic == "jmp"
+    assert carried_registers(blk) == ["eax", "ecx"]
+    loop = _block(bytes.fromhex("4801c8" "48ffc9" "75f8"))  # add rax, rcx; dec rcx; jne back to itself
+    assert loop[-1].direct_target == loop[0].address and carried_registers(loop) == []
+    try:
+        llvm_mca()
+    except CycleScopeError as e:  # the model needs the tool; scripts/setup installs llvm-14
+        pytest.skip(f"llvm-mca is not installed: {e}")
+    m = model_blocks([blk, loop], "znver3")
+    # The chain through rcx (load, shl, not, and-load, cdqe, lea, shl, add-load) is about 15 cycles;
+    # without it the block costs what its throughput allows.
+    assert m.blocks[0].cycles < 5
+    assert m.blocks[1].cycles >= 1.0  # the real chain through rcx in the loop stays: dec's latency each iteration

@@ -106,6 +106,7 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
         for k, ins in enumerate(blk):
             where.append((len(lines), b * 1_000_000 + k))
             lines.append(asm_line(ins))
+        lines += [f"xor {r}, {r}" for r in carried_registers(blk)]
         lines.append(f"# LLVM-MCA-END b{b}")
     replaced: set[int] = set()
     line_of = {src: key for src, key in where}
@@ -142,7 +143,8 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
             models.append(BlockModel([InsnModel(1.0, 1.0, 0.0, 0.0, True) for _ in blk], float(n)))
             continue
         tl = r["TimelineView"]["TimelineInfo"]
-        its = len(tl) // n
+        stride = n + len(carried_registers(blk))  # the dependency breakers' rows are skipped
+        its = len(tl) // stride
         lo = min(WARMUP, max(0, its - 2))
         gaps = [0.0] * n
         lat = [0.0] * n
@@ -152,8 +154,8 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
         for it in range(lo, its):
             cnt += 1
             for k in range(n):
-                row = tl[it * n + k]
-                prev = tl[it * n + k - 1] if it * n + k > 0 else None
+                row = tl[it * stride + k]
+                prev = tl[it * stride + k - 1] if it * stride + k > 0 else None
                 prev_r = prev["CycleRetired"] if prev is not None else row["CycleDispatched"]
                 gaps[k] += max(0, row["CycleRetired"] - prev_r)
                 lat[k] += max(0, row["CycleExecuted"] - row["CycleDispatched"])
@@ -171,8 +173,36 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
     return ProcedureModel(mcpu, models, notes)
 
 
+_ZERO32 = {"rax": "eax", "rbx": "ebx", "rcx": "ecx", "rdx": "edx", "rsi": "esi", "rdi": "edi", "rbp": "ebp",
+           **{f"r{i}": f"r{i}d" for i in range(8, 16)}}
+
+
+def carried_registers(blk: Sequence[Insn]) -> list[str]:
+    """Registers a block writes, for a block that does not loop to itself: run as a loop by llvm-mca,
+    a register the block writes and reads (before writing it, or by a partial write such as
+    ``mov cl, [mem]`` merging into rcx) chains one iteration to the next, a dependency the program does not have, since
+    the block's executions are separated by other code. A zero idiom at the end of the region breaks
+    each chain (llvm-mca models them as dependency-breaking); their rows are dropped from the
+    timeline. A block that jumps to its own start keeps its chains: they are real."""
+    if not blk:
+        return []
+    last = blk[-1]
+    if last.direct_target == blk[0].address:
+        return []
+    from cyclescope.images.disasm import insn_info
+
+    infos = insn_info(b"".join(i.raw for i in blk), blk[0].address)
+    written: set[str] = set()
+    for info in infos:
+        written |= info.writes  # capstone does not count a partial write's merge as a read: break them all
+    return [_ZERO32[r] for r in sorted(written) if r in _ZERO32]
+
+
+MODEL_VERSION = "3"  # 3: dependency breakers after non-looping blocks
+
+
 def model_key(blocks: Sequence[Sequence[Insn]], mcpu: str) -> str:
-    h = hashlib.sha1(mcpu.encode())
+    h = hashlib.sha1((MODEL_VERSION + mcpu).encode())
     for blk in blocks:
         h.update(b"|")
         for ins in blk:
