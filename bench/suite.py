@@ -5,6 +5,7 @@ configured suites is added when missing). Each is built statically so that
 its hot code lives in one image. Nothing built here is committed.
 
     python bench/suite.py            # fetch and build everything into bench/out/suite/
+    python bench/suite.py lua sqlite # also (or only) Lua 5.4 and SQLite's shell (bench/optimize.py)
 """
 
 from __future__ import annotations
@@ -86,6 +87,49 @@ def build_autotools(pkg: str, binary: str, extra: str = "") -> Path:
     return out
 
 
+def prepare_lua() -> Path:
+    """Lua 5.4's source tree, with the header Debian's rules generate (its luaconf.h includes it)."""
+    src = fetch("lua5.4")
+    header = src / "src" / "lua5.4-deb-multiarch.h"
+    if not header.exists():
+        header.write_text('#ifndef _LUA_DEB_MULTIARCH_\n#define _LUA_DEB_MULTIARCH_\n'
+                          '#define DEB_HOST_MULTIARCH "x86_64-linux-gnu"\n#endif\n')
+    return src
+
+
+def prepare_sqlite() -> Path:
+    """SQLite's source tree with its amalgamation (sqlite3.c, shell.c) generated: the form most
+    programs embed it in (building it needs tclsh)."""
+    src = fetch("sqlite3")
+    if not (src / "sqlite3.c").exists() or not (src / "shell.c").exists():
+        sh("./configure -q --disable-tcl >/dev/null && make -s sqlite3.c shell.c >/dev/null", cwd=src)
+    return src
+
+
+LUA_SOURCES = [f"{n}.c" for n in (
+    "lapi", "lauxlib", "lbaselib", "lcode", "lcorolib", "lctype", "ldblib", "ldebug", "ldo", "ldump", "lfunc", "lgc",
+    "linit", "liolib", "llex", "lmathlib", "lmem", "loadlib", "lobject", "lopcodes", "loslib", "lparser", "lstate",
+    "lstring", "lstrlib", "ltable", "ltablib", "ltm", "lua", "lundump", "lutf8lib", "lvm", "lzio")]  # not luac.c
+LUA_FLAGS = ["-DLUA_USE_LINUX"]  # with -ldl
+SQLITE_FLAGS = ["-DSQLITE_THREADSAFE=0", "-DSQLITE_OMIT_LOAD_EXTENSION"]  # one thread, no -ldl/-lpthread
+
+
+def build_lua() -> Path:
+    out = BIN / "lua"
+    if not out.exists():
+        src = prepare_lua() / "src"
+        sh(f"gcc {CFLAGS} {' '.join(LUA_FLAGS)} -o {out} {' '.join(LUA_SOURCES)} -lm -ldl", cwd=src)
+    return out
+
+
+def build_sqlite() -> Path:
+    out = BIN / "sqlite3"
+    if not out.exists():
+        src = prepare_sqlite()
+        sh(f"gcc {CFLAGS} {' '.join(SQLITE_FLAGS)} -I. -o {out} sqlite3.c shell.c -lm", cwd=src)
+    return out
+
+
 def build_zlib() -> Path:
     out = BIN / "minigzip"
     if not out.exists():
@@ -147,6 +191,12 @@ def programs(names: list[str] | None = None) -> tuple[list[Program], Path]:
         out.append(Program("xz", exe, ["-c", "-3", "-T1", "{input}"], "xz"))
     if "zlib" in want:
         out.append(Program("zlib", build_zlib(), ["-c", "-6", "{input}"], "minigzip"))
+    # Not in the default set (the accuracy figures were measured without them); bench/optimize.py uses them.
+    if "lua" in want:
+        out.append(Program("lua", build_lua(), [str(ROOT / "bench" / "programs" / "workload.lua")], "lua"))
+    if "sqlite" in want:
+        out.append(Program("sqlite", build_sqlite(),
+                           [":memory:", f".read {ROOT / 'bench' / 'programs' / 'workload.sql'}"], "sqlite3"))
     return out, inp
 
 
