@@ -238,8 +238,11 @@ def test_optimize_closes_the_loop_with_clang(tmp_path: Path) -> None:
         pytest.skip("clang is not installed (scripts/setup installs clang-14)")
     src = Path(__file__).parents[1] / "programs" / "callgraph.c"
     p = cs("optimize", "--build", f"{clang} -O2 -g {{flags}} -o {{out}} {src}", "--runs", "2", "--workdir",
-           str(tmp_path / "w"), "--json", "--", "{out}", "2000000", timeout=600)
+           str(tmp_path / "w"), "--train-samples", "3000", "--json", "--", "{out}", "2000000", timeout=600)
     doc = json.loads(p.stdout)
+    # The training run is repeated into one profile until it has the samples asked for.
+    assert doc["train_samples"] >= 3000 and 1 <= doc["train_runs"] <= 20
+    assert p.stderr.count("training run ") == doc["train_runs"]
     assert doc["same_output"] and len(doc["base_cpu_s"]) == len(doc["opt_cpu_s"]) == 2
     assert doc["speedup"] > 0 and Path(doc["profile"]).stat().st_size > 0
     assert "leaf" in Path(doc["profile"]).read_text()

@@ -1,6 +1,7 @@
 """`cyclescope optimize`: the Morph loop for a program built from source.
 
-Build (with {flags} empty) -> profile a training run -> export an LLVM sample profile from calc's
+Build (with {flags} empty) -> profile a training run (repeated into one profile until it has
+--train-samples samples) -> export an LLVM sample profile from calc's
 estimates -> rebuild with -fprofile-sample-use (and LLVM's profile inference) -> run both builds
 alternately and report the speedup with its spread. Everything goes into one work directory, kept
 for inspection.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -26,6 +28,7 @@ PROFILE_FLAGS = "-fdebug-info-for-profiling"
 # min-cost flow over the CFG, in place of the older weight propagation. Timer samples give line
 # counts with gaps and noise, which is what it was made for: under cachegrind's model it took
 # calc's profile of bzip2 from 57% to 85% of instrumented PGO's gain (docs/benchmarks.md).
+MAX_TRAIN_RUNS = 20
 INFERENCE_FLAGS = {"profi": "-mllvm -sample-profile-use-profi", "propagate": ""}
 
 
@@ -80,6 +83,9 @@ class Optimize(Command):
                                                         "(default: a new directory under /tmp)")
         p.add_argument("-F", "--freq", type=float, default=5000.0, metavar="HZ",
                        help="sampling rate of the training run (default: 5000)")
+        p.add_argument("--train-samples", type=int, default=20000, metavar="N",
+                       help="repeat the training run into one profile until it has N samples, at most "
+                            f"{MAX_TRAIN_RUNS} runs (default: 20000; 0: one run)")
         p.add_argument("--counts", choices=("calc", "samples"), default="calc",
                        help="the profile's counts: calc's execution estimates (default) or raw samples per "
                             "instruction (see `export llvm-sample`)")
@@ -101,6 +107,8 @@ class Optimize(Command):
             raise UsageError("--build must contain {out} (and {flags} for the profile flags)")
         if args.runs < 1:
             raise UsageError("--runs must be at least 1")
+        if args.train_samples < 0:
+            raise UsageError("--train-samples must be 0 or more")
         work = Path(args.workdir or tempfile.mkdtemp(prefix="cyclescope-optimize-"))
         work.mkdir(parents=True, exist_ok=True)
         base, opt, prof, db = work / "base", work / "opt", work / "profile.txt", work / "train.db"
@@ -118,16 +126,27 @@ class Optimize(Command):
 
         me = [sys.executable, "-m", "cyclescope"]
         build(base, PROFILE_FLAGS)
-        eprint("cyclescope optimize: training run under cyclescope record")
-        rec = [*me, "record", "--db", str(db), "-q", "-F", str(args.freq), "--", *argv(base)]
-        stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            r = subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        finally:
-            if args.stdin:
-                stdin.close()  # type: ignore[union-attr]
-        if r.returncode != 0:
-            raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
+        total = runs = 0
+        for t in range(MAX_TRAIN_RUNS):
+            runs = t + 1
+            # The training run again, into the same epoch, until the profile has enough samples: a
+            # run of a fraction of a second leaves most blocks with a few samples, and calc's
+            # estimates (and clang's use of them) improve with more (docs/benchmarks.md).
+            rec = [*me, "record", "--db", str(db), *(["--append"] if t else []), "-F", str(args.freq), "--",
+                   *argv(base)]
+            stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                r = subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            finally:
+                if args.stdin:
+                    stdin.close()  # type: ignore[union-attr]
+            if r.returncode != 0:
+                raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
+            m = re.search(r"record: ([\d,]+) samples", r.stderr)
+            total += int(m.group(1).replace(",", "")) if m else 0
+            eprint(f"cyclescope optimize: training run {t + 1} under cyclescope record: {total:,} samples so far")
+            if total >= args.train_samples or not m:
+                break
         r = subprocess.run([*me, "export", "llvm-sample", "--db", str(db), "--image", str(base),
                             "--counts", args.counts, "-o", str(prof)], capture_output=True, text=True)
         if r.returncode != 0:
@@ -152,6 +171,7 @@ class Optimize(Command):
         ratios = [b / o for b, o in zip(times["base"], times["opt"], strict=True) if o > 0]
         med, lo, hi = quartiles(ratios)
         doc = {"workdir": str(work), "profile": str(prof), "inference": args.inference, "runs": args.runs,
+               "train_runs": runs, "train_samples": total,
                "base_cpu_s": times["base"], "opt_cpu_s": times["opt"], "speedup": med,
                "speedup_quartiles": [lo, hi], "same_output": same}
         if args.json:
