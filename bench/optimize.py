@@ -36,7 +36,8 @@ gains clearly, unlike the compressors: Lua 5.4's interpreter running bench/progr
 SQLite's shell (its amalgamation) running bench/programs/workload.sql in memory (inserts, index
 builds, joins, aggregates, sorting); both compiled with one clang command like bzip2.
 
-Usage: python bench/optimize.py [--runs 31] [--programs bzip2,gzip,xz,zlib,lua,sqlite]
+Usage: python bench/optimize.py [--runs 31] [--programs bzip2,gzip,xz,zlib,lua,sqlite] [--train-runs N]
+                                [--repeat R]
                                 [--sources calc,samples,callgrind,calc+profi]
 """
 
@@ -184,6 +185,9 @@ def main() -> None:
     ap.add_argument("--train-runs", type=int, default=1, metavar="N",
                     help="record the training run N times into the profile (more samples: a run of 0.2-0.5 s "
                          "at 5 kHz gives 1,000-2,500; a continuous profiler would see the program many times)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="R",
+                    help="under cachegrind, each sample profile from R independent recordings (fresh training runs, "
+                         "new profile, new build): the spread of its share of instrumented PGO's gain")
     ap.add_argument("--no-simulate", dest="simulate", action="store_false",
                     help="skip the deterministic comparison under cachegrind")
     args = ap.parse_args()
@@ -240,6 +244,26 @@ def main() -> None:
                 sim[c] = simulate(argv(exe))
                 print(f"{name} under cachegrind: {c} CEst {sim[c]['CEst']:,} (Ir {sim[c]['Ir']:,}, "
                       f"mispredicts {sim[c]['Bm']:,})", flush=True)
+        # Fresh recordings: the same configuration again from new training runs (the model run is
+        # deterministic, the samples are not), for the spread of each sample profile's share.
+        reps: dict[str, list[int]] = {c: [sim[c]["CEst"]] for c in sources if c in sim}
+        for rep in range(1, args.repeat if args.simulate else 1):
+            dr = d / f"rep{rep}"
+            dr.mkdir()
+            for t in range(args.train_runs):
+                sh([*cs, "record", "--db", str(dr / "db"), "-q", *(["--append"] if t else []), "--", *argv(base)])
+            for src in sources:
+                counts, _, variant = src.partition("+")
+                if counts == "callgrind":
+                    continue  # exact counts: the same profile every time
+                prof = dr / f"{counts}.prof"
+                if not prof.exists():
+                    sh([*cs, "export", "llvm-sample", "--db", str(dr / "db"), "--image", str(base), "--counts",
+                        counts, "-o", str(prof)])
+                extra = " -mllvm -sample-profile-use-profi" if variant == "profi" else ""
+                exe = build(dr / src.replace("+", "-"), f"-fprofile-sample-use={prof}{extra}")
+                reps[src].append(simulate(argv(exe))["CEst"])
+                print(f"{name} under cachegrind, recording {rep + 1}: {src} CEst {reps[src][-1]:,}", flush=True)
         cpu: dict[str, list[float]] = {c: [] for c, _ in cons}
         for rnd in range(args.runs):
             k = rnd % len(cons)
@@ -249,7 +273,8 @@ def main() -> None:
         speedup = {c: [b / x for b, x in zip(cpu["base"], cpu[c], strict=True)] for c, _ in cons[1:]}
         gain_i = median(speedup["instr"]) - 1
         share = {c: (median(speedup[c]) - 1) / gain_i if gain_i > 0.005 else None for c in sources}
-        results[name] = {"cpu": cpu, "speedup": speedup, "share": share, "similarity": similarity, "sim": sim}
+        results[name] = {"cpu": cpu, "speedup": speedup, "share": share, "similarity": similarity, "sim": sim,
+                         "sim_reps": reps}
     print(f"\nclang-14 {FLAGS}; speedup over the unprofiled build per round: median (95% confidence")
     print(f"interval of the median) of {args.runs} rounds; the share of instrumented PGO's gain in brackets\n")
     print(f"{'program':<8} {'base s':>6} " + " ".join(f"{c:>28}" for c in [*sources, "instr"]))
@@ -283,6 +308,22 @@ def main() -> None:
                 cells.append(f"{g:.3f}x{sh_} Ir {sim[c]['Ir'] / sim['base']['Ir']:.3f} "
                              f"Bm {sim[c]['Bm'] / max(sim['base']['Bm'], 1):.2f}")
             print(f"{name:<8} " + " ".join(f"{x:>26}" for x in cells))
+    if args.repeat > 1 and any(len(v) > 1 for r in results.values() for v in r["sim_reps"].values()):
+        print(f"\nUnder cachegrind, each sample profile from {args.repeat} independent recordings: the share of "
+              "instrumented PGO's gain,\nmedian [min, max] (exact counts are the same every time)")
+        for name, r in results.items():
+            sim = r["sim"]
+            gain = sim["base"]["CEst"] / sim["instr"]["CEst"] - 1
+            if gain <= 0.002:
+                print(f"{name:<8} instrumented PGO gains nothing here ({1 + gain:.3f}x)")
+                continue
+            cells = []
+            for c, ests in r["sim_reps"].items():
+                if len(ests) < 2:
+                    continue
+                shares = sorted(100 * (sim["base"]["CEst"] / e - 1) / gain for e in ests)
+                cells.append(f"{c}: {median(shares):.0f}% [{shares[0]:.0f}, {shares[-1]:.0f}]")
+            print(f"{name:<8} " + "  ".join(cells))
     path = save(args.save_as, {"machine": machine(), "args": vars(args), "results": results})
     print(f"\ntarget: at least 85% of instrumented PGO's gain; raw data: {path}")
 
