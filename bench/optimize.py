@@ -215,21 +215,29 @@ def main() -> None:
         print(f"{name}: building", flush=True)
 
         base = build(d / "base", "")
-        # Sample profiles: a training run of the base build under cyclescope, exported per count source.
-        for t in range(args.train_runs):  # the training input run N times into one epoch
-            sh([*cs, "record", "--db", str(d / "db"), "-q", *(["--append"] if t else []), "--", *argv(base)])
+
+        def train(where: Path, base: Path = base) -> None:
+            """Training runs of the base build under cyclescope: the input run N times into one epoch."""
+            for t in range(args.train_runs):
+                sh([*cs, "record", "--db", str(where / "db"), "-q", *(["--append"] if t else []), "--", *argv(base)])
+
+        def profiled(where: Path, src: str, base: Path = base, d: Path = d, build: Any = build) -> Path:
+            """The build with the sample profile of ``src`` (a count source, +profi for profile inference),
+            exported from where/db (or from d/cg.out: exact counts)."""
+            counts, _, variant = src.partition("+")
+            how = ["--callgrind", str(d / "cg.out")] if counts == "callgrind" else ["--counts", counts]
+            prof = where / f"{counts}.prof"
+            if not prof.exists():
+                sh([*cs, "export", "llvm-sample", "--db", str(where / "db"), "--image", str(base), *how, "-o",
+                    str(prof)])
+            extra = " -mllvm -sample-profile-use-profi" if variant == "profi" else ""
+            return build(where / src.replace("+", "-"), f"-fprofile-sample-use={prof}{extra}")
+
+        train(d)
         if "callgrind" in sources:
             sh(["valgrind", "--tool=callgrind", "--dump-instr=yes", f"--callgrind-out-file={d / 'cg.out'}",
                 *argv(base)])
-        cons = [("base", base)]
-        for src in sources:
-            counts, _, variant = src.partition("+")
-            how = ["--callgrind", str(d / "cg.out")] if counts == "callgrind" else ["--counts", counts]
-            prof = d / f"{counts}.prof"
-            if not prof.exists():
-                sh([*cs, "export", "llvm-sample", "--db", str(d / "db"), "--image", str(base), *how, "-o", str(prof)])
-            extra = " -mllvm -sample-profile-use-profi" if variant == "profi" else ""
-            cons.append((src, build(d / src.replace("+", "-"), f"-fprofile-sample-use={prof}{extra}")))
+        cons = [("base", base), *((src, profiled(d, src)) for src in sources)]
         # Instrumented PGO.
         gen = build(d / "gen", "-fprofile-instr-generate")
         sh(argv(gen), env={**os.environ, "LLVM_PROFILE_FILE": str(d / "i.profraw")})
@@ -250,19 +258,11 @@ def main() -> None:
         for rep in range(1, args.repeat if args.simulate else 1):
             dr = d / f"rep{rep}"
             dr.mkdir()
-            for t in range(args.train_runs):
-                sh([*cs, "record", "--db", str(dr / "db"), "-q", *(["--append"] if t else []), "--", *argv(base)])
+            train(dr)
             for src in sources:
-                counts, _, variant = src.partition("+")
-                if counts == "callgrind":
+                if src.startswith("callgrind"):
                     continue  # exact counts: the same profile every time
-                prof = dr / f"{counts}.prof"
-                if not prof.exists():
-                    sh([*cs, "export", "llvm-sample", "--db", str(dr / "db"), "--image", str(base), "--counts",
-                        counts, "-o", str(prof)])
-                extra = " -mllvm -sample-profile-use-profi" if variant == "profi" else ""
-                exe = build(dr / src.replace("+", "-"), f"-fprofile-sample-use={prof}{extra}")
-                reps[src].append(simulate(argv(exe))["CEst"])
+                reps[src].append(simulate(argv(profiled(dr, src)))["CEst"])
                 print(f"{name} under cachegrind, recording {rep + 1}: {src} CEst {reps[src][-1]:,}", flush=True)
         cpu: dict[str, list[float]] = {c: [] for c, _ in cons}
         for rnd in range(args.runs):

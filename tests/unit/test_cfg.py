@@ -118,24 +118,27 @@ def test_missing_edges_give_every_block_and_edge_its_own_class() -> None:
     assert len(set(c.block) | set(c.edge)) == 2 + 3
 
 
-def cfg_of(exe: Path, name: str) -> CFG:
+def cfg_of(exe: Path, name: str, relocate: bool = True) -> CFG:
+    """The CFG of function ``name``, reading tables as the loaded program sees them (``relocate``:
+    with the file's RELATIVE relocations applied, as calc does)."""
     syms = read_symbols(str(exe))
     i = syms.names.index(name)
     start, end = int(syms.starts[i]), int(syms.ends[i])
     info = read_load_info(str(exe))
-    insns = disassemble(read_code(str(exe), start, end, info), start)
+    code = read_code(str(exe), start, end, info)
 
     def read(addr: int, n: int) -> bytes | None:
         try:
-            return read_code(str(exe), addr, addr + n, info)
+            data = read_code(str(exe), addr, addr + n, info)
         except Exception:
             return None
+        return apply_relative(str(exe), addr, data) if relocate else data
 
     def name_at(addr: int) -> str | None:
         j = int(syms.lookup(__import__("numpy").array([addr], "uint64"))[0])
         return syms.names[j] if j >= 0 else None
 
-    return build_cfg(insns, start, end, name_at, read)
+    return build_cfg(disassemble(code, start), start, end, name_at, read, insn_info(code, start))
 
 
 SWITCH = r"""
@@ -221,21 +224,6 @@ int main(int argc, char **argv) {
 """
 
 
-def dispatch_cfg(exe: Path, relocate: bool = True) -> CFG:
-    """The CFG of the interpreter's ``run``, reading its table as the loaded program sees it."""
-    syms = read_symbols(str(exe))
-    i = syms.names.index("run")
-    start, end = int(syms.starts[i]), int(syms.ends[i])
-    info = read_load_info(str(exe))
-    code = read_code(str(exe), start, end, info)
-
-    def read(addr: int, n: int) -> bytes | None:
-        data = read_code(str(exe), addr, addr + n, info)
-        return apply_relative(str(exe), addr, data) if relocate else data
-
-    return build_cfg(disassemble(code, start), start, end, read=read, infos=insn_info(code, start))
-
-
 def assert_dispatch_resolved(cfg: CFG) -> None:
     assert not cfg.missing_edges, cfg.notes
     handlers = {e.dst for e in cfg.edges if e.kind == "table"}
@@ -248,8 +236,8 @@ def assert_dispatch_resolved(cfg: CFG) -> None:
 def test_a_computed_goto_dispatch_is_resolved_gcc(compile_c: Callable[..., Path]) -> None:
     # GCC: mov rax, qword ptr [r12 + rax*8]; jmp rax, the table's address set once in r12.
     exe = compile_c("dispatch", "-O2", "-g", source=DISPATCH)
-    assert_dispatch_resolved(dispatch_cfg(exe))
-    assert_dispatch_resolved(dispatch_cfg(exe, relocate=False))  # GNU ld writes the addends in the file too
+    assert_dispatch_resolved(cfg_of(exe, "run"))
+    assert_dispatch_resolved(cfg_of(exe, "run", relocate=False))  # GNU ld writes the addends in the file too
 
 
 def test_a_computed_goto_dispatch_is_resolved_clang(tmp_path: Path) -> None:
@@ -261,7 +249,7 @@ def test_a_computed_goto_dispatch_is_resolved_clang(tmp_path: Path) -> None:
     src.write_text(DISPATCH)
     exe = tmp_path / "dispatch"
     subprocess.run([clang, "-O2", "-g", "-o", str(exe), str(src)], check=True, capture_output=True)
-    assert_dispatch_resolved(dispatch_cfg(exe))
+    assert_dispatch_resolved(cfg_of(exe, "run"))
 
 
 def test_a_table_left_zero_in_the_file_is_read_through_its_relocations(compile_c: Callable[..., Path],
@@ -285,5 +273,5 @@ def test_a_table_left_zero_in_the_file_is_read_through_its_relocations(compile_c
     zeroed = tmp_path / "dispatch-zeroed"
     zeroed.write_bytes(bytes(data))
     relative_relocations.cache_clear()
-    assert dispatch_cfg(zeroed, relocate=False).missing_edges  # the file alone no longer says where
-    assert_dispatch_resolved(dispatch_cfg(zeroed))
+    assert cfg_of(zeroed, "run", relocate=False).missing_edges  # the file alone no longer says where
+    assert_dispatch_resolved(cfg_of(zeroed, "run"))

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cyclescope.images.disasm import Insn, InsnInfo
+from cyclescope.images.disasm import GPR32, Insn, InsnInfo
 
 ENTRY = -1
 EXIT = -2
@@ -377,7 +377,7 @@ class _RegisterValues:
             changed = False
             for j, ds in uses:
                 v = _meet(value.get(j), [value.get(d) for d in ds], unknown)
-                if v is not value.get(j) and v != value.get(j):
+                if v != value.get(j):
                     value[j] = v
                     changed = True
         v = _meet(None, [value.get(d) for d in self.defs(reg, k)], unknown)
@@ -442,18 +442,14 @@ def _meet(cur: object, values: list[object], unknown: object) -> object:
     return out
 
 
-_FULL64 = frozenset({"rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10", "r11", "r12", "r13",
-                     "r14", "r15"})
-
-
-_SUB32 = {f"r{x}": f"e{x}" for x in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")}
+_FULL64 = frozenset(GPR32) - {"rsp"}  # registers a table's address can be copied through
 
 
 def _mask_bound(insns: Sequence[Insn], idx: str, k: int) -> int | None:
     """2^n from an "and rZ, 2^n-1" on the index register ``idx`` shortly before ``insns[k]``."""
     if not idx:
         return None
-    names = {idx, _SUB32.get(idx, idx + "d")}
+    names = {idx, GPR32.get(idx, idx)}
     for j in range(k - 1, max(-1, k - 8), -1):
         parts = [x.strip() for x in insns[j].op_str.split(",")]
         if insns[j].mnemonic == "and" and len(parts) == 2 and parts[0] in names:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cyclescope.errors import CycleScopeError
-from cyclescope.images.disasm import Insn
+from cyclescope.images.disasm import GPR32, Insn, insn_info
 
 ITERATIONS = 24
 WARMUP = 8
@@ -101,12 +101,13 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
     notes: list[str] = []
     lines = [".intel_syntax noprefix", ".Ltgt:"]
     where: list[tuple[int, int]] = []  # source line -> (block, insn)
+    breakers = [carried_registers(blk) for blk in blocks]  # zero idioms after each block's region
     for b, blk in enumerate(blocks):
         lines.append(f"# LLVM-MCA-BEGIN b{b}")
         for k, ins in enumerate(blk):
             where.append((len(lines), b * 1_000_000 + k))
             lines.append(asm_line(ins))
-        lines += [f"xor {r}, {r}" for r in carried_registers(blk)]
+        lines += [f"xor {r}, {r}" for r in breakers[b]]
         lines.append(f"# LLVM-MCA-END b{b}")
     replaced: set[int] = set()
     line_of = {src: key for src, key in where}
@@ -143,7 +144,7 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
             models.append(BlockModel([InsnModel(1.0, 1.0, 0.0, 0.0, True) for _ in blk], float(n)))
             continue
         tl = r["TimelineView"]["TimelineInfo"]
-        stride = n + len(carried_registers(blk))  # the dependency breakers' rows are skipped
+        stride = n + len(breakers[b])  # the dependency breakers' rows are skipped
         its = len(tl) // stride
         lo = min(WARMUP, max(0, its - 2))
         gaps = [0.0] * n
@@ -173,29 +174,24 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
     return ProcedureModel(mcpu, models, notes)
 
 
-_ZERO32 = {"rax": "eax", "rbx": "ebx", "rcx": "ecx", "rdx": "edx", "rsi": "esi", "rdi": "edi", "rbp": "ebp",
-           **{f"r{i}": f"r{i}d" for i in range(8, 16)}}
-
-
 def carried_registers(blk: Sequence[Insn]) -> list[str]:
-    """Registers a block writes, for a block that does not loop to itself: run as a loop by llvm-mca,
-    a register the block writes and reads (before writing it, or by a partial write such as
-    ``mov cl, [mem]`` merging into rcx) chains one iteration to the next, a dependency the program does not have, since
-    the block's executions are separated by other code. A zero idiom at the end of the region breaks
-    each chain (llvm-mca models them as dependency-breaking); their rows are dropped from the
-    timeline. A block that jumps to its own start keeps its chains: they are real."""
+    """The 32-bit names of the registers a block writes, for a block that does not loop to itself.
+    Run as a loop by llvm-mca, a register the block writes and reads (before writing it, or by a
+    partial write such as ``mov cl, [mem]`` merging into rcx) chains one iteration to the next, a
+    dependency the program does not have, since the block's executions are separated by other code.
+    A zero idiom per register at the end of the region breaks each chain (llvm-mca models them as
+    dependency-breaking); their rows are skipped in the timeline. A block that jumps to its own
+    start keeps its chains: they are real."""
     if not blk:
         return []
     last = blk[-1]
     if last.direct_target == blk[0].address:
         return []
-    from cyclescope.images.disasm import insn_info
-
     infos = insn_info(b"".join(i.raw for i in blk), blk[0].address)
     written: set[str] = set()
     for info in infos:
         written |= info.writes  # capstone does not count a partial write's merge as a read: break them all
-    return [_ZERO32[r] for r in sorted(written) if r in _ZERO32]
+    return [GPR32[r] for r in sorted(written) if r in GPR32 and r != "rsp"]
 
 
 MODEL_VERSION = "3"  # 3: dependency breakers after non-looping blocks

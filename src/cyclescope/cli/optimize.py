@@ -1,10 +1,9 @@
 """`cyclescope optimize`: the Morph loop for a program built from source.
 
 Build (with {flags} empty) -> profile a training run (repeated into one profile until it has
---train-samples samples) -> export an LLVM sample profile from calc's
-estimates -> rebuild with -fprofile-sample-use (and LLVM's profile inference) -> run both builds
-alternately and report the speedup with its spread. Everything goes into one work directory, kept
-for inspection.
+--train-samples samples) -> export an LLVM sample profile from calc's estimates -> rebuild with
+-fprofile-sample-use (and LLVM's profile inference) -> run both builds alternately and report the
+speedup with its spread. Everything goes into one work directory, kept for inspection.
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ from cyclescope.cli.base import Command, eprint, register
 from cyclescope.errors import CycleScopeError, UsageError
 
 PROFILE_FLAGS = "-fdebug-info-for-profiling"
+MAX_TRAIN_RUNS = 20  # --train-samples repeats the training run at most this often
 # LLVM's profile inference ("profi", LLVM 14 and later): block and edge counts made consistent by a
 # min-cost flow over the CFG, in place of the older weight propagation. Timer samples give line
 # counts with gaps and noise, which is what it was made for: under cachegrind's model it took
 # calc's profile of bzip2 from 57% to 85% of instrumented PGO's gain (docs/benchmarks.md).
-MAX_TRAIN_RUNS = 20
 INFERENCE_FLAGS = {"profi": "-mllvm -sample-profile-use-profi", "propagate": ""}
 
 

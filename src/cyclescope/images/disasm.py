@@ -82,6 +82,11 @@ class InsnInfo:
     kind: str  # "div", "sqrt", "mul", "fp", "branch", "call", "ret", "other"
 
 
+# The general-purpose registers by their 64-bit names, with their 32-bit halves (writing one
+# zero-extends into the whole register).
+GPR32 = {**{f"r{x}": f"e{x}" for x in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")},
+         **{f"r{n}": f"r{n}d" for n in range(8, 16)}}
+
 _WIDE = {}
 for _r in ("ax", "bx", "cx", "dx"):
     _WIDE.update({f"r{_r}": f"r{_r}", f"e{_r}": f"r{_r}", _r: f"r{_r}", f"{_r[0]}l": f"r{_r}", f"{_r[0]}h": f"r{_r}"})

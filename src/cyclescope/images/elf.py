@@ -377,8 +377,8 @@ def relative_relocations(path: str) -> tuple[np.ndarray, np.ndarray]:
     In a position-independent executable or library, a table of code addresses
     (a computed-goto dispatch table, a vtable) may hold zeros in the file (lld
     writes them; GNU ld writes the addends there too): the dynamic loader
-    writes base + addend. Reading such a table as the
-    program sees it (relative to its own vaddrs) means applying these addends.
+    writes base + addend. Reading such a table as the program sees it
+    (relative to its own vaddrs) means applying these addends.
     pyelftools finds the sections; the entries are read as one numpy array
     (iterating pyelftools' relocation objects costs ~10 us each, and large
     libraries have hundreds of thousands).
