@@ -23,10 +23,28 @@ from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValuesMeta, compact_v
 from cyclescope.db.values import write_values as write_value_file
 from cyclescope.errors import UsageError
 from cyclescope.images.registry import ImageInfo, ImageTable
-from cyclescope.values.api import BaseModule, BatchEmit, BatchModule, Emit, Step, StepBatch, Value, kind_names
+from cyclescope.values.api import (
+    BaseModule,
+    BatchEmit,
+    BatchModule,
+    Capture,
+    Emit,
+    Step,
+    StepBatch,
+    Value,
+    kind_names,
+)
 from cyclescope.values.capture import CodeIndex, ProcCode, ValueCapture, ValueOptions
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
-from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, ROW_STRUCT, decode, effective_address
+from cyclescope.values.insn import (
+    PERF_COLUMNS,
+    ROW_REGS,
+    ROW_STRUCT,
+    InsnDetail,
+    RegView,
+    decode,
+    effective_address,
+)
 from cyclescope.values.interp import Interpreter
 from cyclescope.values.modules import MAP_CODE, Addresses, Edges, Operands, Results, VReplay, load_module, load_modules
 from tests import perfbytes as pb
@@ -349,6 +367,32 @@ def test_capture_takes_operands_addresses_previous_results_and_context_in_bulk()
     # [rsp] is a return address (a call ends at 0x2005 in image 2): the context, kept at the entry.
     assert rows[(0x1000, "ctx")] == {(0x2005, 0, 2): 40}
     assert rows[(0x1003, "in:rsi@ctx")] == {(3, 0x2005, 2): 20, (9, 0x2005, 2): 10}
+
+
+def test_capture_takes_stack_words_and_sub_registers_where_the_snapshot_has_them() -> None:
+    class Words(BaseModule):  # what a customization module can ask for at the interrupt
+        name = "words"
+
+        def plan(self, insn: InsnDetail) -> Sequence[Capture]:
+            return (Capture("arg@8", "stack", offset=8), Capture("arg@40", "stack", offset=40),
+                    Capture("arg@60", "stack", offset=60), Capture("ah", "reg", reg=RegView("ah", "rax", 8, 8)),
+                    Capture("ctx@entry", "ctx"))
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    vc = ValueCapture(ValueOptions(length=0, seed=1), _Mapper(), table, code=_Code(table), modules=[Words()])
+    s, img, off, regs, stack, slen = _batch([0x1003] * 6, [0x1234] * 6, [0] * 6, 0)
+    stack[:, 8:16] = np.frombuffer(struct.pack("<Q", 0xDEADBEEF), np.uint8)
+    stack[:, 40:48] = np.frombuffer(struct.pack("<Q", 7), np.uint8)
+    stack[:, 60:64] = 0xAB  # a word across the end of the 64-byte snapshot: never taken
+    slen[4:] = 16  # two samples found only 16 bytes of stack to copy: no word at 40 for them
+    assert vc.process(s, img, off, regs, stack, slen) == 6
+    rows = _rows(vc)
+    assert rows[(0x1003, "arg@8")] == {(0xDEADBEEF, 0, -1): 6}
+    assert rows[(0x1003, "arg@40")] == {(7, 0, -1): 4}
+    assert rows[(0x1003, "ah")] == {(0x12, 0, -1): 6}
+    assert (0x1003, "arg@60") not in rows
+    assert (0x1000, "ctx@entry") not in rows  # no return address on these stacks
 
 
 def test_capture_respects_owner_and_command_filters() -> None:

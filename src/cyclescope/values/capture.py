@@ -83,12 +83,50 @@ class ProcCode:
     targets: frozenset[int]  # direct branch targets inside the procedure
 
 
+# A plan's captures as rows of int64 columns, for evaluating the captures of all a drain's PCs at
+# once (plain columns: gathering and concatenating structured rows costs numpy several times more).
+OP_REG, OP_REG_CTX, OP_PREV, OP_ADDR, OP_CTX, OP_STACK = range(6)
+_KIND, _OP, _COL, _COL2, _SCALE, _DISP, _SHIFT, _MASK, _KOFF = range(9)  # _DISP: stack offset for OP_STACK
+_NO_OPS = np.zeros((0, 9), np.int64)
+
+
 @dataclass
 class Plan:
     entry: int | None  # the procedure's first address
     here: list[tuple[int, Capture]]  # (kind id, capture) at this PC
     prev_off: int | None
     prev: list[tuple[int, Capture]]  # captures of the previous instruction's outputs
+    ops: np.ndarray = field(default_factory=lambda: _NO_OPS)  # the captures of here and prev, as op rows
+
+
+def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
+    """The plan's captures as op rows (_KOFF: the key's offset, -1 for the sampled PC's); the
+    captures that can never give a value here (a segment or rip-relative address, a context
+    outside a known procedure) are left out."""
+    rows: list[tuple[int, ...]] = []
+
+    def reg_row(kind: int, op: int, cap: Capture, koff: int) -> None:
+        assert cap.reg is not None
+        rows.append((kind, op, PERF_COLUMNS[cap.reg.full], -1, 0, 0, cap.reg.shift, cap.reg.mask, koff))
+
+    for kind, cap in plan.here:
+        if cap.source == "reg":
+            reg_row(kind, OP_REG_CTX if cap.with_ctx else OP_REG, cap, -1)
+        elif cap.source == "addr":
+            m = insn.mem
+            if m is None or m.segment or m.base == "rip":
+                continue
+            rows.append((kind, OP_ADDR, PERF_COLUMNS[m.base] if m.base else -1,
+                         PERF_COLUMNS[m.index] if m.index else -1, m.scale, m.disp & MASK64, 0, 0, -1))
+        elif cap.source == "ctx" and plan.entry is not None:
+            rows.append((kind, OP_CTX, -1, -1, 0, 0, 0, 0, plan.entry))
+        elif cap.source == "stack" and cap.offset >= 0:
+            rows.append((kind, OP_STACK, -1, -1, 0, cap.offset, 0, 0, -1))
+    if plan.prev_off is not None:
+        for kind, cap in plan.prev:
+            reg_row(kind, OP_PREV, cap, plan.prev_off)
+    # disp and mask are 64-bit patterns: kept as int64, read back as uint64.
+    return np.array([[x - (1 << 64) if x >= 1 << 63 else x for x in r] for r in rows], np.int64).reshape(-1, 9)
 
 
 class CodeIndex:
@@ -307,6 +345,7 @@ class ValueCapture:
                 prev_caps = [(self._kind(c.kind), c) for m in self._prev_capturers
                              for c in m.prev_plan(prev)]
             plan = Plan(proc.start if proc is not None else None, here, prev_off, prev_caps)
+            plan.ops = _compile(plan, insn)
         if len(self._plans) > 1 << 18:
             self._plans.clear()
         self._plans[key] = plan
@@ -360,34 +399,7 @@ class ValueCapture:
 
         keys_parts: list[np.ndarray] = []
         vals_parts: list[np.ndarray] = []
-
-        def emit(idx: np.ndarray, koff: np.ndarray | int, kind: int, v0: np.ndarray, v1: np.ndarray | int = 0,
-                 vimg: np.ndarray | int = -1, kimg: np.ndarray | None = None) -> None:
-            k = np.empty(len(idx), MEM_KEY_DTYPE)
-            k["uid"] = owner[idx]
-            k["image"] = img[idx] if kimg is None else kimg
-            k["offset"] = koff
-            k["kind"] = kind
-            v = np.empty(len(idx), VALUE_DTYPE)
-            v["v0"], v["v1"], v["vimg"] = v0, v1, vimg
-            keys_parts.append(k)
-            vals_parts.append(v)
-
-        order = np.argsort(ginv, kind="stable")
-        bounds = np.flatnonzero(np.diff(ginv[order])) + 1
-        for grp in np.split(order, bounds):
-            if not len(grp):
-                continue
-            plan = plans[int(ginv[grp[0]])]
-            if plan is None:
-                continue
-            for kind, cap in plan.here:
-                self._evaluate(emit, grp, kind, cap, R, S, L, img, off, plan, ctx_img, ctx_off)
-            if plan.prev_off is not None:
-                for kind, cap in plan.prev:
-                    assert cap.reg is not None
-                    v = (R[grp, PERF_COLUMNS[cap.reg.full]] >> np.uint64(cap.reg.shift)) & np.uint64(cap.reg.mask)
-                    emit(grp, plan.prev_off, kind, v)
+        self._evaluate(plans, ginv, owner, R, S, L, img, off, ctx_img, ctx_off, keys_parts, vals_parts)
 
         for o in np.unique(owner).tolist():
             self.stats[o].samples += int((owner == o).sum())
@@ -405,47 +417,68 @@ class ValueCapture:
                 self._pending_rows = merged.rows
         return n
 
-    def _evaluate(self, emit: Any, grp: np.ndarray, kind: int, cap: Capture, R: np.ndarray, S: np.ndarray,
-                  L: np.ndarray, img: np.ndarray, off: np.ndarray, plan: Plan, ctx_img: np.ndarray,
-                  ctx_off: np.ndarray) -> None:
-        src = cap.source
-        if src == "reg":
-            assert cap.reg is not None
-            v = (R[grp, PERF_COLUMNS[cap.reg.full]] >> np.uint64(cap.reg.shift)) & np.uint64(cap.reg.mask)
-            if cap.with_ctx:
-                has = ctx_img[grp] >= 0
-                g = grp[has]
-                if len(g):
-                    emit(g, off[g], kind, v[has], ctx_off[g], ctx_img[g])
-            else:
-                emit(grp, off[grp], kind, v)
-        elif src == "addr":
-            insn = self.code.insn(int(img[grp[0]]), int(off[grp[0]]))
-            m = insn.mem if insn is not None else None
-            if m is None or m.segment or m.base == "rip":
-                return
-            ea = np.full(len(grp), np.uint64(m.disp & 0xFFFFFFFFFFFFFFFF), np.uint64)
-            with np.errstate(over="ignore"):
-                if m.base:
-                    ea = ea + R[grp, PERF_COLUMNS[m.base]]
-                if m.index:
-                    ea = ea + R[grp, PERF_COLUMNS[m.index]] * np.uint64(m.scale)
-            emit(grp, off[grp], kind, ea)
-        elif src == "ctx":
-            if plan.entry is None:
-                return
-            has = ctx_img[grp] >= 0
-            g = grp[has]
-            if len(g):
-                emit(g, plan.entry, kind, ctx_off[g], 0, ctx_img[g])
-        elif src == "stack":
-            o = cap.offset
-            if o < 0 or o + 8 > S.shape[1]:
-                return
-            inside = L[grp] >= o + 8
-            g = grp[inside]
-            if len(g):
-                emit(g, off[g], kind, np.ascontiguousarray(S[g, o : o + 8]).view("<u8").reshape(-1))
+    def _evaluate(self, plans: list[Plan | None], ginv: np.ndarray, owner: np.ndarray, R: np.ndarray,
+                  S: np.ndarray, L: np.ndarray, img: np.ndarray, off: np.ndarray, ctx_img: np.ndarray,
+                  ctx_off: np.ndarray, keys_parts: list[np.ndarray], vals_parts: list[np.ndarray]) -> None:
+        """Every plan's captures over the samples of its PC (``ginv``: each sample's plan), all at
+        once: one row per (capture, sample)."""
+        per_plan = [p.ops if p is not None else _NO_OPS for p in plans]
+        nops = np.array([len(o) for o in per_plan], np.int64)
+        if not nops.any():
+            return
+        ops = np.concatenate(per_plan)
+        op_plan = np.repeat(np.arange(len(plans)), nops)
+        # The samples of each plan, contiguous: plan g's are by_plan[start[g]:start[g] + count[g]].
+        by_plan = np.argsort(ginv, kind="stable")
+        count = np.bincount(ginv, minlength=len(plans))
+        start = np.cumsum(count) - count
+        per_op = count[op_plan]
+        op = np.repeat(np.arange(len(ops)), per_op)
+        first = np.cumsum(per_op) - per_op
+        smp = by_plan[start[op_plan][op] + np.arange(len(op)) - first[op]]
+        code = ops[:, _OP][op]
+        kind = ops[:, _KIND][op]
+        koff = ops[:, _KOFF][op]
+        koff = np.where(koff >= 0, koff.view(np.uint64), off[smp])
+        n = len(op)
+        v0 = np.zeros(n, np.uint64)
+        v1 = np.zeros(n, np.uint64)
+        vimg = np.full(n, -1, np.int64)
+        keep = np.ones(n, bool)
+        u64 = ops.view(np.uint64)
+        with np.errstate(over="ignore"):
+            regs = np.flatnonzero(code <= OP_PREV)
+            if len(regs):
+                r = op[regs]
+                v0[regs] = (R[smp[regs], ops[r, _COL]] >> u64[r, _SHIFT]) & u64[r, _MASK]
+            ea = np.flatnonzero(code == OP_ADDR)
+            if len(ea):
+                a, s_ = op[ea], smp[ea]
+                base, index = ops[a, _COL], ops[a, _COL2]
+                v0[ea] = (u64[a, _DISP] + np.where(base >= 0, R[s_, np.maximum(base, 0)], 0)
+                          + np.where(index >= 0, R[s_, np.maximum(index, 0)], 0) * u64[a, _SCALE])
+        pairs, ctx = code == OP_REG_CTX, code == OP_CTX
+        with_ctx = pairs | ctx
+        keep &= ~with_ctx | (ctx_img[smp] >= 0)
+        v1[pairs] = ctx_off[smp[pairs]]
+        v0[ctx] = ctx_off[smp[ctx]]
+        vimg[with_ctx] = ctx_img[smp[with_ctx]]
+        st = np.flatnonzero(code == OP_STACK)
+        if len(st):
+            at = ops[op[st], _DISP]  # the stack offset
+            inside = (at + 8 <= S.shape[1]) & (L[smp[st]] >= at + 8)
+            keep[st[~inside]] = False
+            st, at = st[inside], at[inside]
+            if len(st):
+                v0[st] = np.ascontiguousarray(S[smp[st][:, None], at[:, None] + np.arange(8)]).view("<u8").reshape(-1)
+        if not keep.all():
+            smp, kind, koff, v0, v1, vimg = smp[keep], kind[keep], koff[keep], v0[keep], v1[keep], vimg[keep]
+        k = np.empty(len(smp), MEM_KEY_DTYPE)
+        k["uid"], k["image"], k["offset"], k["kind"] = owner[smp], img[smp], koff, kind
+        v = np.empty(len(smp), VALUE_DTYPE)
+        v["v0"], v["v1"], v["vimg"] = v0, v1, vimg
+        keys_parts.append(k)
+        vals_parts.append(v)
 
     # --- call context -----------------------------------------------------------------------------
     def _contexts(self, pids: np.ndarray, R: np.ndarray, S: np.ndarray, L: np.ndarray, at_entry: np.ndarray
@@ -458,40 +491,64 @@ class ValueCapture:
             return ctx_img, ctx_off
         words = np.ascontiguousarray(S[:, : nw * 8]).view("<u8").reshape(n, nw)
         valid_words = np.minimum(L // 8, nw)
-        # Candidate columns, best first: [rsp] at entry; [rbp+8] when rbp frames the snapshot; a scan.
+        # Candidates, best first: [rsp] at entry (only that one counts there); [rbp+8] when rbp frames
+        # the snapshot; the first word of the snapshot that is a return address. The scan goes by
+        # ranges of columns and only over the rows still without a context: most return addresses
+        # lie in the first few words, and each word costs a map lookup.
         rsp, rbp = R[:, _RSP].astype(np.int64), R[:, _RBP].astype(np.int64)
         d = rbp - rsp
         fp_col = np.where((d >= 0) & (d % 8 == 0) & (d // 8 + 1 < valid_words), d // 8 + 1, -1)
-        cand_img = np.full((n, nw), -1, np.int64)
-        cand_off = np.zeros((n, nw), np.uint64)
-        upids = np.unique(pids)
-        for p in upids.tolist():
+        entry_rows = np.flatnonzero(at_entry & (valid_words > 0))
+        self._take_context(pids, words, entry_rows, np.zeros(len(entry_rows), np.int64), ctx_img, ctx_off)
+        fp_rows = np.flatnonzero(~at_entry & (fp_col >= 0))
+        self._take_context(pids, words, fp_rows, fp_col[fp_rows], ctx_img, ctx_off)
+        lo = 0
+        for hi in (4, 12, nw):
+            hi = min(hi, nw)
+            todo = np.flatnonzero(~at_entry & (ctx_img < 0) & (valid_words > lo))
+            if hi <= lo or not len(todo):
+                break
+            cols = np.arange(lo, hi)
+            rows = np.repeat(todo, len(cols))
+            col = np.tile(cols, len(todo))
+            inside = col < valid_words[rows]
+            rows, col = rows[inside], col[inside]
+            img, off, ok = self._return_addresses(pids[rows], words[rows, col])
+            # The first good column of each row: rows are in order and columns ascending within.
+            rows, img, off = rows[ok], img[ok], off[ok]
+            first = np.ones(len(rows), bool)
+            first[1:] = rows[1:] != rows[:-1]
+            ctx_img[rows[first]], ctx_off[rows[first]] = img[first], off[first]
+            lo = hi
+        return ctx_img, ctx_off
+
+    def _take_context(self, pids: np.ndarray, words: np.ndarray, rows: np.ndarray, col: np.ndarray,
+                      ctx_img: np.ndarray, ctx_off: np.ndarray) -> None:
+        """``words[rows, col]`` becomes the context of the rows where it is a return address."""
+        if not len(rows):
+            return
+        img, off, ok = self._return_addresses(pids[rows], words[rows, col])
+        ctx_img[rows[ok]], ctx_off[rows[ok]] = img[ok], off[ok]
+
+    def _return_addresses(self, pids: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(image, offset, is a return address) of each word, in the address space of its pid."""
+        img = np.full(len(words), -1, np.int64)
+        off = np.zeros(len(words), np.uint64)
+        for p in np.unique(pids).tolist():
             st = self.mapper.procs.get(p)
             if st is None:
                 continue
             rows = np.flatnonzero(pids == p)
-            w = words[rows].reshape(-1)
-            ci, co = st.lookup(w)
-            cand_img[rows] = ci.reshape(len(rows), nw)
-            cand_off[rows] = co.reshape(len(rows), nw)
-        cols = np.arange(nw)
-        plausible = (cand_img > 0) & (cols[None, :] < valid_words[:, None])
-        ok = np.zeros((n, nw), bool)
-        if plausible.any():
-            pairs = np.empty(int(plausible.sum()), dtype=[("i", "<i8"), ("o", "<u8")])
-            pairs["i"], pairs["o"] = cand_img[plausible], cand_off[plausible]
+            img[rows], off[rows] = st.lookup(words[rows])
+        ok = img > 0
+        if ok.any():
+            pairs = np.empty(int(ok.sum()), dtype=[("i", "<i8"), ("o", "<u8")])
+            pairs["i"], pairs["o"] = img[ok], off[ok]
             up, inv, _ = unique_struct(pairs)
-            good = np.array([self.code.is_return_address(int(u["i"]), int(u["o"])) for u in up], bool)
-            ok[plausible] = good[inv]
-        # Entry: only [rsp] counts. Frame pointer next. Then the first plausible word.
-        first = np.where(ok.any(axis=1), ok.argmax(axis=1), -1)
-        fp_ok = (fp_col >= 0) & ok[np.arange(n), np.maximum(fp_col, 0)]
-        col = np.where(at_entry, np.where(ok[:, 0], 0, -1), np.where(fp_ok, fp_col, first))
-        has = col >= 0
-        idx = np.flatnonzero(has)
-        ctx_img[idx] = cand_img[idx, col[idx]]
-        ctx_off[idx] = cand_off[idx, col[idx]]
-        return ctx_img, ctx_off
+            good = np.array([self.code.is_return_address(i, o) for i, o in zip(up["i"].tolist(), up["o"].tolist(),
+                                                                                  strict=True)], bool)
+            ok[ok] = good[inv]
+        return img, off, ok
 
     # --- interpretation -------------------------------------------------------------------------
     def _interpret(self, pids: np.ndarray, owner: np.ndarray, R: np.ndarray, S: np.ndarray, L: np.ndarray,

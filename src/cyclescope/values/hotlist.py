@@ -141,12 +141,8 @@ class Hotlist:
 # --- many hotlists at once ---------------------------------------------------------------
 
 
-def unique_struct(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """np.unique for a structured array (unique rows, inverse, counts), by lexsort over its fields:
-    numpy's own unique sorts structured rows with a generic comparison, 20-50x slower."""
-    n = len(arr)
-    if not n:
-        return arr[:0], np.zeros(0, np.int64), np.zeros(0, np.int64)
+def _columns(arr: np.ndarray) -> list[np.ndarray]:
+    """The plain columns of a structured array, nested fields flattened, in field order."""
     cols: list[np.ndarray] = []
     for name in arr.dtype.names or ():
         sub = arr[name]
@@ -154,16 +150,31 @@ def unique_struct(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             cols.extend(sub[f] for f in sub.dtype.names)
         else:
             cols.append(sub)
-    order = np.lexsort(cols[::-1])
-    srt = [c[order] for c in cols]
-    change = np.zeros(n, bool)
+    return cols
+
+
+def _changes(sorted_cols: list[np.ndarray], n: int, into: np.ndarray | None = None) -> np.ndarray:
+    """Where a row of the sorted columns differs from the one before it (row 0 always does);
+    ``into``: marks to extend (a copy is made) with these columns' changes."""
+    change = np.zeros(n, bool) if into is None else into.copy()
     change[0] = True
-    for c in srt:
+    for c in sorted_cols:
         change[1:] |= c[1:] != c[:-1]
+    return change
+
+
+def unique_struct(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """np.unique for a structured array (unique rows, inverse, counts), by lexsort over its fields:
+    numpy's own unique sorts structured rows with a generic comparison, 20-50x slower."""
+    n = len(arr)
+    if not n:
+        return arr[:0], np.zeros(0, np.int64), np.zeros(0, np.int64)
+    cols = _columns(arr)
+    order = np.lexsort(cols[::-1])
+    change = _changes([c[order] for c in cols], n)
     starts = np.flatnonzero(change)
-    group = np.cumsum(change) - 1
     inverse = np.empty(n, np.int64)
-    inverse[order] = group
+    inverse[order] = np.cumsum(change) - 1
     counts = np.diff(np.append(starts, n))
     return arr[order[starts]], inverse, counts
 
@@ -206,16 +217,23 @@ class HotlistSet:
 
     @staticmethod
     def exact(keys: np.ndarray, values: np.ndarray) -> HotlistSet:
-        """Hotlists (p = 1, not yet reduced) of the observations ``(keys[i], values[i])``."""
-        if not len(keys):
+        """Hotlists (p = 1, not yet reduced) of the observations ``(keys[i], values[i])``: one sort
+        by key and value gives both the hotlists (runs of equal keys) and their counters (runs of
+        equal pairs)."""
+        n = len(keys)
+        if not n:
             return HotlistSet.empty(keys.dtype)
-        uk, hot, _ = unique_struct(keys)
-        total = np.bincount(hot, minlength=len(uk)).astype(np.uint64)
-        pair = np.empty(len(keys), dtype=[("h", "<i8"), ("v", VALUE_DTYPE)])
-        pair["h"] = hot
-        pair["v"] = values
-        up, _, counts = unique_struct(pair)
-        return HotlistSet(uk, np.ones(len(uk)), total, up["h"].astype(np.int64), up["v"], counts.astype(np.int64))
+        kcols, vcols = _columns(keys), _columns(values)
+        order = np.lexsort((kcols + vcols)[::-1])
+        key_change = _changes([c[order] for c in kcols], n)
+        pair_change = _changes([c[order] for c in vcols], n, into=key_change)
+        kstarts = np.flatnonzero(key_change)
+        pstarts = np.flatnonzero(pair_change)
+        hot = (np.cumsum(key_change) - 1)[pstarts]
+        total = np.diff(np.append(kstarts, n)).astype(np.uint64)
+        counts = np.diff(np.append(pstarts, n)).astype(np.int64)
+        return HotlistSet(keys[order[kstarts]], np.ones(len(kstarts)), total, hot.astype(np.int64),
+                          values[order[pstarts]], counts)
 
     def hotlist(self, i: int, n: int = N_DEFAULT) -> Hotlist:
         """Hotlist ``i`` as a :class:`Hotlist` of size ``n`` (values as (v0, v1, vimg) tuples)."""
