@@ -46,7 +46,18 @@ from cyclescope.values.insn import (
     effective_address,
 )
 from cyclescope.values.interp import Interpreter
-from cyclescope.values.modules import MAP_CODE, Addresses, Edges, Operands, Results, VReplay, load_module, load_modules
+from cyclescope.values.modules import (
+    MAP_CODE,
+    Addresses,
+    Edges,
+    Operands,
+    Results,
+    VReplay,
+    _plugins,
+    available,
+    load_module,
+    load_modules,
+)
 from tests import perfbytes as pb
 
 # --- instructions ---------------------------------------------------------------------------
@@ -267,6 +278,27 @@ def test_module_lookup_by_entry_point_and_path() -> None:
     with pytest.raises(UsageError, match="lacks plan/transform/format"):
         load_module("cyclescope.values.modules:fmt_int")
     assert [m.name for m in load_modules(["operands", "operands", "results"])] == ["operands", "results"]
+
+
+def test_plugins_come_from_the_entry_point_group_and_never_replace_a_built_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "myplug.py").write_text(
+        "from cyclescope.values.api import BaseModule\n"
+        "class Mine(BaseModule):\n    name = 'mine'\n"
+        "class Impostor(BaseModule):\n    name = 'impostor'\n")
+    info = tmp_path / "myplug-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myplug\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[cyclescope.values]\nmine = myplug:Mine\noperands = myplug:Impostor\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _plugins.cache_clear()
+    try:
+        assert load_module("mine").name == "mine"
+        assert load_module("operands").name == "operands"  # the built-in, not the plugin's
+        assert available()["mine"] == "myplug:Mine"
+        assert available()["operands"] == "cyclescope.values.modules:Operands"
+    finally:
+        _plugins.cache_clear()
 
 
 # --- capture in bulk -------------------------------------------------------------------------------

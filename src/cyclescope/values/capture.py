@@ -574,10 +574,10 @@ class ValueCapture:
             for o in own_l[len(reasons):]:
                 self.stats[o].over_budget += 1
             self.skipped["interpretation over CPU budget"] += len(chosen) - len(reasons)
-        for o, reason in zip(own_l, reasons, strict=False):
+        for (o, reason), c in Counter(zip(own_l, reasons, strict=False)).items():
             st = self.stats[o]
-            st.interpreted += 1
-            st.stops[reason] += 1
+            st.interpreted += c
+            st.stops[reason] += c
         ri = chosen[: len(reasons)]
         batch = self.interp.take(ctx_off[ri], ctx_img[ri])
         if not len(batch):

@@ -16,7 +16,7 @@ import functools
 import importlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from cyclescope.values.api import (
 )
 from cyclescope.values.hotlist import PER_CALL_SITE
 from cyclescope.values.insn import REG_VIEWS, ROW_COL, InsnDetail, RegView
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 ENTRY_POINT_GROUP = "cyclescope.values"
 # A Value whose v0 is an absolute code address: the collector maps it into (image, offset).
@@ -265,9 +268,11 @@ DEFAULT_MODULES = _DEFAULT_MODULES  # the built-ins, in the order reports show t
 
 @functools.cache
 def _plugins() -> dict[str, EntryPoint]:
-    """The entry points of the group, by name (the first of a name wins), scanned once per process:
-    the scan reads every installed distribution's metadata (about 10 ms), and a record with the
-    default modules would otherwise make it a dozen times."""
+    """The entry points of the group, by name (the first of a name wins), scanned once per process
+    and only when a name is not a built-in's: importing importlib.metadata and reading every
+    installed distribution's metadata costs about 30 ms of each command's start."""
+    from importlib.metadata import entry_points
+
     out: dict[str, EntryPoint] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         out.setdefault(ep.name, ep)
@@ -275,31 +280,31 @@ def _plugins() -> dict[str, EntryPoint]:
 
 
 def available() -> dict[str, str]:
-    """Module names from the entry-point group (and the built-ins), with where they come from."""
-    out = {name: f"cyclescope.values.modules:{cls.__name__}" for name, cls in BUILTIN.items()}
-    out.update({name: ep.value for name, ep in _plugins().items()})
+    """Module names, the built-ins' and the entry-point group's, with where they come from (a plugin
+    named like a built-in is listed but not used: the built-in wins)."""
+    out = {name: ep.value for name, ep in _plugins().items()}
+    out.update({name: f"cyclescope.values.modules:{cls.__name__}" for name, cls in BUILTIN.items()})
     return out
 
 
 def load_module(spec: str) -> ValueModule:
-    """A module by entry-point name, or ``package.module:Class``."""
+    """A module by name (a built-in's, else an entry point's), or ``package.module:Class``."""
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
         try:
             obj = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as e:
             raise UsageError(f"value module '{spec}': {e}") from None
+    elif spec in BUILTIN:
+        obj = BUILTIN[spec]
     else:
         ep = _plugins().get(spec)
-        if ep is not None:
-            try:
-                obj = ep.load()
-            except Exception as e:  # a broken plugin must not take the daemon down
-                raise UsageError(f"value module '{spec}' failed to load: {e}") from None
-        elif spec in BUILTIN:
-            obj = BUILTIN[spec]
-        else:
+        if ep is None:
             raise UsageError(f"unknown value module '{spec}'; available: {', '.join(sorted(available()))}")
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken plugin must not take the daemon down
+            raise UsageError(f"value module '{spec}' failed to load: {e}") from None
     inst = obj() if isinstance(obj, type) else obj
     if not isinstance(inst, ValueModule):
         raise UsageError(f"value module '{spec}' lacks plan/transform/format")
