@@ -572,6 +572,32 @@ def test_value_files_are_private_atomic_and_compact(tmp_path: Path) -> None:
     assert again.meta is not None and again.meta.samples == 4 and len(again.hotlists.hl) == 2
 
 
+def test_compaction_removes_what_a_crash_left_and_keeps_every_value(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    ep = db.new_epoch()
+    uid = os.getuid()
+    for v in (1, 2, 3):
+        write_value_file(db, ep, "h", _named([16], [v]), ValuesMeta(uid, samples=1))
+    d = value_files(db, ep, "h", uid)[0].path.parent
+    inputs = {f.name: f.read_bytes() for f in d.iterdir()}
+    assert compact_values(db, ep, "h", uid) is not None
+    # A crash after linking the merged file but before deleting its inputs: they are back, and a
+    # writer killed mid-write left a temporary file (an hour old).
+    for name, data in inputs.items():
+        (d / name).write_bytes(data)
+    tmp = db.temp_path(d)
+    tmp.write_bytes(b"partial")
+    os.utime(tmp, (0, 0))
+    write_value_file(db, ep, "h", _named([16], [4]), ValuesMeta(uid, samples=1))
+    before = load_values(db, [ep]).meta  # the covered files are not read twice
+    assert before is not None and before.samples == 4
+    assert compact_values(db, ep, "h", uid) is not None
+    assert sorted(f.name for f in d.iterdir()) == ["vals-00000001-00000004.parquet"]
+    vs = load_values(db, [ep])
+    assert vs.meta is not None and vs.meta.samples == 4
+    assert dict(vs.hotlists.hl.hotlist(0).counts) == {(v, 0, -1): 1 for v in (1, 2, 3, 4)}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another owner needs root")
 def test_value_files_belong_to_the_sampled_processes_owner(tmp_path: Path) -> None:
     db = Database.create_or_open(tmp_path / "db")

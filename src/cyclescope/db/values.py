@@ -304,9 +304,14 @@ def load_values(db: Database, epochs: list[int], hosts: list[str] | None = None,
 
 
 def compact_values(db: Database, epoch: int, host: str, uid: int, min_files: int = 2) -> Path | None:
-    """Merge the live value files of one owner into one covering their range."""
+    """Merge the live value files of one owner into one covering their range (and remove what a
+    crash left: files a finished merge covers, stale temporary files)."""
+    from cyclescope.db.compact import delete_covered
+
     with db.host_lock(epoch, host):
+        db.clean_temp(values_dir(db, epoch, host, uid))
         live = value_files(db, epoch, host, uid)
+        delete_covered(value_files(db, epoch, host, uid, live_only=False), live)
         if len(live) < min_files:
             return None
         images: dict[str, int] = {}
