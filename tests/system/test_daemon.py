@@ -124,7 +124,9 @@ def test_a_drain_on_the_timer_is_not_followed_by_one_for_a_sliver(compile_c: Cal
     assert totals.samples > 2000 and totals.lost_samples == 0, totals
     # Each drain takes a timer period's samples (about 160 here); the extra wake-ups drained slivers
     # of 10-30 between them (70 drains instead of 50 in 2.4 s). The last two drains are the end's.
+    # Counted against the samples rather than the clock: on these VMs the sampling clock and the
+    # monotonic one have been seen to disagree threefold for a while (185 full drains in 2.6 s).
     typical = sorted(drains)[len(drains) // 2]
     slivers = [n for n in drains[:-2] if n < typical / 4]
     assert len(slivers) <= 2, (typical, drains)
-    assert len(drains) <= elapsed / drain_s + 5, (len(drains), elapsed, drains)
+    assert len(drains) <= sum(drains) / typical + 5, (len(drains), sum(drains), typical, elapsed, drains)
