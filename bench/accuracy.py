@@ -148,6 +148,19 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     return acc
 
 
+def median_ratio(acc: dict[str, Any]) -> float:
+    """The sample-weighted median of estimate / exact over the analyzed blocks: below 1, calc's
+    counts are low across the board (a bias, not noise)."""
+    pairs = sorted((b["estimate"] / b["exact"], b["samples"]) for pr in acc["procedures"] for b in pr["blocks"]
+                   if b["exact"] > 0)
+    half, run = sum(w for _, w in pairs) / 2, 0.0
+    for r, w in pairs:
+        run += w
+        if run >= half:
+            return r
+    return float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--programs", default="kernels,demo,bzip2,gzip,xz,zlib")
@@ -155,8 +168,15 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=5000)
     ap.add_argument("--min-samples", type=int, default=100)
     ap.add_argument("--keep", metavar="DIR", help="keep (and reuse) recordings and callgrind output in DIR")
+    ap.add_argument("--exe", metavar="PATH", help="with one program: analyze this build of it instead of the "
+                                                   "suite's (say, the clang build bench/optimize.py uses)")
     args = ap.parse_args()
     progs, inp = programs(args.programs.split(","))
+    if args.exe:
+        if len(progs) != 1:
+            raise SystemExit("--exe needs exactly one program in --programs")
+        exe = Path(args.exe).resolve()
+        progs = [Program(progs[0].name, exe, progs[0].args, exe.name)]
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="cs-acc-"))
     tmp.mkdir(parents=True, exist_ok=True)
     totals: dict[str, Any] = defaultdict(float)
@@ -182,6 +202,7 @@ def main() -> None:
               + f"; >15% errors marked low {100 * acc['big_err_low'] / max(1, acc['big_err']):5.1f}%"
               + f"; high confidence: {100 * acc['high_samples'] / s:4.1f}% of samples, "
               + f"{100 * acc['high_within'][2] / max(1, acc['high_samples']):5.1f}% of them within 15%"
+              + f"; weighted median of estimate/exact {median_ratio(acc):.2f}"
               + f"; analysis {acc['time']:.1f} s", flush=True)
         for k in ("samples", "big_err", "big_err_low", "edge_exec", "edge_within10", "time", "high_samples",
                   "never_ran"):
