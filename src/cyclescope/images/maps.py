@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -344,15 +345,7 @@ class Mapper:
             image[kernel] = img
             offset[kernel] = np.where(ok & (img > 0), koff, 0)
         user = ~kernel
-        for p in np.unique(pids[user]).tolist():
-            st = self.procs.get(p)
-            if st is None:
-                continue
-            rows = np.flatnonzero(user & (pids == p))
-            img, off = st.lookup(addrs[rows])
-            good = img > 0
-            image[rows] = np.where(good, img, 0)
-            offset[rows] = np.where(good, off, 0)
+        image[user], offset[user] = lookup_user(self.procs, pids[user], addrs[user])
         return image, offset
 
     # --- memory -----------------------------------------------------------------
@@ -371,6 +364,24 @@ class Mapper:
             self.resolver.forget_pid(pid)
         self.stats["reaped"] += len(dead)
         return len(dead)
+
+
+def lookup_user(procs: Mapping[int, ProcessState], pids: np.ndarray, addrs: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """User addresses of several processes to (image, offset) with each process's maps in force
+    now; image 0 and offset 0 where the process or the mapping is unknown."""
+    image = np.zeros(len(addrs), np.int64)
+    offset = np.zeros(len(addrs), np.uint64)
+    for p in np.unique(pids).tolist():
+        st = procs.get(p)
+        if st is None:
+            continue
+        rows = np.flatnonzero(pids == p)
+        img, off = st.lookup(addrs[rows])
+        good = img > 0
+        image[rows] = np.where(good, img, 0)
+        offset[rows] = np.where(good, off, 0)
+    return image, offset
 
 
 def _alive(proc: str, pid: int) -> bool:

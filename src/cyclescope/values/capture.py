@@ -36,6 +36,7 @@ from cyclescope.collect.perf_abi import MISC_USER
 from cyclescope.db.values import NamedHotlists, ValuesMeta
 from cyclescope.images.disasm import read_code
 from cyclescope.images.elf import ElfInfo, read_load_info
+from cyclescope.images.maps import lookup_user
 from cyclescope.images.registry import ImageTable
 from cyclescope.images.symbolize import Symbolizer
 from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Kinds, Step, StepBatch, ValueModule
@@ -390,7 +391,7 @@ class ValueCapture:
         # Group by PC; plans and procedure entries per group.
         pcs = np.empty(n, dtype=[("i", "<i8"), ("o", "<u8")])
         pcs["i"], pcs["o"] = img, off
-        upc, ginv, _ = unique_struct(pcs)
+        upc, ginv, count = unique_struct(pcs)
         plans = [self._plan(int(u["i"]), int(u["o"])) for u in upc]
         entry = np.array([(p.entry if p is not None and p.entry is not None else -1) for p in plans],
                          np.int64)[ginv]
@@ -399,7 +400,7 @@ class ValueCapture:
 
         keys_parts: list[np.ndarray] = []
         vals_parts: list[np.ndarray] = []
-        self._evaluate(plans, ginv, owner, R, S, L, img, off, ctx_img, ctx_off, keys_parts, vals_parts)
+        self._evaluate(plans, ginv, count, owner, R, S, L, img, off, ctx_img, ctx_off, keys_parts, vals_parts)
 
         for o in np.unique(owner).tolist():
             self.stats[o].samples += int((owner == o).sum())
@@ -417,11 +418,11 @@ class ValueCapture:
                 self._pending_rows = merged.rows
         return n
 
-    def _evaluate(self, plans: list[Plan | None], ginv: np.ndarray, owner: np.ndarray, R: np.ndarray,
-                  S: np.ndarray, L: np.ndarray, img: np.ndarray, off: np.ndarray, ctx_img: np.ndarray,
+    def _evaluate(self, plans: list[Plan | None], ginv: np.ndarray, count: np.ndarray, owner: np.ndarray,
+                  R: np.ndarray, S: np.ndarray, L: np.ndarray, img: np.ndarray, off: np.ndarray, ctx_img: np.ndarray,
                   ctx_off: np.ndarray, keys_parts: list[np.ndarray], vals_parts: list[np.ndarray]) -> None:
-        """Every plan's captures over the samples of its PC (``ginv``: each sample's plan), all at
-        once: one row per (capture, sample)."""
+        """Every plan's captures over the samples of its PC (``ginv``: each sample's plan; ``count``:
+        each plan's samples), all at once: one row per (capture, sample)."""
         per_plan = [p.ops if p is not None else _NO_OPS for p in plans]
         nops = np.array([len(o) for o in per_plan], np.int64)
         if not nops.any():
@@ -430,7 +431,6 @@ class ValueCapture:
         op_plan = np.repeat(np.arange(len(plans)), nops)
         # The samples of each plan, contiguous: plan g's are by_plan[start[g]:start[g] + count[g]].
         by_plan = np.argsort(ginv, kind="stable")
-        count = np.bincount(ginv, minlength=len(plans))
         start = np.cumsum(count) - count
         per_op = count[op_plan]
         op = np.repeat(np.arange(len(ops)), per_op)
@@ -532,14 +532,7 @@ class ValueCapture:
 
     def _return_addresses(self, pids: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(image, offset, is a return address) of each word, in the address space of its pid."""
-        img = np.full(len(words), -1, np.int64)
-        off = np.zeros(len(words), np.uint64)
-        for p in np.unique(pids).tolist():
-            st = self.mapper.procs.get(p)
-            if st is None:
-                continue
-            rows = np.flatnonzero(pids == p)
-            img[rows], off[rows] = st.lookup(words[rows])
+        img, off = lookup_user(self.mapper.procs, pids, words)
         ok = img > 0
         if ok.any():
             pairs = np.empty(int(ok.sum()), dtype=[("i", "<i8"), ("o", "<u8")])
@@ -643,25 +636,14 @@ class ValueCapture:
                           vals_parts: list[np.ndarray]) -> None:
         """Values at absolute PCs → keys by (owner, image, offset, kind); code-address values
         (MAP_CODE) become (image, offset) too."""
-        n = len(pid)
         v0 = v0.copy()
         vimg = vimg.copy()
-        img = np.full(n, -1, np.int64)
-        off = np.zeros(n, np.uint64)
-        code = vimg == MAP_CODE
-        for p in np.unique(pid).tolist():
-            st = self.mapper.procs.get(p)
-            if st is None:
-                continue
-            rows = np.flatnonzero(pid == p)
-            i1, o1 = st.lookup(pc[rows])
-            img[rows], off[rows] = i1, o1
-            crow = rows[code[rows]]
-            if len(crow):
-                i2, o2 = st.lookup(v0[crow])
-                vimg[crow] = np.where(i2 > 0, i2, -1)
-                v0[crow] = np.where(i2 > 0, o2, v0[crow])
-        vimg[vimg == MAP_CODE] = -1
+        img, off = lookup_user(self.mapper.procs, pid, pc)
+        crow = np.flatnonzero(vimg == MAP_CODE)
+        if len(crow):
+            i2, o2 = lookup_user(self.mapper.procs, pid[crow], v0[crow])
+            vimg[crow] = np.where(i2 > 0, i2, -1)
+            v0[crow] = np.where(i2 > 0, o2, v0[crow])
         keep = img > 0
         k = np.empty(int(keep.sum()), MEM_KEY_DTYPE)
         k["uid"], k["image"], k["offset"], k["kind"] = uid[keep], img[keep], off[keep], kind[keep]
