@@ -11,6 +11,9 @@ valgrind 3.19 cannot read clang-14's DWARF 5):
   callgrind  the same with --callgrind: exact counts of a valgrind run, the best any profile of this
              form (line counts, nested inline profiles) can do
   instr      -fprofile-instr-use with the profile of a -fprofile-instr-generate build's training run
+  calc-EST   calc with `--estimator EST`: dcpi (DCPI's smallest-ratio rule for stalled classes) or
+             geomean (its geometric mean with the class's sum S / sum M; export's default since
+             bench/out/optimize_estimators, so that plain `calc` is geomean from then on)
   SRC+profi  any of the sample profiles above, with LLVM's profile inference (-mllvm
              -sample-profile-use-profi: block and edge counts made consistent by min-cost flow,
              "profi", in place of clang's older weight propagation)
@@ -38,7 +41,7 @@ builds, joins, aggregates, sorting); both compiled with one clang command like b
 
 Usage: python bench/optimize.py [--runs 31] [--programs bzip2,gzip,xz,zlib,lua,sqlite] [--train-runs N]
                                 [--repeat R]
-                                [--sources calc,samples,callgrind,calc+profi]
+                                [--sources calc,samples,callgrind,calc+profi,calc-dcpi+profi]
 """
 
 from __future__ import annotations
@@ -225,7 +228,9 @@ def main() -> None:
             """The build with the sample profile of ``src`` (a count source, +profi for profile inference),
             exported from where/db (or from d/cg.out: exact counts)."""
             counts, _, variant = src.partition("+")
-            how = ["--callgrind", str(d / "cg.out")] if counts == "callgrind" else ["--counts", counts]
+            kind, _, estimator = counts.partition("-")  # calc-dcpi: calc with --estimator dcpi
+            how = (["--callgrind", str(d / "cg.out")] if counts == "callgrind"
+                   else ["--counts", kind, *(["--estimator", estimator] if estimator else [])])
             prof = where / f"{counts}.prof"
             if not prof.exists():
                 sh([*cs, "export", "llvm-sample", "--db", str(where / "db"), "--image", str(base), *how, "-o",

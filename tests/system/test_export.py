@@ -178,6 +178,18 @@ def test_llvm_sample_profile_reads_back_through_llvm_profdata(plain_build: tuple
     show = subprocess.run([tool, "show", "--sample", str(prof)], capture_output=True, text=True, timeout=60)
     assert show.returncode == 0, show.stderr
     assert "Function: leaf:" in show.stdout and show.stdout.count("Function: ") == len(heads)
+    # DCPI's own rule for stalled classes gives the same functions, leaf's loop as hot, and counts
+    # no higher than the default's (its geometric mean with an upper bound only raises a class).
+    assert "geomean estimator" in p.stderr
+    dcpi = tmp_path / "dcpi.prof"
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe), "--estimator", "dcpi", "-o", str(dcpi))
+    assert "dcpi estimator" in p.stderr
+    dtext = dcpi.read_text()
+    assert {ln.split(":")[0] for ln in dtext.splitlines() if not ln.startswith(" ")} == set(heads)
+    dtotal, dhead = (int(x) for x in dtext.split("leaf:", 1)[1].split("\n")[0].split(":")[:2])
+    assert dtotal > 20 * dhead and dtotal <= 1.05 * total, (dtotal, total)
+    show = subprocess.run([tool, "show", "--sample", str(dcpi)], capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0, show.stderr
 
 
 def test_llvm_sample_nests_inlined_code_and_clang_applies_it(tmp_path: Path) -> None:

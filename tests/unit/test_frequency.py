@@ -38,6 +38,30 @@ def test_the_smallest_cluster_of_ratios_gives_f() -> None:
     assert est.points_used >= 4
 
 
+def test_geomean_estimator_lies_between_the_cluster_and_the_sum_ratio() -> None:
+    # Pointer chasing on an out-of-order core: the load's miss hides the others' static cycles, so
+    # their ratios (the smallest) understate F = 100; sum S / sum M overstates it.
+    pts = [(60, 1), (55, 1), (900, 1), (65, 1), (58, 1)]
+    lo = estimate_class(pts, 1138, pts)
+    geo = estimate_class(pts, 1138, pts, estimator="geomean")
+    assert lo.method == geo.method == "issue-points" and lo.value is not None
+    upper = 1138 / 5
+    assert geo.value == pytest.approx((lo.value * upper) ** 0.5)
+    assert lo.value < geo.value < upper
+    # Clean blocks and few samples are the same under either estimator.
+    few = estimate_class([(3, 1), (10, 2)], 13, [(3, 1), (10, 2)], estimator="geomean")
+    assert few.method == "sum-ratio" and few.value == pytest.approx(13 / 3)
+    with pytest.raises(ValueError, match="unknown estimator"):
+        estimate_class(pts, 1138, pts, estimator="max")
+
+
+def test_the_command_line_knows_the_analysis_estimators() -> None:
+    from cyclescope.analysis.frequency import ESTIMATORS
+    from cyclescope.cli.calc import ESTIMATORS as CLI_ESTIMATORS
+
+    assert CLI_ESTIMATORS == ESTIMATORS
+
+
 def test_few_samples_use_the_sum_ratio() -> None:
     est = estimate_class([(3, 1), (10, 2)], 13, [(3, 1), (10, 2)])
     assert est.method == "sum-ratio" and est.value == pytest.approx(13 / 3) and est.confidence == "low"

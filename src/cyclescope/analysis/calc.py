@@ -102,6 +102,7 @@ def calc_procedure(
     cache: Cache | None = None,
     cache_key: str | None = None,
     mcpu: str | None = None,
+    estimator: str = "dcpi",
 ) -> Calc:
     from cyclescope.images.disasm import disassemble
 
@@ -136,7 +137,7 @@ def calc_procedure(
         if k >= 0:
             samples[k] += c
     s_cyc = samples[:, ev]
-    freq = estimate_frequencies(cfg, classes, model, s_cyc, infos)
+    freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator)
     ms: list[float] = [im.m for b in cfg.blocks for im in model.blocks[b.id].insns]
     cpi: list[float | None] = []
     dyn: list[float] = []

@@ -10,6 +10,17 @@ from cyclescope.cli.base import Command, add_output_options, add_selection_optio
 from cyclescope.errors import NotFoundError, UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
+# analysis.frequency.ESTIMATORS, here so that the command line does not import numpy and capstone to parse options
+ESTIMATORS = ("dcpi", "geomean")
+ESTIMATOR_HELP = ("how calc sets a stalled class's execution count: dcpi, the cluster of the smallest "
+                  "sample/model-cycle ratios (DCPI's rule), or geomean, the geometric mean of that and the "
+                  "class's sum-of-samples ratio, its upper bound (higher on pointer-chasing code, where DCPI's "
+                  "rule underestimates; see docs/benchmarks.md)")
+# For sample profiles (export llvm-sample, optimize): across bzip2, gzip, xz, Lua and SQLite, three
+# recordings each, the geometric mean's profiles reached more of instrumented PGO's gain on three
+# and never lost much (docs/benchmarks.md); calc's own reports keep DCPI's rule.
+PROFILE_ESTIMATOR = "geomean"
+
 if TYPE_CHECKING:
     from cyclescope.analysis.calc import Calc
     from cyclescope.db.query import ProfileSet
@@ -39,7 +50,8 @@ def period_cycles(ps: ProfileSet, ev: str) -> float | None:
     return max(1.0, meta.mean_period - meta.overhead_ns) * ps.clock_ghz
 
 
-def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcpu: str | None) -> Calc:
+def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcpu: str | None,
+                estimator: str = "dcpi") -> Calc:
     import numpy as np
 
     from cyclescope.analysis.calc import calc_procedure
@@ -75,7 +87,7 @@ def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcp
             return None
 
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
-                          period_cycles(ps, event), name_at, read, Cache(), info.key, mcpu)
+                          period_cycles(ps, event), name_at, read, Cache(), info.key, mcpu, estimator)
 
 
 @register
@@ -101,6 +113,8 @@ class CalcCommand(Command):
         p.add_argument("--cycles-event", metavar="EVENT",
                        help="the event whose samples measure time (default: cycles, else cpu-clock)")
         p.add_argument("--mcpu", metavar="CPU", help="llvm-mca CPU model (default: this machine's)")
+        p.add_argument("--estimator", choices=ESTIMATORS, default="dcpi",
+                       help=ESTIMATOR_HELP + " (default: dcpi)")
         p.add_argument("--hot", action="store_true", help="only blocks with samples")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
                        help="--image: the N procedures with most samples (default: 20 on a terminal)")
@@ -120,7 +134,7 @@ class CalcCommand(Command):
         ev = cycles_event(ps, args.cycles_event)
         if args.procedure:
             target, notes = resolve_target(ps, args.procedure, list(sel.images), sym)
-            c = calc_target(ps, target, sym, ev, args.mcpu)
+            c = calc_target(ps, target, sym, ev, args.mcpu, args.estimator)
             c.notes = notes + c.notes
             s = summarize(c)
             tot = sum(image_totals(ps).values())
@@ -156,7 +170,7 @@ class CalcCommand(Command):
                 continue
             tgt = Target(info, r.procedure, int(table.starts[k]), int(table.ends[k]))
             try:
-                c = calc_target(ps, tgt, sym, ev, args.mcpu)
+                c = calc_target(ps, tgt, sym, ev, args.mcpu, args.estimator)
             except CycleScopeError as e:
                 failures.append(f"{r.procedure}: {e}")
                 continue

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, register, selection
+from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
 from cyclescope.errors import NotFoundError, UsageError
 
 
@@ -80,6 +81,8 @@ class Export(Command):
         p.add_argument("--counts", choices=("calc", "samples"), default="calc",
                        help="llvm-sample: execution counts estimated by calc (default), or raw samples per "
                             "instruction (AutoFDO without branch records)")
+        p.add_argument("--estimator", choices=ESTIMATORS, default=PROFILE_ESTIMATOR,
+                       help="llvm-sample with --counts calc: " + ESTIMATOR_HELP + f" (default: {PROFILE_ESTIMATOR})")
         p.add_argument("--callgrind", metavar="FILE",
                        help="llvm-sample: exact counts from `valgrind --tool=callgrind --dump-instr=yes` output "
                             "instead (the recorded samples then only choose the binary)")
@@ -228,10 +231,10 @@ class Export(Command):
             counts = _sample_counts(ps, sym, info, ev)
             per_fn, heads, source = _by_function(raw, counts), {}, f"{ev} samples per instruction"
         else:
-            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep)
+            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator)
             for msg in skipped:
                 eprint(f"cyclescope export: skipped {msg}")
-            source = f"execution counts estimated by calc from {ev} samples"
+            source = f"execution counts estimated by calc from {ev} samples, {args.estimator} estimator"
         profiles = [p for p in (_profile_of(b.path, dw, raw, start, c, heads) for start, c in per_fn.items()) if p]
         if not any(p.total for p in profiles):
             raise NotFoundError(f"{info.path}: no execution counts for any function with source lines"
@@ -334,8 +337,8 @@ def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
     return dict(prof.counts[ob])
 
 
-def _calc_counts(ps: Any, sym: Any, info: Any, ev: str,
-                 rep: Any) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
+def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any,
+                 estimator: str = "dcpi") -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
     """calc's execution estimates per instruction, for each function with samples; entry counts."""
     from cyclescope.cli.calc import calc_target
     from cyclescope.errors import CycleScopeError
@@ -352,7 +355,7 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str,
         k = table.names.index(r.procedure)
         start, end = int(table.starts[k]), int(table.ends[k])
         try:
-            c = calc_target(ps, Target(info, r.procedure, start, end), sym, ev, None)
+            c = calc_target(ps, Target(info, r.procedure, start, end), sym, ev, None, estimator)
         except CycleScopeError as e:
             skipped.append(f"{r.procedure}: {e}")
             continue

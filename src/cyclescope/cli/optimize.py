@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cyclescope.cli.base import Command, eprint, register
+from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
 from cyclescope.errors import CycleScopeError, UsageError
 
 PROFILE_FLAGS = "-fdebug-info-for-profiling"
@@ -88,6 +89,8 @@ class Optimize(Command):
         p.add_argument("--counts", choices=("calc", "samples"), default="calc",
                        help="the profile's counts: calc's execution estimates (default) or raw samples per "
                             "instruction (see `export llvm-sample`)")
+        p.add_argument("--estimator", choices=ESTIMATORS, default=PROFILE_ESTIMATOR,
+                       help="with --counts calc: " + ESTIMATOR_HELP + f" (default: {PROFILE_ESTIMATOR})")
         p.add_argument("--inference", choices=tuple(INFERENCE_FLAGS), default="profi",
                        help="how clang turns the profile's line counts into branch weights: LLVM's profile "
                             "inference (default; -mllvm -sample-profile-use-profi, clang 14 or later) or its "
@@ -147,7 +150,8 @@ class Optimize(Command):
             if total >= args.train_samples or not m:
                 break
         r = subprocess.run([*me, "export", "llvm-sample", "--db", str(db), "--image", str(base),
-                            "--counts", args.counts, "-o", str(prof)], capture_output=True, text=True)
+                            "--counts", args.counts, "--estimator", args.estimator, "-o", str(prof)],
+                           capture_output=True, text=True)
         if r.returncode != 0:
             raise CycleScopeError(f"no sample profile: {r.stderr.strip()}")
         build(opt, f"{PROFILE_FLAGS} -fprofile-sample-use={shlex.quote(str(prof))} {INFERENCE_FLAGS[args.inference]}"
