@@ -249,6 +249,15 @@ def test_a_batch_of_runs_gives_what_each_run_gives_alone() -> None:
         assert np.array_equal(getattr(batch, col), getattr(b2, col)), col
     # Past its deadline it starts nothing (the budget), and says so by returning fewer reasons.
     assert it2.execute_many([1] * 12, rows, stacks, np.full(12, 64), 6, deadline=1e-9) == []
+    # Two drains' calls into one buffer (the collector takes it later): runs tagged from first_run on.
+    it3 = Interpreter(reader=_reader(text, heap))
+    it3.execute_many([1] * 5, rows[:5], stacks[:5], np.full(5, 64), 6)
+    it3.next_drain()
+    it3.execute_many([1] * 7, rows[5:], stacks[5:], np.full(7, 64), 6, first_run=5)
+    assert it3.buffered_steps == len(batch)
+    b3 = it3.take(cv0, cimg)
+    for col in ("run", "pc", "regs_in", "regs_out", "ea", "loaded", "ctx_v0", "ctx_img"):
+        assert np.array_equal(getattr(batch, col), getattr(b3, col)), col
     for m in (Operands(), Addresses(), Results(), Edges(), VReplay()):
         together: Counter[tuple[int, str, Value]] = Counter()
         for e in m.emit_batch(batch):
@@ -401,6 +410,31 @@ def test_capture_takes_operands_addresses_previous_results_and_context_in_bulk()
     assert rows[(0x1003, "in:rsi@ctx")] == {(3, 0x2005, 2): 20, (9, 0x2005, 2): 10}
 
 
+def test_drains_wait_for_capture_under_the_maps_they_were_taken_with() -> None:
+    pcs = [0x1003] * 30 + [0x1007] * 10
+    rdi, rsi = [0x8000] * 40, [3, 3, 9] * 10 + [5] * 10
+    ret = 0x556000000000 + 0x2005
+    one, _ = _capture()
+    one.process(*_batch(pcs, rdi, rsi, ret))
+    whole = _rows(one)
+    # The same samples in four drains: capture waits for them, then gives the same counts.
+    four, _ = _capture()
+    for k in range(0, 40, 10):
+        assert four.process(*_batch(pcs[k : k + 10], rdi[k : k + 10], rsi[k : k + 10], ret)) == 10
+    assert _rows(four) == whole
+    # An exec between the drain and the capture: the process's new maps know neither image. The
+    # waiting samples are captured first, with the maps they were taken under.
+    class Gone(_State):
+        def lookup(self, ips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return np.zeros(len(ips), np.int64), np.zeros(len(ips), np.uint64)
+
+    execd, _ = _capture()
+    execd.process(*_batch(pcs, rdi, rsi, ret))
+    execd.forget(os.getpid())
+    execd.mapper.procs[os.getpid()] = Gone()
+    assert _rows(execd) == whole
+
+
 def test_capture_takes_stack_words_and_sub_registers_where_the_snapshot_has_them() -> None:
     class Words(BaseModule):  # what a customization module can ask for at the interrupt
         name = "words"
@@ -484,12 +518,13 @@ def test_interpretation_stays_within_its_cpu_budget_and_counts_what_it_left_out(
     class SlowInterpreter:
         runs = 0
         steps = 0
+        buffered_steps = 0
 
         def next_drain(self) -> None:
             pass
 
         def execute_many(self, pids: list[int], rows: np.ndarray, stacks: np.ndarray, lens: np.ndarray,
-                         length: int, deadline: float = 0.0) -> list[str]:
+                         length: int, deadline: float = 0.0, first_run: int = 0) -> list[str]:
             out = []
             for j in range(len(pids)):  # as the C loop does: the clock every 8 runs
                 if deadline and j % 8 == 0 and _time.perf_counter() > deadline:

@@ -235,6 +235,11 @@ class Interpreter:
         self._vres = np.zeros(0, stepper.VRES_DTYPE)
         self._reserve(256)
 
+    @property
+    def buffered_steps(self) -> int:
+        """Steps in the buffer, waiting for :meth:`take`."""
+        return int(self._out.n)
+
     def next_drain(self) -> None:
         """Runs from here on read process memory afresh (each page once, then the copy)."""
         self.generation += 1
@@ -353,9 +358,10 @@ class Interpreter:
         return reason
 
     def execute_many(self, pids: list[int], rows: np.ndarray, stacks: np.ndarray, lens: np.ndarray, length: int,
-                     deadline: float = 0.0) -> list[str]:
+                     deadline: float = 0.0, first_run: int = 0) -> list[str]:
         """A drain's runs in one call: run j from ``rows[j]`` (ROW_REGS columns) and the first
-        ``lens[j]`` bytes of ``stacks[j]``, in process ``pids[j]``, its steps tagged j. With a
+        ``lens[j]`` bytes of ``stacks[j]``, in process ``pids[j]``, its steps tagged first_run + j
+        (the buffer keeps the steps of earlier calls until :meth:`take`). With a
         ``deadline`` (time.perf_counter seconds) the loop checks the clock every 8 runs and starts no
         run past it. The reasons of the runs done: a prefix of them all."""
         n = len(pids)
@@ -384,6 +390,8 @@ class Interpreter:
             reasons[at.value] = self._finish(emus[pids[at.value]])
             start = at.value + 1
         names = [STOP_REASONS[c] for c in reasons[: at.value].tolist()]
+        if first_run:
+            self._steps["run"][before : self._out.n] += first_run
         self._account(before, names)
         return names
 
