@@ -13,6 +13,7 @@ from cyclescope.values.hotlist import (
     VALUE_DTYPE,
     Hotlist,
     HotlistSet,
+    RunningP,
     hotlist_size,
     hotlist_sizes,
     merge_sets,
@@ -195,3 +196,65 @@ def test_call_site_kinds_get_a_larger_hotlist_and_stay_unbiased() -> None:
     m = merge_sets([HotlistSet.exact(*observations(40)), HotlistSet.exact(*observations(20))], sizes, rng)
     assert np.bincount(m.hot, minlength=2)[1] == 40 and m.p[1] == 1.0
     assert np.bincount(m.hot, minlength=2)[0] <= N_DEFAULT
+
+
+def _obs(stream_values: list[int], key: int) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.zeros(len(stream_values), dtype=[("uid", "<i4"), ("k", "<i8")])
+    keys["k"] = key
+    vals = np.zeros(len(stream_values), dtype=VALUE_DTYPE)
+    vals["v0"] = stream_values
+    return keys, vals
+
+
+def test_batches_thinned_by_the_running_p_stay_unbiased_and_count_every_value() -> None:
+    # Ten batches of one stream (5,000 distinct rare values: p falls far below 1 in the first), and
+    # a small hotlist of three values beside it (p stays 1). Each batch's observations of the first
+    # hotlist are kept with its p so far, as the paper's online rule does; merged, the estimates
+    # agree with batches counted exactly before thinning, and vtot counts every value offered.
+    data = stream(60000, 5)
+    rng = np.random.default_rng(3)
+    thinned7, thinned42, exact7 = [], [], []
+    for _ in range(30):
+        run, parts, plain = RunningP(np.dtype([("uid", "<i4"), ("k", "<i8")])), [], []
+        kept = 0
+        for i in range(10):
+            k1, v1 = _obs(data[i * 6000 : (i + 1) * 6000], key=1)
+            k2, v2 = _obs([5, 6, 6], key=2)
+            keys, vals = np.concatenate([k1, k2]), np.concatenate([v1, v2])
+            s = run.exact(keys, vals, rng)
+            kept += int(s.counts.sum())
+            s = reduce_set(s, rng=rng)
+            run.update(s)
+            parts.append(s)
+            plain.append(reduce_set(HotlistSet.exact(keys, vals), rng=rng))
+        m = merge_sets(parts, rng=rng)
+        assert m.keys["k"].tolist() == [1, 2] and m.total.tolist() == [60000, 30]
+        assert m.p[1] == 1.0 and m.hotlist(1).counts == {(5, 0, 0): 10, (6, 0, 0): 20}
+        assert kept < 20000  # most observations never reached the sort
+        h = m.hotlist(0)
+        thinned7.append(h.estimate((7, 0, 0)) / 60000)
+        thinned42.append(h.estimate((42, 0, 0)) / 60000)
+        exact7.append(merge_sets(plain, rng=rng).hotlist(0).estimate((7, 0, 0)) / 60000)
+    se = np.std(thinned7, ddof=1) / np.sqrt(len(thinned7))
+    assert abs(np.mean(thinned7) - 0.70) <= 3 * se + 0.005
+    assert abs(np.mean(thinned42) - 0.20) <= 3 * np.std(thinned42, ddof=1) / np.sqrt(len(thinned42)) + 0.005
+    assert abs(np.mean(thinned7) - np.mean(exact7)) <= 3 * np.sqrt(se**2 + np.var(exact7, ddof=1) / 30) + 0.005
+
+
+def test_a_hotlist_thinned_to_nothing_keeps_its_total_and_a_hash_collision_thins_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import cyclescope.values.hotlist as hl
+
+    dt = np.dtype([("uid", "<i4"), ("k", "<i8")])
+    run = RunningP(dt)
+    run.update(HotlistSet(np.array([(0, 1)], dt), np.array([1e-9]), np.array([5], np.uint64),
+                          np.zeros(0, np.int64), np.zeros(0, VALUE_DTYPE), np.zeros(0, np.int64)))
+    s = run.exact(*_obs([1, 2, 3], key=1), np.random.default_rng(0))
+    assert s.keys["k"].tolist() == [1] and s.total.tolist() == [3] and s.p.tolist() == [1e-9] and not s.rows
+    # Every key hashing alike: key 2 is not the known key 1, so none of its values is dropped.
+    monkeypatch.setattr(hl, "_key_hash", lambda words: np.zeros(len(words), np.uint64))
+    run = RunningP(dt)
+    run.update(HotlistSet(np.array([(0, 1)], dt), np.array([1e-9]), np.array([5], np.uint64),
+                          np.zeros(0, np.int64), np.zeros(0, VALUE_DTYPE), np.zeros(0, np.int64)))
+    s = run.exact(*_obs([1, 2, 3], key=2), np.random.default_rng(0))
+    assert s.keys["k"].tolist() == [2] and s.p.tolist() == [1.0] and s.counts.sum() == 3

@@ -21,10 +21,11 @@ Only the interpretation runs at every drain (it reads the processes' memory, whi
 should change as little as possible since the interrupt); the rest waits until a few
 drains' samples have gathered (CRUNCH_SAMPLES) and runs over them at once: about 5 ms
 of each drain's work was fixed cost (grouping, the stack scan, the modules, hotlist
-counting), whatever the drain's size. All observations of a batch become exact
-counts per (owner, image, offset, kind, value), are reduced to hotlists, and merged
-into the hotlists held since the last flush (hotlist.merge_sets): no Python runs per
-value.
+counting), whatever the drain's size. The observations of a batch of a hotlist whose p has
+fallen below 1 since the last flush are first each kept with that p (hotlist.RunningP, the
+paper's online rule); what remains becomes exact counts per (owner, image, offset, kind,
+value), is reduced to hotlists, and waits to be merged into the hotlists of the flush
+(hotlist.merge_sets): no Python runs per value.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Kinds, Step,
 from cyclescope.values.hotlist import (
     VALUE_DTYPE,
     HotlistSet,
+    RunningP,
     cat_struct,
     hotlist_sizes,
     merge_sets,
@@ -280,6 +282,7 @@ class ValueCapture:
         self._pinned: dict[int, int | None] = {}
         self._pending: list[HotlistSet] = []
         self._pending_rows = 0
+        self._running_p = RunningP(MEM_KEY_DTYPE)  # each hotlist's p since the last take
         # Drains waiting for _crunch: their samples' columns, the interpreted runs' samples (indices
         # into the drains' samples, concatenated), and their processes.
         self._drains: list[tuple[np.ndarray, ...]] = []
@@ -438,7 +441,9 @@ class ValueCapture:
         pcs = np.empty(n, dtype=[("i", "<i8"), ("o", "<u8")])
         pcs["i"], pcs["o"] = img, off
         upc, ginv, count = unique_struct(pcs)
-        plans = [self._plan(int(u["i"]), int(u["o"])) for u in upc]
+        known = self._plans
+        plans = [known[k] if k in known else self._plan(*k)
+                 for k in zip(upc["i"].tolist(), upc["o"].tolist(), strict=True)]
         entry = np.array([(p.entry if p is not None and p.entry is not None else -1) for p in plans],
                          np.int64)[ginv]
         at_entry = entry == off.astype(np.int64)
@@ -458,7 +463,9 @@ class ValueCapture:
         if keys_parts:
             keys = cat_struct(keys_parts)
             vals = cat_struct(vals_parts)
-            batch_set = reduce_set(HotlistSet.exact(keys, vals), hotlist_sizes(self.kinds), rng=self._rng)
+            batch_set = reduce_set(self._running_p.exact(keys, vals, self._rng), hotlist_sizes(self.kinds),
+                                   rng=self._rng)
+            self._running_p.update(batch_set)
             self._pending.append(batch_set)
             self._pending_rows += batch_set.rows
             if self._pending_rows > 400_000 and len(self._pending) > 1:
@@ -727,6 +734,7 @@ class ValueCapture:
         merged = (merge_sets(self._pending, hotlist_sizes(self.kinds), rng=self._rng) if self._pending
                   else HotlistSet.empty(MEM_KEY_DTYPE))
         self._pending, self._pending_rows = [], 0
+        self._running_p.reset()
         out: dict[int, tuple[NamedHotlists, ValuesMeta]] = {}
         images = self.table.keys()
         owners = set(self.stats) | set(np.unique(merged.keys["uid"]).tolist() if len(merged) else [])

@@ -338,3 +338,107 @@ def reduce_set(s: HotlistSet, n: int | np.ndarray = N_DEFAULT, rng: np.random.Ge
     p[ids] /= f ** rounds.astype(np.float64)
     keep = np.flatnonzero(counts > 0)
     return HotlistSet(s.keys, p, s.total, hot[keep], np.take(s.values, keep), counts[keep])
+
+
+def _rows_as_words(keys: np.ndarray) -> np.ndarray:
+    """Each structured row's bytes as 64-bit words (the last one zero-padded), for hashing and
+    comparing rows as wholes."""
+    keys = np.ascontiguousarray(keys)
+    n, size = len(keys), keys.dtype.itemsize
+    raw = keys.view(np.uint8).reshape(n, size)
+    if size % 8:
+        raw = np.concatenate([raw, np.zeros((n, 8 - size % 8), np.uint8)], axis=1)
+    return raw.view("<u8")
+
+
+_HASH_MULTIPLIERS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5],
+                             np.uint64)
+
+
+def _key_hash(words: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of words, for finding rows among a few known ones by
+    searchsorted; callers compare the bytes of every match, so a collision costs nothing but a
+    missed match."""
+    h = np.zeros(len(words), np.uint64)
+    for i in range(words.shape[1]):
+        h += words[:, i] * _HASH_MULTIPLIERS[i % len(_HASH_MULTIPLIERS)]
+    return h ^ (h >> np.uint64(29))
+
+
+class RunningP:
+    """The paper's online rule for a stream of batches: a value seen adds one to C[v] with the
+    hotlist's current probability p. Batches are counted exactly and reduced (HotlistSet.exact,
+    reduce_set); this keeps, per hotlist, the lowest p any batch since :meth:`reset` brought it to,
+    and :meth:`exact` drops each observation of such a hotlist with probability 1 - p before
+    counting (its totals still count every observation). That is what merging would do to the
+    batch's counters anyway (binomial thinning by p is keeping each instance with probability p),
+    done first: a hotlist of many distinct values (addresses, loaded data) has p far below 1 after
+    its first batch, and most of a batch's observations are of such hotlists (about 3 in 4 on the
+    bench's workload), so sorting and reducing them is most of the cost of counting."""
+
+    def __init__(self, key_dtype: np.dtype) -> None:
+        self.keys = np.zeros(0, key_dtype)
+        self.hash = np.zeros(0, np.uint64)  # sorted; keys and p in the same order
+        self.p = np.zeros(0)
+
+    def reset(self) -> None:
+        self.keys, self.hash, self.p = self.keys[:0], self.hash[:0], self.p[:0]
+
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        """Index of each row of ``keys`` among the known hotlists, -1 where it is not one."""
+        n = len(keys)
+        if not len(self.hash) or not n:
+            return np.full(n, -1, np.int64)
+        words = _rows_as_words(keys)
+        h = _key_hash(words)
+        pos = np.minimum(np.searchsorted(self.hash, h), len(self.hash) - 1)
+        hit = np.flatnonzero(self.hash[pos] == h)
+        at = pos[hit]
+        known = _rows_as_words(self.keys)
+        same = np.ones(len(hit), bool)
+        for i in range(words.shape[1]):
+            same &= known[:, i][at] == words[:, i][hit]
+        hit = hit[same]
+        out = np.full(n, -1, np.int64)
+        out[hit] = pos[hit]
+        return out
+
+    def exact(self, keys: np.ndarray, values: np.ndarray, rng: np.random.Generator) -> HotlistSet:
+        """HotlistSet.exact of the observations each kept with its hotlist's p (1 if unknown); the
+        known hotlists carry that p and the total of all their observations."""
+        at = self._find(keys)
+        known = np.flatnonzero(at >= 0)
+        if not len(known):
+            return HotlistSet.exact(keys, values)
+        keep = np.ones(len(keys), bool)
+        keep[known] = rng.random(len(known)) < self.p[at[known]]
+        sel = np.flatnonzero(keep)
+        s = HotlistSet.exact(np.take(keys, sel), np.take(values, sel))
+        totals = np.bincount(at[known], minlength=len(self.keys)).astype(np.uint64)
+        mine = self._find(s.keys)
+        k = np.flatnonzero(mine >= 0)
+        s.p[k] = self.p[mine[k]]
+        s.total[k] = totals[mine[k]]
+        # Known hotlists whose observations were all left out still saw them.
+        seen = totals > 0
+        seen[mine[k]] = False
+        gone = np.flatnonzero(seen)
+        if len(gone):
+            s = HotlistSet(cat_struct([s.keys, np.take(self.keys, gone)]), np.concatenate([s.p, self.p[gone]]),
+                           np.concatenate([s.total, totals[gone]]), s.hot, s.values, s.counts)
+        return s
+
+    def update(self, s: HotlistSet) -> None:
+        """Remember the p of every hotlist of ``s`` below 1 (the lowest, with what was known)."""
+        low = np.flatnonzero(s.p < 1.0)
+        if not len(low):
+            return
+        keys = cat_struct([self.keys, np.take(s.keys, low)]) if len(self.keys) else np.take(s.keys, low)
+        p = np.concatenate([self.p, s.p[low]])
+        h = _key_hash(_rows_as_words(keys))
+        order = np.lexsort((p, h))  # by hash, lowest p first
+        h = h[order]
+        first = np.ones(len(h), bool)
+        first[1:] = h[1:] != h[:-1]  # two keys of one hash: the first is known, the other never thinned
+        keep = order[first]
+        self.keys, self.hash, self.p = np.take(keys, keep), h[first], p[keep]
