@@ -672,6 +672,9 @@ def test_the_c_loop_reports_a_failed_build_in_one_line(tmp_path: Path, monkeypat
 def test_the_c_loop_is_cached_only_in_a_private_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from cyclescope.values import stepper
 
+    monkeypatch.setenv("CYCLESCOPE_CACHE", str(tmp_path / "mine"))
+    assert stepper.cache_dir() == tmp_path / "mine"  # where decoded binaries are cached too
+    monkeypatch.delenv("CYCLESCOPE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert stepper.cache_dir() == tmp_path / "cyclescope"
     assert (tmp_path / "cyclescope").stat().st_mode & 0o777 == 0o700
@@ -683,6 +686,7 @@ def test_the_c_loop_is_cached_only_in_a_private_directory(tmp_path: Path, monkey
 
 def test_the_private_fallback_cache_is_removed_at_exit(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("CYCLESCOPE_CACHE", None)
     (tmp_path / "cyclescope").mkdir(mode=0o700)
     (tmp_path / "cyclescope").chmod(0o777)
     code = "from cyclescope.values import stepper; print(stepper.cache_dir()); print(stepper.cache_dir())"

@@ -69,8 +69,11 @@ def _unicorn_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    d = Path(base) / "cyclescope"
+    """The user's cyclescope cache (``$CYCLESCOPE_CACHE``, else ``$XDG_CACHE_HOME/cyclescope`` or
+    ``~/.cache/cyclescope``, as for decoded binaries), if it is the user's own and private."""
+    from cyclescope.images.cache import default_root
+
+    d = default_root()
     try:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = d.stat()
