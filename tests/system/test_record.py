@@ -96,6 +96,22 @@ def test_attach_to_a_running_process(compile_c: Callable[..., Path], tmp_path: P
         proc.wait()
 
 
+def _jit_running() -> bool:
+    """Whether some process runs code from anonymous executable memory (a JIT)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            maps = (d / "maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            f = line.split()
+            if len(f) == 5 and "x" in f[1]:  # no path: anonymous
+                return True
+    return False
+
+
 def test_system_wide_sees_every_process_and_the_kernel(compile_c: Callable[..., Path], tmp_path: Path) -> None:
     exe = compile_c("spinner")
     proc = subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True)
@@ -103,11 +119,18 @@ def test_system_wide_sees_every_process_and_the_kernel(compile_c: Callable[..., 
         assert proc.stdout is not None
         proc.stdout.readline()  # started before the profiler: found by the /proc scan
         db = tmp_path / "db"
+        jit_seen = _jit_running()
         cs("record", "--db", str(db), "-F", "1000", "-a", "-d", "1.5")
+        jit_seen = jit_seen or _jit_running()
         rep = prof_json(db)
         s = rep["summary"]
         assert samples_of(rep, "spin_here") > 800
-        assert s["unknown_share"] < 0.01
+        # Code generated at run time without a perf map (valgrind's translations, say, when a
+        # benchmark runs beside the tests) is rightly unknown, as anonymous memory; nothing else is.
+        anon = s["unknown_reasons"].get("anon", 0)
+        assert (s["unknown_samples"] - anon) / sum(s["recorded_samples"].values()) < 0.01
+        if not jit_seen:
+            assert s["unknown_share"] < 0.01
         by_image = prof_json(db, "--images")
         assert any(r["image"] == "[kernel.kallsyms]" for r in by_image["rows"])
         procs = prof_json(db, "--process", "spinner")
