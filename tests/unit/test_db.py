@@ -218,3 +218,35 @@ def test_kill_9_in_the_middle_of_writing_never_corrupts_what_is_on_disk(tmp_path
     # Each reported flush is there; a flush killed after linking but before printing may add one more.
     assert completed * 200000 <= total <= (completed + 6) * 200000
     assert total == len(segs) * 200000
+
+
+def test_kernel_symbols_are_parsed_once_per_boot_and_copied_into_each_new_database(tmp_path: Path) -> None:
+    from cyclescope.db.symbols import read_symbols, shared_kernel_symbols, store_kernel_symbols
+    from cyclescope.images.elf import SymbolTable
+
+    made: list[int] = []
+
+    def make() -> SymbolTable:  # stands for parsing /proc/kallsyms
+        made.append(1)
+        return SymbolTable.build([(0x0, 0x10, "_text"), (0x100, 0x40, "schedule"), (0x200, 0, "do_idle")], 0x300)
+
+    shared = shared_kernel_symbols(tmp_path / "cache", "boot1", "kbuildid")
+    assert shared is not None and shared_kernel_symbols(tmp_path / "cache", None, "kbuildid") is None
+    first, second = Database.create_or_open(tmp_path / "a"), Database.create_or_open(tmp_path / "b")
+    assert store_kernel_symbols(first, "kbuildid", make, shared) and shared.exists()
+    assert store_kernel_symbols(second, "kbuildid", make, shared)
+    assert made == [1]  # the second database got the copy
+    a, b = read_symbols(first, "kbuildid"), read_symbols(second, "kbuildid")
+    assert a is not None and b is not None and b.names == a.names == ("_text", "schedule", "do_idle")
+    assert b.starts.tolist() == a.starts.tolist() and b.ends.tolist() == a.ends.tolist() == [0x10, 0x140, 0x300]
+    # A damaged copy is not trusted: the symbols are made again, and the copy replaced.
+    shared.write_bytes(b"PAR1 not a parquet file")
+    third = Database.create_or_open(tmp_path / "c")
+    assert store_kernel_symbols(third, "kbuildid", make, shared) and made == [1, 1]
+    t = read_symbols(third, "kbuildid")
+    assert t is not None and t.names == a.names
+    assert store_kernel_symbols(Database.create_or_open(tmp_path / "d"), "kbuildid", make, shared) and made == [1, 1]
+    # No kallsyms (kptr_restrict): nothing stored, nothing shared.
+    assert not store_kernel_symbols(Database.create_or_open(tmp_path / "e"), "other", lambda: None,
+                                    shared_kernel_symbols(tmp_path / "cache", "boot1", "other"))
+    assert not list((tmp_path / "cache" / "kernel-symbols").glob("*other*"))

@@ -41,7 +41,14 @@ from cyclescope.db.layout import Database, safe_host
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, merge_clock, write_segment
 from cyclescope.images.cache import Cache
 from cyclescope.images.elf import SymbolTable, symbols_from_bytes
-from cyclescope.images.kernel import KernelMap, kernel_symbols, load_kernel_ranges, read_kallsyms
+from cyclescope.images.kernel import (
+    KernelMap,
+    KernelRange,
+    boot_stamp,
+    kernel_symbols,
+    load_kernel_ranges,
+    read_kallsyms,
+)
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
@@ -517,10 +524,14 @@ class Collector:
                 if info.key in self._symbols_written or symstore.has_symbols(self.db, info.key):
                     self._symbols_written.add(info.key)
                     continue
-                text = read_kallsyms()
                 for r in self.kernel_ranges:
-                    if r.key == info.key and text:
-                        symstore.write_symbols(self.db, info.key, kernel_symbols(text, r))
+                    if r.key == info.key:
+                        def make(r: KernelRange = r) -> SymbolTable | None:
+                            text = read_kallsyms()
+                            return kernel_symbols(text, r) if text else None
+
+                        shared = symstore.shared_kernel_symbols(Cache().root, boot_stamp(), info.key)
+                        symstore.store_kernel_symbols(self.db, info.key, make, shared)
                 self._symbols_written.add(info.key)
             elif info.kind == "vdso" and self.vdso_bytes and info.key not in self._symbols_written:
                 symstore.write_binary(self.db, info.key, self.vdso_bytes)

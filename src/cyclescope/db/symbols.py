@@ -7,8 +7,11 @@ gone by the time anyone looks: so they are stored beside the profiles.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,43 @@ def write_symbols(db: Database, key: str, table: SymbolTable) -> None:
     fsync_file(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+def store_kernel_symbols(db: Database, key: str, make: Callable[[], SymbolTable | None],
+                         shared: Path | None) -> bool:
+    """Kernel or module symbols into the database, from ``shared`` (a per-user copy for this boot
+    and set of modules, see kernel.boot_stamp) when it holds a sound one, else made by ``make``
+    (parsing /proc/kallsyms: about 0.5 s with the write) and copied there for the next database.
+    Whether the database has them now."""
+    final = symbols_path(db, key)
+    if shared is not None:
+        try:
+            pq.read_metadata(shared)  # a whole file (written atomically), not a stray one
+            db.symbols_dir.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+            shutil.copyfile(shared, tmp)
+            fsync_file(tmp)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+            return True
+        except (OSError, pa.ArrowException):
+            pass
+    table = make()
+    if table is None:
+        return False
+    write_symbols(db, key, table)
+    if shared is not None:
+        with contextlib.suppress(OSError):
+            shared.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = shared.with_name(f".tmp-{os.getpid()}-{shared.name}")
+            shutil.copyfile(final, tmp)
+            os.replace(tmp, shared)
+    return True
+
+
+def shared_kernel_symbols(root: Path, stamp: str | None, key: str) -> Path | None:
+    """Where :func:`store_kernel_symbols` keeps its per-user copy (None: no boot id, no copy)."""
+    return root / "kernel-symbols" / f"{stamp}-{_file_name(key)}.parquet" if stamp else None
 
 
 def read_symbols(db: Database, key: str) -> SymbolTable | None:

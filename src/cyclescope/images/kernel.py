@@ -147,6 +147,14 @@ def read_kallsyms() -> str | None:
     return text
 
 
+def boot_stamp(modules: str | None = None) -> str | None:
+    """This boot and its set of loaded modules, as a short hash (None if the boot id is unknown):
+    what kallsyms shows changes only with them."""
+    mods = modules if modules is not None else (_read("/proc/modules") or b"").decode("utf-8", "replace")
+    boot = (_read("/proc/sys/kernel/random/boot_id") or b"").decode().strip()
+    return hashlib.sha1((boot + "\0" + mods).encode()).hexdigest()[:16] if boot else None
+
+
 def load_kernel_ranges(cache_dir: Path | None = None) -> list[KernelRange]:
     """The running kernel's text and modules, or [] when kallsyms is unreadable.
 
@@ -155,9 +163,8 @@ def load_kernel_ranges(cache_dir: Path | None = None) -> list[KernelRange]:
     re-read if /proc/modules changed.
     """
     mods = (_read("/proc/modules") or b"").decode("utf-8", "replace")
-    boot = (_read("/proc/sys/kernel/random/boot_id") or b"").decode().strip()
-    stamp = hashlib.sha1((boot + "\0" + mods).encode()).hexdigest()[:16]
-    cached = cache_dir / f"kernel-{stamp}.json" if cache_dir is not None and boot else None
+    stamp = boot_stamp(mods)
+    cached = cache_dir / f"kernel-{stamp}.json" if cache_dir is not None and stamp else None
     if cached is not None:
         try:
             return [KernelRange(**r) for r in json.loads(cached.read_text())]
