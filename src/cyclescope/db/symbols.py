@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,11 +60,7 @@ def store_kernel_symbols(db: Database, key: str, make: Callable[[], SymbolTable 
         try:
             pq.read_metadata(shared)  # a whole file (written atomically), not a stray one
             db.symbols_dir.mkdir(parents=True, exist_ok=True)
-            tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
-            shutil.copyfile(shared, tmp)
-            fsync_file(tmp)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
+            write_atomic(final, shared.read_bytes())
             return True
         except (OSError, pa.ArrowException):
             pass
@@ -76,9 +71,7 @@ def store_kernel_symbols(db: Database, key: str, make: Callable[[], SymbolTable 
     if shared is not None:
         with contextlib.suppress(OSError):
             shared.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = shared.with_name(f".tmp-{os.getpid()}-{shared.name}")
-            shutil.copyfile(final, tmp)
-            os.replace(tmp, shared)
+            write_atomic(shared, final.read_bytes())
     return True
 
 

@@ -372,18 +372,15 @@ def lookup_user(procs: Mapping[int, ProcessState], pids: np.ndarray, addrs: np.n
     now; image 0 and offset 0 where the process or the mapping is unknown."""
     image = np.zeros(len(addrs), np.int64)
     offset = np.zeros(len(addrs), np.uint64)
-    if len(pids) and (pids == pids[0]).all():  # usually one process: no grouping
-        st = procs.get(int(pids[0]))
-        if st is not None:
-            img, off = st.lookup(addrs)
-            good = img > 0
-            image[good], offset[good] = img[good], off[good]
-        return image, offset
-    for p in np.unique(pids).tolist():
+    groups: list[tuple[int, slice | np.ndarray]]
+    if len(pids) and (pids == pids[0]).all():  # usually one process: all rows at once, no grouping
+        groups = [(int(pids[0]), slice(None))]
+    else:
+        groups = [(p, np.flatnonzero(pids == p)) for p in np.unique(pids).tolist()]
+    for p, rows in groups:
         st = procs.get(p)
         if st is None:
             continue
-        rows = np.flatnonzero(pids == p)
         img, off = st.lookup(addrs[rows])
         good = img > 0
         image[rows] = np.where(good, img, 0)
