@@ -14,6 +14,9 @@ from cyclescope.analysis.calc import Calc
 from cyclescope.analysis.culprits import CULPRITS, STATIC
 from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
 
+# Why a block has no estimate, where frequency.py says.
+NO_ESTIMATE = {"too-few-cycles": " (under half a model cycle outside loops: its samples are mostly a branch's stall)"}
+
 
 @dataclass
 class Summary:
@@ -198,7 +201,7 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
         if blk.id in c.cfg.unreachable:
             head = f"block {blk.start:x}: unreachable (padding)"
         elif f is None:
-            head = f"block {blk.start:x}: no frequency estimate"
+            head = f"block {blk.start:x}: no frequency estimate" + NO_ESTIMATE.get(c.freq.block_method[blk.id], "")
         else:
             ex = c.executions(blk.id)
             exs = f", ~{ex:,.0f} executions" if ex is not None else ""
