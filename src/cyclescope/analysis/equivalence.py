@@ -100,6 +100,15 @@ def infinite_loop_exits(cfg: CFG) -> list[int]:
     return sorted(sinks)
 
 
+def cyclic_blocks(cfg: CFG) -> set[int]:
+    """The blocks on some cycle of the CFG (in a strongly connected component with an edge inside)."""
+    def succ(b: int) -> list[int]:
+        return [cfg.edges[i].dst for i in cfg.blocks[b].succs if cfg.edges[i].dst >= 0]
+
+    return {b for comp in _sccs(list(range(len(cfg.blocks))), succ) for b in comp
+            if len(comp) > 1 or b in succ(b)}
+
+
 def _sccs(nodes: list[int], succ_fn: Callable[[int], list[int]]) -> list[list[int]]:
     """Tarjan's strongly connected components, iterative (procedures can have 10^4 blocks)."""
     allowed = set(nodes)

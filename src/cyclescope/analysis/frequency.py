@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cyclescope.analysis.cfg import CFG, ENTRY, EXIT
-from cyclescope.analysis.equivalence import Classes
+from cyclescope.analysis.equivalence import Classes, cyclic_blocks
 from cyclescope.analysis.schedule import ProcedureModel
 from cyclescope.images.disasm import InsnInfo
 
@@ -187,15 +187,6 @@ def _issue_point_estimate(points: list[tuple[float, float]], class_samples: floa
         return ClassEstimate(f, conf, "issue-points", len(cluster), n, spread)
     s = sum(s for s, _ in points)
     return ClassEstimate(s / total_m if total_m else None, "low", "sum-ratio", n, n)
-
-
-def cyclic_blocks(cfg: CFG) -> set[int]:
-    """The blocks on some cycle of the CFG (in a strongly connected component with an edge inside)."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    g.add_edges_from((e.src, e.dst) for e in cfg.edges if e.src >= 0 and e.dst >= 0)
-    return {b for comp in nx.strongly_connected_components(g) for b in comp if len(comp) > 1 or g.has_edge(b, b)}
 
 
 def estimate_frequencies(cfg: CFG, classes: Classes, model: ProcedureModel, samples: Sequence[float] | np.ndarray,
