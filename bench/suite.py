@@ -113,8 +113,9 @@ LUA_SOURCES = [f"{n}.c" for n in (
     "lstring", "lstrlib", "ltable", "ltablib", "ltm", "lua", "lundump", "lutf8lib", "lvm", "lzio")]  # not luac.c
 # With -ldl. A fixed string-hash seed: Lua 5.4 mixes the time and the addresses of a stack and a heap
 # variable into it, and the run's work changes with the seed (table collisions). Measured under
-# cachegrind, one binary's cycle estimate moved by 2.5% between runs started from paths of different
-# lengths or in different seconds, a third of instrumented PGO's gain on this workload.
+# cachegrind, one binary's cycle estimate moved by 1.2% between paths of different lengths and by
+# about 2.4% between seconds, a third of instrumented PGO's gain on this workload; seeded, the same
+# path gives the same estimate and path lengths move it by 0.13% (docs/benchmarks.md).
 LUA_FLAGS = ["-DLUA_USE_LINUX", "-Dluai_makeseed(L)=0x2545f491u"]
 SQLITE_FLAGS = ["-DSQLITE_THREADSAFE=0", "-DSQLITE_OMIT_LOAD_EXTENSION"]  # one thread, no -ldl/-lpthread
 
