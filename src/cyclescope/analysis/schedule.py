@@ -36,7 +36,6 @@ from cyclescope.images.disasm import GPR32, Insn, insn_info
 ITERATIONS = 24
 WARMUP = 8
 _TARGET_RE = re.compile(r"(?<=\s)(?:0x[0-9a-f]+)$")
-_PUSHPOP_RE = re.compile(r"^(push|pop)\s+(r[a-z0-9]+)$")  # 64-bit register forms only
 
 
 @dataclass
@@ -103,10 +102,9 @@ def asm_line(ins: Insn) -> str:
     t = ins.text
     if ins.direct_target is not None:
         t = _TARGET_RE.sub(".Ltgt", t)
-    m = _PUSHPOP_RE.match(t)
-    if m:
-        op, reg = m.group(1), m.group(2)
-        t = f"mov {reg}, qword ptr [rsp]" if op == "pop" else f"mov qword ptr [rsp], {reg}"
+    if ins.mnemonic in ("push", "pop") and ins.op_str in GPR32:  # the 64-bit register forms only
+        reg = ins.op_str
+        t = f"mov {reg}, qword ptr [rsp]" if ins.mnemonic == "pop" else f"mov qword ptr [rsp], {reg}"
     return t
 
 
