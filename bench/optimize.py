@@ -14,6 +14,10 @@ valgrind 3.19 cannot read clang-14's DWARF 5):
   calc-EST   calc with `--estimator EST`: dcpi (DCPI's smallest-ratio rule for stalled classes) or
              geomean (its geometric mean with the class's sum S / sum M; export's default since
              bench/out/optimize_estimators, so that plain `calc` is geomean from then on)
+  paths      calc's estimates shaped by the branch outcomes of sampled paths: the training run
+             again, as often, under `record --values edges --exact interpret --interpret 32` at
+             1 kHz (the thread stopped and the next 32 instructions interpreted from its exact
+             state; analysis/paths.py), exported with --edges-from
   SRC+profi  any of the sample profiles above, with LLVM's profile inference (-mllvm
              -sample-profile-use-profi: block and edge counts made consistent by min-cost flow,
              "profi", in place of clang's older weight propagation)
@@ -220,9 +224,13 @@ def main() -> None:
         base = build(d / "base", "")
 
         def train(where: Path, base: Path = base) -> None:
-            """Training runs of the base build under cyclescope: the input run N times into one epoch."""
+            """Training runs of the base build under cyclescope: the input run N times into one epoch
+            (and as many runs with sampled paths, for the paths source)."""
             for t in range(args.train_runs):
                 sh([*cs, "record", "--db", str(where / "db"), "-q", *(["--append"] if t else []), "--", *argv(base)])
+            for t in range(args.train_runs if any(s.startswith("paths") for s in sources) else 0):
+                sh([*cs, "record", "--db", str(where / "paths"), "-q", *(["--append"] if t else []), "-F", "1000",
+                    "--values", "edges", "--exact", "interpret", "--interpret", "32", "--", *argv(base)])
 
         def profiled(where: Path, src: str, base: Path = base, d: Path = d, build: Any = build) -> Path:
             """The build with the sample profile of ``src`` (a count source, +profi for profile inference),
@@ -230,6 +238,7 @@ def main() -> None:
             counts, _, variant = src.partition("+")
             kind, _, estimator = counts.partition("-")  # calc-dcpi: calc with --estimator dcpi
             how = (["--callgrind", str(d / "cg.out")] if counts == "callgrind"
+                   else ["--counts", "calc", "--edges-from", str(where / "paths")] if kind == "paths"
                    else ["--counts", kind, *(["--estimator", estimator] if estimator else [])])
             prof = where / f"{counts}.prof"
             if not prof.exists():

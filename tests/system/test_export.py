@@ -9,6 +9,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.system.helpers import cs
@@ -192,6 +193,63 @@ def test_llvm_sample_profile_reads_back_through_llvm_profdata(plain_build: tuple
     assert show.returncode == 0, show.stderr
 
 
+def _body_counts(profile: str, fn: str) -> dict[int, int]:
+    """Line offset -> count of ``fn``'s top-level body in an LLVM text sample profile."""
+    out: dict[int, int] = {}
+    inside = False
+    for ln in profile.splitlines():
+        if not ln.startswith(" "):
+            inside = ln.split(":", 1)[0] == fn
+            continue
+        if not inside or ln.startswith("  "):
+            continue
+        off, rest = ln.strip().split(": ", 1)
+        head = rest.split()[0]
+        if head.isdigit():  # not an inlined callee's header (name:total)
+            k = int(off.split(".")[0])
+            out[k] = max(out.get(k, 0), int(head))
+    return out
+
+
+def test_llvm_sample_counts_follow_the_branch_outcomes_of_sampled_paths(tmp_path: Path) -> None:
+    """branches.c's loop takes its rare side one time in eight, at random, and the rare side is
+    slow: calc's estimates from timer samples make the two sides about as frequent; the outcomes
+    of sampled paths (exact-state interpretation while the thread is stopped) give 1 to 7."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    src = Path(__file__).parents[1] / "programs" / "branches.c"
+    exe = tmp_path / "branches"
+    subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), str(src)], check=True, capture_output=True)
+    db, paths = tmp_path / "db", tmp_path / "paths"
+    cs("record", "--db", str(db), "-q", "--", str(exe), "150000000", timeout=300)
+    p = cs("record", "--db", str(paths), "--values", "edges", "--exact", "interpret", "--interpret", "32", "--",
+           str(exe), "150000000", timeout=300)
+    m = re.search(r"interpreted while stopped: ([\d.]+) steps a run \(stops: length (\d+)%", p.stderr)
+    assert m and float(m.group(1)) > 30 and int(m.group(2)) >= 95, p.stderr  # runs go the whole L
+    text = src.read_text().splitlines()
+    first = next(i for i, ln in enumerate(text) if ln.startswith("int main"))
+    rare = next(i for i, ln in enumerate(text) if "/* rare side */" in ln) - first
+    common = next(i for i, ln in enumerate(text) if "/* common side */" in ln) - first
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe), "--edges-from", str(paths))
+    assert "branch outcomes on sampled paths" in p.stderr
+    shaped = _body_counts(p.stdout, "main")
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe))
+    assert "branch outcomes" not in p.stderr  # the profile's own database has none
+    alone = _body_counts(p.stdout, "main")
+    truth = 1 / 7
+    ratio = shaped[rare] / shaped[common]
+    assert 0.6 * truth < ratio < 1.6 * truth, shaped
+    # calc alone: the two sides about as frequent, or no count for the rare side at all.
+    a = alone.get(rare, 0) / max(alone.get(common, 0), 1)
+    assert a == 0 or abs(np.log(ratio / truth)) < abs(np.log(a / truth)), (shaped, alone)
+    # Asked for where there are none: one line, and nothing written.
+    out = tmp_path / "x.prof"
+    p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe), "--edges-from", str(db), "-o", str(out),
+           check=False)
+    assert p.returncode != 0 and "no branch outcomes" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_llvm_sample_nests_inlined_code_and_clang_applies_it(tmp_path: Path) -> None:
     """inlined.c's mix (a loop, unrolled by clang) inlined into main's loop: exported from exact
     callgrind counts, mix becomes a nested profile at its call site whose loop line counts the
@@ -254,7 +312,8 @@ def test_optimize_closes_the_loop_with_clang(tmp_path: Path) -> None:
     doc = json.loads(p.stdout)
     # The training run is repeated into one profile until it has the samples asked for.
     assert doc["train_samples"] >= 3000 and 1 <= doc["train_runs"] <= 20
-    assert p.stderr.count("training run ") == doc["train_runs"]
+    assert p.stderr.count("training run ") == 2 * doc["train_runs"]  # each recorded, then its paths sampled
+    assert p.stderr.count("sampled paths of the training run") == doc["train_runs"] and doc["branch_outcomes"] > 0
     assert doc["same_output"] and len(doc["base_cpu_s"]) == len(doc["opt_cpu_s"]) == 2
     assert doc["speedup"] > 0 and Path(doc["profile"]).stat().st_size > 0
     assert "leaf" in Path(doc["profile"]).read_text()

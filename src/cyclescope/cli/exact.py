@@ -61,7 +61,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
         if pid is None:
             raise CycleScopeError("the command did not start")
         period_ns = int(1e9 / hz)
-        tracer = ExactTracer(pid, vopts.length, vopts.stack, period_ns, band=args.band)
+        tracer = ExactTracer(pid, vopts.length, vopts.stack, period_ns, band=args.band, how=args.exact)
         assert c.values is not None
         c.values.pin_owner(pid)
         c.install_signals()
@@ -90,6 +90,11 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
         eprint(f"cyclescope record: {summary_line(c.totals, elapsed, c.epoch, db_path(args))}")
         eprint(f"cyclescope record: exact mode: {tracer.perf_stops:,} stops, {vopts.length} steps each; "
                f"{value_summary(c)}")
+        it = tracer.interp
+        if tracer.how == "interpret" and it is not None and it.runs:
+            stops = ", ".join(f"{k} {100 * v / it.runs:.0f}%" for k, v in it.stops.most_common())
+            eprint(f"cyclescope record: interpreted while stopped: {it.steps / it.runs:.1f} steps a run "
+                   f"(stops: {stops})")
         s = tracer.stats
         if s.compared:
             eprint(f"cyclescope record: the interpreter agreed with single-stepping on {s.agree:,} of "

@@ -55,7 +55,10 @@ class Export(Command):
         "for inlined code, call targets from the direct calls. Build with -g (and\n"
         "-fdebug-info-for-profiling for discriminators), and rebuild with LLVM's profile inference\n"
         "(clang 14+: -mllvm -sample-profile-use-profi), which makes the most of counts from samples;\n"
-        "`llvm-profdata show --sample FILE` reads it.\n\n"
+        "`llvm-profdata show --sample FILE` reads it. Where the selection (or --edges-from DB) holds the\n"
+        "branch outcomes of sampled paths (`record --values edges --exact interpret --interpret 32`),\n"
+        "each function's block counts follow the branch probabilities they show (calc's split where a\n"
+        "branch was not seen), scaled to calc's total for the function.\n\n"
         "'bolt-fdata' writes BOLT's profile without branch records (as `perf2bolt -nl`): samples per\n"
         "instruction of one image, by function symbol and offset, for llvm-bolt -data=FILE (link the\n"
         "program with -Wl,--emit-relocs for BOLT to reorder its blocks and functions)."
@@ -86,6 +89,12 @@ class Export(Command):
         p.add_argument("--callgrind", metavar="FILE",
                        help="llvm-sample: exact counts from `valgrind --tool=callgrind --dump-instr=yes` output "
                             "instead (the recorded samples then only choose the binary)")
+        p.add_argument("--edges-from", metavar="DB",
+                       help="llvm-sample with --counts calc: branch outcomes of sampled paths (value sampling's "
+                            "edges module) from this database, all epochs (default: the selection's own, when "
+                            "it has them)")
+        p.add_argument("--no-edges", action="store_true",
+                       help="llvm-sample: calc's counts alone, even where branch outcomes were recorded")
         p.add_argument("--offsets", action="store_true",
                        help="name frames procedure+offset instead of merging a procedure's instructions")
 
@@ -231,10 +240,14 @@ class Export(Command):
             counts = _sample_counts(ps, sym, info, ev)
             per_fn, heads, source = _by_function(raw, counts), {}, f"{ev} samples per instruction"
         else:
-            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator)
+            edges = None if args.no_edges else _edges(args, ps, sym, info)
+            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator, edges)
             for msg in skipped:
                 eprint(f"cyclescope export: skipped {msg}")
             source = f"execution counts estimated by calc from {ev} samples, {args.estimator} estimator"
+            if edges:
+                seen = round(sum(sum(d.values()) for d in edges.values()))
+                source += f"; blocks shaped by {seen:,} branch outcomes on sampled paths at {len(edges):,} branches"
         profiles = [p for p in (_profile_of(b.path, dw, raw, start, c, heads) for start, c in per_fn.items()) if p]
         if not any(p.total for p in profiles):
             raise NotFoundError(f"{info.path}: no execution counts for any function with source lines"
@@ -337,9 +350,35 @@ def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
     return dict(prof.counts[ob])
 
 
-def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any,
-                 estimator: str = "dcpi") -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
-    """calc's execution estimates per instruction, for each function with samples; entry counts."""
+def _edges(args: argparse.Namespace, ps: Any, sym: Any, info: Any) -> dict[int, dict[int, float]] | None:
+    """Branch (ELF address) -> outcomes observed on sampled paths, from --edges-from or the
+    selection's own value files; None when there are none (an error when --edges-from was given)."""
+    from cyclescope.analysis.paths import edge_outcomes
+    from cyclescope.db.layout import Database
+    from cyclescope.db.values import load_values
+
+    if args.edges_from:
+        db = Database.open(args.edges_from)
+        vs = load_values(db, db.epochs(), rng=np.random.default_rng(0))
+    else:
+        vs = load_values(ps.db, ps.epochs, rng=np.random.default_rng(0))  # merging thins at random: same every time
+    obs = edge_outcomes(vs, info.key)
+    if not obs:
+        if args.edges_from:
+            raise NotFoundError(f"{args.edges_from}: no branch outcomes of {info.path} (record them with "
+                                "`record --values edges --exact interpret --interpret 32 -- CMD`)")
+        return None
+    offs = sorted({o for o in obs} | {t for d in obs.values() for t in d})
+    va = dict(zip(offs, sym.offsets_to_vaddr(info, np.array(offs, np.uint64)).tolist(), strict=True))
+    return {int(va[o]): {int(va[t]): n for t, n in d.items()} for o, d in obs.items()}
+
+
+def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str = "dcpi",
+                 edges: dict[int, dict[int, float]] | None = None
+                 ) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
+    """calc's execution estimates per instruction, for each function with samples (shaped by the
+    branch outcomes ``edges`` where given: analysis/paths.py); entry counts."""
+    from cyclescope.analysis.paths import PathBlock, shape_counts
     from cyclescope.cli.calc import calc_target
     from cyclescope.errors import CycleScopeError
     from cyclescope.report.listing import Target
@@ -365,6 +404,11 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any,
             execs = c.executions(bi) if bi >= 0 else None
             if execs is not None and round(execs) > 0:
                 got[ins.address] = round(execs)
+        if edges:
+            blocks = [PathBlock([c.cfg.insns[i].address for i in range(b.first, b.last + 1)],
+                                [c.cfg.edges[e].dst if c.cfg.edges[e].dst >= 0 else -1 for e in b.succs],
+                                [c.freq.edge[e] for e in b.succs]) for b in c.cfg.blocks]
+            got = shape_counts(blocks, got, edges)
         if got:
             per_fn[start] = got
             entry = c.cfg.block_of[0] if c.cfg.insns else -1

@@ -1,7 +1,9 @@
 """`cyclescope optimize`: the Morph loop for a program built from source.
 
 Build (with {flags} empty) -> profile a training run (repeated into one profile until it has
---train-samples samples) -> export an LLVM sample profile from calc's estimates -> rebuild with
+--train-samples samples) -> sample its paths as many times (the branch outcomes of the next 32
+instructions after each of 1,000 stops a second, interpreted while the thread is stopped) ->
+export an LLVM sample profile from calc's estimates shaped by those outcomes -> rebuild with
 -fprofile-sample-use (and LLVM's profile inference) -> run both builds alternately and report the
 speedup with its spread. Everything goes into one work directory, kept for inspection.
 """
@@ -13,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +28,10 @@ from cyclescope.errors import CycleScopeError, UsageError
 
 PROFILE_FLAGS = "-fdebug-info-for-profiling"
 MAX_TRAIN_RUNS = 20  # --train-samples repeats the training run at most this often
+# Sampled paths (analysis/paths.py): L instructions after each stop of the thread, at this rate.
+# About 1.8 ms a stop for L = 32 (the SQLite shell's training run: 1.4 s alone, 2.4 s with paths).
+PATH_LENGTH = 32
+PATH_HZ = 1000
 # LLVM's profile inference ("profi", LLVM 14 and later): block and edge counts made consistent by a
 # min-cost flow over the CFG, in place of the older weight propagation. Timer samples give line
 # counts with gaps and noise, which is what it was made for: under cachegrind's model it took
@@ -65,7 +72,8 @@ class Optimize(Command):
     description = (
         "The closed loop (Morph): build the program with BUILD ({out} = the binary to write, {flags} =\n"
         "extra compiler flags), run the training command under cyclescope, turn the samples into an LLVM\n"
-        "sample profile (execution counts estimated by calc: no branch records needed), rebuild with\n"
+        "sample profile (execution counts estimated by calc, shaped by the branch outcomes of sampled\n"
+        "paths: no branch records needed), rebuild with\n"
         "-fprofile-sample-use, then run both builds alternately and report the speedup (median and\n"
         "quartiles of the per-round CPU-time ratios). BUILD must compile with clang and -g."
     )
@@ -91,6 +99,10 @@ class Optimize(Command):
                             "instruction (see `export llvm-sample`)")
         p.add_argument("--estimator", choices=ESTIMATORS, default=PROFILE_ESTIMATOR,
                        help="with --counts calc: " + ESTIMATOR_HELP + f" (default: {PROFILE_ESTIMATOR})")
+        p.add_argument("--no-paths", dest="paths", action="store_false",
+                       help="leave out the sampled paths: calc's estimates alone (the paths' run stops the "
+                            "program 1,000 times a second with ptrace and interprets the next 32 "
+                            "instructions; their branch outcomes shape each function's counts)")
         p.add_argument("--inference", choices=tuple(INFERENCE_FLAGS), default="profi",
                        help="how clang turns the profile's line counts into branch weights: LLVM's profile "
                             "inference (default; -mllvm -sample-profile-use-profi, clang 14 or later) or its "
@@ -149,11 +161,33 @@ class Optimize(Command):
             eprint(f"cyclescope optimize: training run {t + 1} under cyclescope record: {total:,} samples so far")
             if total >= args.train_samples or not m:
                 break
+        paths = work / "paths.db" if args.paths and args.counts == "calc" else None
+        if paths is not None and paths.exists():
+            shutil.rmtree(paths)  # a previous optimize's, perhaps of another build
+        for t in range(runs if paths else 0):
+            assert paths is not None
+            rec = [*me, "record", "--db", str(paths), *(["--append"] if t else []), "-F", str(PATH_HZ), "--values",
+                   "edges", "--exact", "interpret", "--interpret", str(PATH_LENGTH), "--", *argv(base)]
+            stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                r = subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            finally:
+                if args.stdin:
+                    stdin.close()  # type: ignore[union-attr]
+            if r.returncode != 0:
+                why = (r.stderr.strip().splitlines() or ["?"])[-1]
+                eprint(f"cyclescope optimize: warning: no sampled paths ({why}); calc's estimates alone")
+                paths = None
+                break
+            eprint(f"cyclescope optimize: sampled paths of the training run {t + 1}/{runs}")
         r = subprocess.run([*me, "export", "llvm-sample", "--db", str(db), "--image", str(base),
-                            "--counts", args.counts, "--estimator", args.estimator, "-o", str(prof)],
+                            "--counts", args.counts, "--estimator", args.estimator, "-o", str(prof),
+                            *(["--edges-from", str(paths)] if paths else [])],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise CycleScopeError(f"no sample profile: {r.stderr.strip()}")
+        m = re.search(r"shaped by ([\d,]+) branch outcomes", r.stderr)
+        outcomes = int(m.group(1).replace(",", "")) if m else 0
         build(opt, f"{PROFILE_FLAGS} -fprofile-sample-use={shlex.quote(str(prof))} {INFERENCE_FLAGS[args.inference]}"
               .rstrip())
         times: dict[str, list[float]] = {"base": [], "opt": []}
@@ -174,7 +208,7 @@ class Optimize(Command):
         ratios = [b / o for b, o in zip(times["base"], times["opt"], strict=True) if o > 0]
         med, lo, hi = quartiles(ratios)
         doc = {"workdir": str(work), "profile": str(prof), "inference": args.inference, "runs": args.runs,
-               "train_runs": runs, "train_samples": total,
+               "train_runs": runs, "train_samples": total, "branch_outcomes": outcomes,
                "base_cpu_s": times["base"], "opt_cpu_s": times["opt"], "speedup": med,
                "speedup_quartiles": [lo, hi], "same_output": same}
         if args.json:
@@ -184,7 +218,8 @@ class Optimize(Command):
             print(f"baseline   CPU {statistics.median(times['base']):.3f} s (median of {args.runs})")
             print(f"optimized  CPU {statistics.median(times['opt']):.3f} s")
             print(f"speedup    {med:.3f}x [{lo:.3f}, {hi:.3f}] (per-round ratios, median [quartiles])")
-            print(f"profile    {prof} (clang's {args.inference} inference)")
+            shaped = f", shaped by {outcomes:,} branch outcomes of sampled paths" if outcomes else ""
+            print(f"profile    {prof} (clang's {args.inference} inference{shaped})")
         if not same:
             eprint("cyclescope optimize: warning: the two builds wrote different output")
         return 0

@@ -99,10 +99,12 @@ def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
     g.add_argument("--values-commands", metavar="COMM[,COMM]",
                    help="capture values only from processes with these command names")
     if exact:
-        g.add_argument("--exact", action="store_true",
-                       help="exact mode (with a command only): stop the thread at each sample and single-step "
-                            "L instructions with ptrace (about 95 us a step: for targeted capture and ground "
-                            "truth, not everyday use)")
+        g.add_argument("--exact", nargs="?", const="step", choices=("step", "interpret"), metavar="HOW",
+                       help="exact mode (with a command only): stop the thread at each sample and run the next "
+                            "L instructions from its exact state: 'step' (the default) single-steps them with "
+                            "ptrace (about 95 us a step: for targeted capture and ground truth), 'interpret' "
+                            "interprets them while the thread is stopped (memory as the thread sees it; much "
+                            "cheaper, stops at what the interpreter cannot run)")
 
 
 def value_options(args: argparse.Namespace) -> ValueOptions | None:

@@ -171,7 +171,7 @@ def capture_line(meta: ValuesMeta | None) -> str:
 
     s = f"value samples {fmt_count(meta.samples)}"
     if meta.exact:
-        s += f" (exact mode: {fmt_count(meta.interpreted)} single-stepped, {meta.length} steps each"
+        s += f" (exact mode: {fmt_count(meta.interpreted)} stops, {meta.length} steps each"
         if meta.check.get("compared"):
             s += (f"; the interpreter agreed on {fmt_count(meta.check.get('agree', 0))} of "
                   f"{fmt_count(meta.check['compared'])} steps")

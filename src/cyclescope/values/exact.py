@@ -87,17 +87,18 @@ class ExactTracer:
     """Handles the stops of one traced process: arming the sigtrap event, capturing at each."""
 
     def __init__(self, pid: int, length: int, stack_bytes: int, period_ns: int, band: float = 1 / 16,
-                 check: bool = True, seed: int | None = None) -> None:
+                 check: bool = True, seed: int | None = None, how: str = "step") -> None:
         self.pid = pid
         self.length = length
         self.stack_bytes = stack_bytes
         self.period_ns = period_ns
         self.band = band
-        self.check = check
+        self.how = how  # "step": single-step with ptrace; "interpret": interpret while stopped
+        self.check = check and how == "step"
         self.fd: int | None = None
         self.mem = ProcessMemory(pid)
         self.tracee = ptrace.Tracee(pid)
-        self.interp = Interpreter(reader=lambda p: self.mem.read) if check else None
+        self.interp = Interpreter(reader=lambda p: self.mem.read) if check or how == "interpret" else None
         self.stats = CheckStats()
         self.stops: list[ExactStop] = []
         self.perf_stops = 0
@@ -168,10 +169,17 @@ class ExactTracer:
         state = {n: regs[n] for n in (*GP64, "rip")}
         state["flags"] = regs["flags"]
         stack = self._stack(state["rsp"])
-        interp = self.interp.run(self.pid, dict(state), stack, self.length) if self.interp is not None else None
-        steps, reason = self._step(state, xmm)
-        if interp is not None:
-            compare(steps, interp, self.stats)
+        if self.how == "interpret":
+            # The thread is stopped: the interpreter reads its memory as the thread sees it, and
+            # its xmm registers are known, so only what it cannot run ends a run early.
+            assert self.interp is not None
+            res = self.interp.run(self.pid, dict(state), stack, self.length, known_vec=xmm)
+            steps, reason = res.steps, res.reason
+        else:
+            interp = self.interp.run(self.pid, dict(state), stack, self.length) if self.interp is not None else None
+            steps, reason = self._step(state, xmm)
+            if interp is not None:
+                compare(steps, interp, self.stats)
         perf_regs = dict(state)
         perf_regs["cs"], perf_regs["ss"] = regs["cs"], regs["ss"]
         self.stops.append(ExactStop(self.pid, perf_regs, stack, steps, reason))

@@ -27,10 +27,18 @@ N_DEFAULT = 16
 # they get room for several sites: N = 64 holds the paper's 16 for each of 4 call sites.
 PER_CALL_SITE = "@ctx"
 N_PER_CALL_SITE = 64
+# Branch outcomes (the edges module): a jump table's targets. A bytecode interpreter's dispatch
+# has a hundred or more (SQLite's sqlite3VdbeExec: about 190 opcodes), and the export of sampled
+# paths (analysis/paths.py) wants each one's share; conditional branches have two values, so only
+# indirect jumps and calls ever use the room.
+EDGE_KIND = "edge"
+N_EDGE = 256
 
 
 def hotlist_size(kind: str) -> int:
     """N for a hotlist of this value kind."""
+    if kind == EDGE_KIND:
+        return N_EDGE
     return N_PER_CALL_SITE if kind.endswith(PER_CALL_SITE) else N_DEFAULT
 
 

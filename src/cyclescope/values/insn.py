@@ -216,8 +216,14 @@ def decode(code: bytes, address: int) -> InsnDetail | None:
     fp = _fp_kind(mnem, ins.op_str, mem.size) if mem_access is not None and mem is not None else ""
     return InsnDetail(ins.address, ins.size, mnem, ins.op_str, tuple(reads), tuple(writes), tuple(vreads),
                       tuple(vwrites), mem_access, kind, target if kind in ("branch", "jump", "call") else None,
-                      fp, lea, mnem.startswith(("rep", "movs", "stos", "lods", "scas", "cmps")),
+                      fp, lea, mnem.startswith("rep") or (mnem in STRING_OPS and "xmm" not in ins.op_str),
                       kind in ("call", "icall", "ret") or mnem.startswith(("push", "pop", "leave")))
+
+
+# String instructions (implicit rsi/rdi operands, rcx repeats). By name, not by prefix: movsx,
+# movsxd, and SSE's movsd, movss and cmpsd share the first letters (and movsd/cmpsd the whole name,
+# with xmm operands).
+STRING_OPS = frozenset(f"{op}{w}" for op in ("movs", "stos", "lods", "scas", "cmps", "ins", "outs") for w in "bwdq")
 
 
 def effective_address(mem: MemRef, regs: dict[str, int], next_pc: int) -> int | None:

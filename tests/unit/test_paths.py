@@ -1,0 +1,76 @@
+"""Block counts from the branch outcomes of sampled paths (analysis/paths.py), without the kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis.paths import PathBlock, block_frequencies, edge_outcomes, shape_counts
+from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValueSelection
+from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
+
+# A diamond inside a loop: 0 (entry) -> 1 (header: branch) -> 2 (rare side) or 3 (common side)
+# -> 4 (latch: back to 1, or out). Addresses: block i spans 0x100*i .. 0x100*i + 2 (three insns).
+BLOCKS = [
+    PathBlock([0x000, 0x001, 0x002], [1], [None]),
+    PathBlock([0x100, 0x101, 0x102], [2, 3], [None, None]),
+    PathBlock([0x200, 0x201, 0x202], [4], [None]),
+    PathBlock([0x300, 0x301, 0x302], [4], [None]),
+    PathBlock([0x400, 0x401, 0x402], [1, -1], [None, None]),
+]
+
+
+def test_frequencies_follow_the_observed_branch_probabilities() -> None:
+    # The header goes to the rare side 1 time in 8; the latch loops 99 times in 100.
+    # (The exit goes nowhere in the function: never an outcome the shaping counts.)
+    seen = {0x102: {0x200: 100.0, 0x300: 700.0}, 0x402: {0x100: 990.0}}
+    f = block_frequencies(BLOCKS, seen, prior_weight=0.0)
+    # Without a prior the latch's exit has probability 0: a loop without a way out, not trusted.
+    assert f is None
+    f = block_frequencies(BLOCKS, seen, prior_weight=2.0)
+    assert f is not None
+    p_back = (990 + 2 * 0.5) / (990 + 2)  # uniform prior over (back, exit), two pseudo-observations
+    assert f[0] == pytest.approx(1.0)
+    assert f[1] == pytest.approx(1 / (1 - p_back))
+    p_rare = (100 + 2 * 0.5) / (800 + 2)
+    assert f[2] / f[1] == pytest.approx(p_rare) and f[3] / f[1] == pytest.approx(1 - p_rare)
+    assert f[4] == pytest.approx(f[1])
+
+
+def test_calc_edge_estimates_are_the_prior_of_branches_seen_seldom_or_never() -> None:
+    blocks = list(BLOCKS)
+    blocks[1] = PathBlock(BLOCKS[1].addresses, [2, 3], [30.0, 10.0])  # calc: 3 to 1 for the rare side
+    blocks[4] = PathBlock(BLOCKS[4].addresses, [1, -1], [9.0, 1.0])
+    f = block_frequencies(blocks, {}, prior_weight=2.0)
+    assert f is not None
+    assert f[1] == pytest.approx(10.0) and f[2] / f[3] == pytest.approx(3.0)
+    # One observation against calc's 3:1 moves it by a third of the way (two pseudo-observations).
+    f = block_frequencies(blocks, {0x102: {0x300: 1.0}}, prior_weight=2.0)
+    assert f is not None and f[2] / f[1] == pytest.approx((0 + 2 * 0.75) / 3)
+
+
+def test_shape_keeps_calcs_total_and_changes_nothing_without_observations() -> None:
+    calc = {a: 50 for b in BLOCKS for a in b.addresses}
+    calc.update({a: 1 for a in BLOCKS[0].addresses})
+    assert shape_counts(BLOCKS, calc, {}) is calc
+    seen = {0x102: {0x200: 100.0, 0x300: 700.0}, 0x402: {0x100: 99.0, 0x999: 1.0}}
+    out = shape_counts(BLOCKS, calc, seen)
+    assert sum(out.values()) == pytest.approx(sum(calc.values()), rel=0.01)
+    assert out[0x200] < out[0x300] / 5 and out[0x100] == out[0x400] and out[0x000] < out[0x100] / 10
+    # No trusted solution (no prior, no exit seen): calc's counts as they were.
+    assert shape_counts(BLOCKS, calc, {0x402: {0x100: 10.0}}, prior_weight=0.0) is calc
+
+
+def test_outcomes_come_from_the_edge_hotlists_of_one_image_scaled_by_their_p() -> None:
+    keys = np.zeros(5, KEY_DTYPE)
+    keys["image"] = [0, 0, 0, 1, 0]
+    keys["offset"] = [0x102, 0x102, 0x102, 0x102, 0x50]
+    keys["kind"] = [0, 0, 0, 0, 1]
+    vals = np.zeros(5, VALUE_DTYPE)
+    vals["v0"] = [0x200, 0x300, 0x300, 0x200, 7]
+    vals["vimg"] = [0, 0, 0, 1, -1]
+    hl = HotlistSet.exact(keys, vals)
+    hl.p[:] = 0.5
+    vs = ValueSelection(NamedHotlists(hl, ["a", "b"], ["edge", "in:rdi"]), None, 1, 0, [])
+    assert edge_outcomes(vs, "a") == {0x102: {0x200: 2.0, 0x300: 4.0}}
+    assert edge_outcomes(vs, "c") == {}
