@@ -139,6 +139,17 @@ class Optimize(Command):
             return [a.replace("{out}", str(exe)) for a in cmd]
 
         me = [sys.executable, "-m", "cyclescope"]
+
+        def under_record(db: Path, t: int, *opts: str) -> subprocess.CompletedProcess[str]:
+            """The training run of the base build under `cyclescope record` (the t-th into ``db``)."""
+            rec = [*me, "record", "--db", str(db), *(["--append"] if t else []), *opts, "--", *argv(base)]
+            stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                return subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            finally:
+                if args.stdin:
+                    stdin.close()  # type: ignore[union-attr]
+
         build(base, PROFILE_FLAGS)
         total = runs = 0
         for t in range(MAX_TRAIN_RUNS):
@@ -146,14 +157,7 @@ class Optimize(Command):
             # The training run again, into the same epoch, until the profile has enough samples: a
             # run of a fraction of a second leaves most blocks with a few samples, and calc's
             # estimates (and clang's use of them) improve with more (docs/benchmarks.md).
-            rec = [*me, "record", "--db", str(db), *(["--append"] if t else []), "-F", str(args.freq), "--",
-                   *argv(base)]
-            stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
-            try:
-                r = subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            finally:
-                if args.stdin:
-                    stdin.close()  # type: ignore[union-attr]
+            r = under_record(db, t, "-F", str(args.freq))
             if r.returncode != 0:
                 raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
             m = re.search(r"record: ([\d,]+) samples", r.stderr)
@@ -166,14 +170,8 @@ class Optimize(Command):
             shutil.rmtree(paths)  # a previous optimize's, perhaps of another build
         for t in range(runs if paths else 0):
             assert paths is not None
-            rec = [*me, "record", "--db", str(paths), *(["--append"] if t else []), "-F", str(PATH_HZ), "--values",
-                   "edges", "--exact", "interpret", "--interpret", str(PATH_LENGTH), "--", *argv(base)]
-            stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
-            try:
-                r = subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            finally:
-                if args.stdin:
-                    stdin.close()  # type: ignore[union-attr]
+            r = under_record(paths, t, "-F", str(PATH_HZ), "--values", "edges", "--exact", "interpret",
+                             "--interpret", str(PATH_LENGTH))
             if r.returncode != 0:
                 why = (r.stderr.strip().splitlines() or ["?"])[-1]
                 eprint(f"cyclescope optimize: warning: no sampled paths ({why}); calc's estimates alone")
