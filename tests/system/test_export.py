@@ -318,6 +318,13 @@ def test_optimize_closes_the_loop_with_clang(tmp_path: Path) -> None:
     assert doc["speedup"] > 0 and Path(doc["profile"]).stat().st_size > 0
     assert "leaf" in Path(doc["profile"]).read_text()
     assert doc["inference"] == "profi" and "-sample-profile-use-profi" in p.stderr  # clang-14 accepted it
+    # A training command that runs the binary in a child: exact mode follows the shell, so no paths
+    # reach the binary, and calc's estimates alone make the profile.
+    p = cs("optimize", "--build", f"{clang} -O2 -g {{flags}} -o {{out}} {src}", "--runs", "1", "--workdir",
+           str(tmp_path / "w2"), "--train-samples", "0", "--json", "--", "sh", "-c", "{out} 2000000; true",
+           timeout=600)
+    doc = json.loads(p.stdout)
+    assert "did not reach the binary" in p.stderr and doc["branch_outcomes"] == 0 and doc["same_output"]
 
 
 def test_bolt_fdata_is_read_by_llvm_bolt(tmp_path: Path) -> None:
