@@ -89,7 +89,7 @@ def infinite_loop_exits(cfg: CFG) -> list[int]:
     stuck = [b for b in range(n) if b not in reach_exit and b not in cfg.unreachable]
     if not stuck:
         return []
-    comp = _sccs(stuck, lambda b: [cfg.edges[i].dst for i in cfg.blocks[b].succs if cfg.edges[i].dst >= 0])
+    comp = _sccs(stuck, _successors(cfg))
     sinks = []
     for members in comp:
         ms = set(members)
@@ -100,11 +100,14 @@ def infinite_loop_exits(cfg: CFG) -> list[int]:
     return sorted(sinks)
 
 
+def _successors(cfg: CFG) -> Callable[[int], list[int]]:
+    """A block's successor blocks (EXIT left out), as _sccs takes them."""
+    return lambda b: [cfg.edges[i].dst for i in cfg.blocks[b].succs if cfg.edges[i].dst >= 0]
+
+
 def cyclic_blocks(cfg: CFG) -> set[int]:
     """The blocks on some cycle of the CFG (in a strongly connected component with an edge inside)."""
-    def succ(b: int) -> list[int]:
-        return [cfg.edges[i].dst for i in cfg.blocks[b].succs if cfg.edges[i].dst >= 0]
-
+    succ = _successors(cfg)
     return {b for comp in _sccs(list(range(len(cfg.blocks))), succ) for b in comp
             if len(comp) > 1 or b in succ(b)}
 

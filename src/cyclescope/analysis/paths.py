@@ -130,4 +130,3 @@ def shape_counts(blocks: Sequence[PathBlock], counts: dict[int, int], outcomes: 
             for a in b.addresses:
                 out[a] = c
     return out
-

@@ -102,7 +102,7 @@ class ExactTracer:
         self.fd: int | None = None
         self.mem = ProcessMemory(pid)
         self.tracee = ptrace.Tracee(pid)
-        self.interp = Interpreter(reader=lambda p: self.mem.read) if check or how == "interpret" else None
+        self.interp = Interpreter(reader=lambda p: self.mem.read) if self.check or how == "interpret" else None
         self.stats = CheckStats()
         self.stops: list[ExactStop] = []
         self.perf_stops = 0
