@@ -9,7 +9,6 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.system.helpers import cs
@@ -213,8 +212,9 @@ def _body_counts(profile: str, fn: str) -> dict[int, int]:
 
 def test_llvm_sample_counts_follow_the_branch_outcomes_of_sampled_paths(tmp_path: Path) -> None:
     """branches.c's loop takes its rare side one time in eight, at random, and the rare side is
-    slow: calc's estimates from timer samples make the two sides about as frequent; the outcomes
-    of sampled paths (exact-state interpretation while the thread is stopped) give 1 to 7."""
+    slow: the outcomes of sampled paths (exact-state interpretation while the thread is stopped)
+    give 1 to 7, whatever calc's estimates from timer samples made of it (anywhere from the right
+    ratio to the two sides as frequent as each other, from one recording to the next)."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed")
     src = Path(__file__).parents[1] / "programs" / "branches.c"
@@ -227,21 +227,19 @@ def test_llvm_sample_counts_follow_the_branch_outcomes_of_sampled_paths(tmp_path
     m = re.search(r"interpreted while stopped: ([\d.]+) steps a run \(stops: length (\d+)%", p.stderr)
     assert m and float(m.group(1)) > 30 and int(m.group(2)) >= 95, p.stderr  # runs go the whole L
     text = src.read_text().splitlines()
-    first = next(i for i, ln in enumerate(text) if ln.startswith("int main"))
+    first = next(i for i, ln in enumerate(text) if ln.startswith("__attribute__((noinline)) static unsigned long run("))
     rare = next(i for i, ln in enumerate(text) if "/* rare side */" in ln) - first
     common = next(i for i, ln in enumerate(text) if "/* common side */" in ln) - first
     p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe), "--edges-from", str(paths))
     assert "branch outcomes on sampled paths" in p.stderr
-    shaped = _body_counts(p.stdout, "main")
+    shaped = _body_counts(p.stdout, "run")
     p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe))
     assert "branch outcomes" not in p.stderr  # the profile's own database has none
-    alone = _body_counts(p.stdout, "main")
+    alone = _body_counts(p.stdout, "run")
     truth = 1 / 7
     ratio = shaped[rare] / shaped[common]
-    assert 0.6 * truth < ratio < 1.6 * truth, shaped
-    # calc alone: the two sides about as frequent, or no count for the rare side at all.
-    a = alone.get(rare, 0) / max(alone.get(common, 0), 1)
-    assert a == 0 or abs(np.log(ratio / truth)) < abs(np.log(a / truth)), (shaped, alone)
+    assert 0.7 * truth < ratio < 1.4 * truth, (shaped, alone)
+    assert shaped != alone  # the outcomes took effect: the function is shaped, not calc's as it was
     # Asked for where there are none: one line, and nothing written.
     out = tmp_path / "x.prof"
     p = cs("export", "llvm-sample", "--db", str(db), "--image", str(exe), "--edges-from", str(db), "-o", str(out),

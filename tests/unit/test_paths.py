@@ -49,6 +49,24 @@ def test_calc_edge_estimates_are_the_prior_of_branches_seen_seldom_or_never() ->
     assert f is not None and f[2] / f[1] == pytest.approx((0 + 2 * 0.75) / 3)
 
 
+def test_a_loop_calc_never_leaves_and_no_path_left_keeps_calcs_counts() -> None:
+    # calc: the loop's exit edge 0, and no path left it: singular equations, no shape.
+    blocks = list(BLOCKS)
+    blocks[4] = PathBlock(BLOCKS[4].addresses, [1, -1], [50.0, 0.0])
+    assert block_frequencies(blocks, {0x102: {0x200: 100.0, 0x300: 700.0}, 0x402: {0x100: 900.0}}) is None
+    # Nor without observations: calc's counts stay as they are.
+    assert block_frequencies(blocks, {}) is None
+
+
+def test_a_loop_run_many_times_per_entry_is_still_shaped() -> None:
+    # main's loop: 10^8 iterations per call, as calc's edge estimates say; the exit never observed.
+    blocks = list(BLOCKS)
+    blocks[4] = PathBlock(BLOCKS[4].addresses, [1, -1], [1e8, 1.0])
+    f = block_frequencies(blocks, {0x102: {0x200: 100.0, 0x300: 700.0}, 0x402: {0x100: 5000.0}})
+    assert f is not None and f[1] > 1e8
+    assert f[2] / f[1] == pytest.approx((100 + 2 * 0.5) / 802)
+
+
 def test_shape_keeps_calcs_total_and_changes_nothing_without_observations() -> None:
     calc = {a: 50 for b in BLOCKS for a in b.addresses}
     calc.update({a: 1 for a in BLOCKS[0].addresses})
@@ -74,3 +92,4 @@ def test_outcomes_come_from_the_edge_hotlists_of_one_image_scaled_by_their_p() -
     vs = ValueSelection(NamedHotlists(hl, ["a", "b"], ["edge", "in:rdi"]), None, 1, 0, [])
     assert edge_outcomes(vs, "a") == {0x102: {0x200: 2.0, 0x300: 4.0}}
     assert edge_outcomes(vs, "c") == {}
+
