@@ -93,3 +93,66 @@ def test_outcomes_come_from_the_edge_hotlists_of_one_image_scaled_by_their_p() -
     assert edge_outcomes(vs, "a") == {0x102: {0x200: 2.0, 0x300: 4.0}}
     assert edge_outcomes(vs, "c") == {}
 
+
+
+def test_a_cold_trap_passes_no_flow_on_and_the_rest_is_shaped() -> None:
+    # Lua's luaV_execute: error paths end in calls to luaG_runerror (noreturn, unknown to the CFG),
+    # each falling into the next in the disassembly, the last jumping back: a cycle no flow leaves,
+    # which made the whole function's equations singular.
+    blocks = [
+        PathBlock([0x000, 0x001], [1, 3], [None, None]),  # the loop's head: body or error
+        PathBlock([0x100, 0x101], [0, 2], [None, None]),  # body: back to the head, or out
+        PathBlock([0x200], [-1], [None]),                 # return
+        PathBlock([0x300, 0x301], [4], [None]),           # call luaG_runerror
+        PathBlock([0x400, 0x401], [3], [None]),           # call luaG_forerror, then back (jmp)
+    ]
+    seen = {0x001: {0x100: 99.0, 0x300: 1.0}, 0x101: {0x000: 900.0, 0x200: 100.0}}
+    assert block_frequencies(blocks, seen) is None  # calc's counts unknown: nothing to say it is cold
+    f = block_frequencies(blocks, seen, weights=[1000, 1000, 1, 0, 0])
+    assert f is not None
+    p_err = (1 + 2 * 0.5) / (100 + 2)
+    p_out = (100 + 2 * 0.5) / (1000 + 2)
+    # Each pass through the head leaves by the error path or by the body's exit: f0 = 1 / P(leave).
+    assert f[0] == pytest.approx(1 / (p_err + (1 - p_err) * p_out))
+    # The error path runs as often as it is taken; the next one, entered only from it, not at all.
+    assert f[3] == pytest.approx(f[0] * p_err) and f[4] == 0
+    # A trap calc counts as more than COLD_TRAP of the function is not cut: no shape.
+    assert block_frequencies(blocks, seen, weights=[1000, 1000, 1, 30, 0]) is None
+
+
+def test_a_seldom_run_loop_whose_exit_calc_puts_at_zero_does_not_unshape_its_function() -> None:
+    # sqlite3VdbeExec: an inner loop calc counts at half an execution, its exit edge at 0.
+    blocks = [
+        PathBlock([0x000, 0x001], [1, 3], [None, None]),
+        PathBlock([0x100, 0x101], [0, 2], [None, None]),
+        PathBlock([0x200], [-1], [None]),
+        PathBlock([0x300, 0x301], [3, 1], [0.5, 0.0]),  # the loop: back to itself, or out (never)
+    ]
+    seen = {0x001: {0x100: 99.0, 0x300: 1.0}, 0x101: {0x000: 900.0, 0x200: 100.0}}
+    assert block_frequencies(blocks, seen) is None
+    f = block_frequencies(blocks, seen, weights=[1000, 1000, 1, 1])
+    assert f is not None and f[3] > 0 and f[1] / f[0] == pytest.approx(1 - (1 + 2 * 0.5) / (100 + 2))
+
+
+def test_a_function_whose_entry_reaches_no_way_out_has_no_shape() -> None:
+    # A loop that never ends (a server's): all of it trapped, and all of calc's count in it.
+    blocks = [
+        PathBlock([0x000], [1], [None]),
+        PathBlock([0x100, 0x101], [2], [None]),  # call poll
+        PathBlock([0x200, 0x201], [1, 3], [None, None]),
+        PathBlock([0x300], [1], [None]),  # call serve
+    ]
+    assert block_frequencies(blocks, {0x201: {0x100: 5.0, 0x300: 1.0}}, weights=[1, 100, 100, 20]) is None
+
+
+def test_a_closed_cycle_no_flow_reaches_does_not_unshape_its_function() -> None:
+    # Error paths that jump back into each other, entered only by edges of probability 0.
+    blocks = [
+        PathBlock([0x000, 0x001], [1, 3], [10.0, 0.0]),
+        PathBlock([0x100, 0x101], [0, 2], [None, None]),
+        PathBlock([0x200], [-1], [None]),
+        PathBlock([0x300], [4], [None]),
+        PathBlock([0x400], [3], [None]),
+    ]
+    f = block_frequencies(blocks, {0x101: {0x000: 900.0, 0x200: 100.0}})
+    assert f is not None and f[3] == f[4] == 0 and f[1] == pytest.approx(f[0])

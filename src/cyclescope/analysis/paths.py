@@ -35,6 +35,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of calc's (or a uniform) split added t
 # program's main may run its loop 10^8 times per entry, and calc's edge split may say so (1e7 here
 # left such functions unshaped).
 MAX_GAIN = 1e12
+COLD_TRAP = 0.01  # a trap (blocks no flow leaves) that calc counts at most this share of the function: cut
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,59 @@ def edge_outcomes(vs: Any, image_key: str) -> dict[int, dict[int, float]]:
     return out
 
 
+def _reached_and_trapped(blocks: Sequence[PathBlock], probs: Sequence[np.ndarray]) -> tuple[list[int], set[int]]:
+    """The blocks reached from the entry along edges of positive probability, and those of them
+    from which no way out of the function is reachable."""
+    n = len(blocks)
+    reached, stack = {0}, [0]
+    pred: list[list[int]] = [[] for _ in range(n)]
+    out: list[int] = []
+    for i, b in enumerate(blocks):
+        live = [s for s, p in zip(b.succs, probs[i], strict=True) if p > 0]
+        if not b.succs or any(s < 0 for s in live):
+            out.append(i)
+        for s in live:
+            if s >= 0:
+                pred[s].append(i)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for s, ps in enumerate(pred):
+        for p in ps:
+            succ[p].append(s)
+    while stack:
+        for s in succ[stack.pop()]:
+            if s not in reached:
+                reached.add(s)
+                stack.append(s)
+    leaves, stack = set(out), list(out)
+    while stack:
+        for p in pred[stack.pop()]:
+            if p not in leaves:
+                leaves.add(p)
+                stack.append(p)
+    return sorted(reached), reached - leaves
+
+
 def block_frequencies(blocks: Sequence[PathBlock], outcomes: dict[int, dict[int, float]],
-                      prior_weight: float = PRIOR_WEIGHT) -> np.ndarray | None:
+                      prior_weight: float = PRIOR_WEIGHT, weights: Sequence[float] | None = None
+                      ) -> np.ndarray | None:
     """Each block's executions per entry of the function (block 0), from the branch probabilities;
-    None when the equations have no trustworthy solution (a loop without a way out)."""
+    None when the equations have no trustworthy solution (a loop without a way out).
+
+    ``weights``: calc's count of each block's instructions. Where flow is trapped (blocks from
+    which no edge of positive probability leads out) and calc counts the trap at most COLD_TRAP of
+    the function, the trap passes no flow on: cold code that neither calc nor the paths saw leave,
+    which would otherwise leave the whole function unshaped. Two kinds in the benchmarks: error
+    paths ending in calls that never return but that the CFG does not know (Lua's luaG_runerror;
+    `cfg.NORETURN` has the C library's), falling into each other in the disassembly, the last
+    jumping back (Lua's interpreter loop, 56% of its instructions, kept calc's shape for it); and a
+    seldom-run loop whose exits calc puts at 0 (one in SQLite's sqlite3VdbeExec)."""
     n = len(blocks)
     if not n:
         return None
-    pt = np.zeros((n, n))  # transposed: pt[dst, src]
-    for i, b in enumerate(blocks):
+    probs: list[np.ndarray] = []
+    for b in blocks:
         if not b.succs:
+            probs.append(np.zeros(0))
             continue
         k = len(b.succs)
         known = [c for c in b.succ_counts if c is not None]
@@ -87,7 +131,7 @@ def block_frequencies(blocks: Sequence[PathBlock], outcomes: dict[int, dict[int,
             # are singular and calc's counts stay. Tried and not kept: a floor of 1e-6 of a uniform
             # split under calc's, so that such loops are shaped too: they then run 10^6 times and
             # more per entry and the code around them goes cold (bzip2's share of instrumented
-            # PGO's gain 87% -> 34% on the same recordings; docs/benchmarks.md).
+            # PGO's gain 87% -> 35% on the same recordings; docs/benchmarks.md).
             prior = np.array(known, float) / sum(known)
         seen = outcomes.get(b.addresses[-1]) if b.addresses else None
         counts = np.zeros(k)
@@ -99,16 +143,29 @@ def block_frequencies(blocks: Sequence[PathBlock], outcomes: dict[int, dict[int,
                 for j, s in enumerate(b.succs):
                     counts[j] /= sum(1 for t in b.succs if t == s)
         total = counts.sum()
-        prob = (counts + prior_weight * prior) / (total + prior_weight) if total > 0 else prior
-        for j, s in enumerate(b.succs):
-            if s >= 0:
-                pt[s, i] += prob[j]
-    e = np.zeros(n)
-    e[0] = 1.0
+        probs.append((counts + prior_weight * prior) / (total + prior_weight) if total > 0 else prior)
+    reached, trap = _reached_and_trapped(blocks, probs)
+    if trap:
+        w = np.asarray(weights, float) if weights is not None else None
+        if w is None or w[sorted(trap)].sum() > COLD_TRAP * w.sum():
+            return None
+    # Only the blocks reached: the rest run 0 times (and may hold a closed cycle of their own).
+    at = {b: k for k, b in enumerate(reached)}
+    pt = np.zeros((len(reached), len(reached)))  # transposed: pt[dst, src]
+    for i in reached:
+        if i in trap:
+            continue
+        for j, s in enumerate(blocks[i].succs):
+            if s >= 0 and s in at:
+                pt[at[s], at[i]] += probs[i][j]
+    e = np.zeros(len(reached))
+    e[at[0]] = 1.0
     try:
-        f = np.linalg.solve(np.eye(n) - pt, e)
+        sub = np.linalg.solve(np.eye(len(reached)) - pt, e)
     except np.linalg.LinAlgError:
         return None
+    f = np.zeros(n)
+    f[reached] = sub
     if not np.all(np.isfinite(f)) or f.min() < -1e-6 or f.max() > MAX_GAIN:
         return None
     out: np.ndarray = np.maximum(f, 0.0)
@@ -125,7 +182,8 @@ def shape_counts(blocks: Sequence[PathBlock], counts: dict[int, int], outcomes: 
     total = sum(counts.values())
     if total <= 0:
         return counts
-    f = block_frequencies(blocks, outcomes, prior_weight)
+    weights = [sum(counts.get(a, 0) for a in b.addresses) for b in blocks]
+    f = block_frequencies(blocks, outcomes, prior_weight, weights)
     if f is None:
         return counts
     weight = sum(float(f[i]) * len(b.addresses) for i, b in enumerate(blocks))

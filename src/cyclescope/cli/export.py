@@ -241,13 +241,18 @@ class Export(Command):
             per_fn, heads, source = _by_function(raw, counts), {}, f"{ev} samples per instruction"
         else:
             edges = None if args.no_edges else _edges(args, ps, sym, info)
-            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator, edges)
+            unshaped: list[str] = []
+            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator, edges, unshaped)
             for msg in skipped:
                 eprint(f"cyclescope export: skipped {msg}")
             source = f"execution counts estimated by calc from {ev} samples, {args.estimator} estimator"
             if edges:
                 seen = round(sum(sum(d.values()) for d in edges.values()))
                 source += f"; blocks shaped by {seen:,} branch outcomes on sampled paths at {len(edges):,} branches"
+            if unshaped:
+                names = ", ".join(unshaped[:3]) + (", ..." if len(unshaped) > 3 else "")
+                source += (f"; {len(unshaped)} function{'s' if len(unshaped) > 1 else ''} with outcomes kept calc's "
+                           f"shape, a loop no path left: {names}")
         profiles = [p for p in (_profile_of(b.path, dw, raw, start, c, heads) for start, c in per_fn.items()) if p]
         if not any(p.total for p in profiles):
             raise NotFoundError(f"{info.path}: no execution counts for any function with source lines"
@@ -374,10 +379,11 @@ def _edges(args: argparse.Namespace, ps: Any, sym: Any, info: Any) -> dict[int, 
 
 
 def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str = "dcpi",
-                 edges: dict[int, dict[int, float]] | None = None
+                 edges: dict[int, dict[int, float]] | None = None, unshaped: list[str] | None = None
                  ) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
     """calc's execution estimates per instruction, for each function with samples (shaped by the
-    branch outcomes ``edges`` where given: analysis/paths.py); entry counts."""
+    branch outcomes ``edges`` where given: analysis/paths.py); entry counts. The functions with
+    outcomes that no trusted solution shaped are added to ``unshaped``, hottest first."""
     from cyclescope.analysis.paths import PathBlock, shape_counts
     from cyclescope.cli.calc import calc_target
     from cyclescope.errors import CycleScopeError
@@ -408,7 +414,11 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str
             blocks = [PathBlock([c.cfg.insns[i].address for i in range(b.first, b.last + 1)],
                                 [c.cfg.edges[e].dst if c.cfg.edges[e].dst >= 0 else -1 for e in b.succs],
                                 [c.freq.edge[e] for e in b.succs]) for b in c.cfg.blocks]
-            got = shape_counts(blocks, got, edges)
+            shaped = shape_counts(blocks, got, edges)
+            if shaped is got and got and unshaped is not None and any(b.addresses[-1] in edges for b in blocks
+                                                                       if b.addresses):
+                unshaped.append(r.procedure)
+            got = shaped
         if got:
             per_fn[start] = got
             entry = c.cfg.block_of[0] if c.cfg.insns else -1
