@@ -131,7 +131,11 @@ def test_a_seldom_run_loop_whose_exit_calc_puts_at_zero_does_not_unshape_its_fun
     seen = {0x001: {0x100: 99.0, 0x300: 1.0}, 0x101: {0x000: 900.0, 0x200: 100.0}}
     assert block_frequencies(blocks, seen) is None
     f = block_frequencies(blocks, seen, weights=[1000, 1000, 1, 1])
-    assert f is not None and f[3] > 0 and f[1] / f[0] == pytest.approx(1 - (1 + 2 * 0.5) / (100 + 2))
+    # The loop ends all the same: half of each pass leaves it (two passes an entry), and the code
+    # after it runs as often as it is entered (cutting the flow there left bzip2's BZ2_blockSort
+    # with 27% of its code at 0).
+    p_loop = (1 + 2 * 0.5) / (100 + 2)
+    assert f is not None and f[3] == pytest.approx(2 * p_loop * f[0]) and f[1] == pytest.approx(f[0])
 
 
 def test_a_function_whose_entry_reaches_no_way_out_has_no_shape() -> None:
