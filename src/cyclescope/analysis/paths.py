@@ -35,7 +35,9 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of calc's (or a uniform) split added t
 # program's main may run its loop 10^8 times per entry, and calc's edge split may say so (1e7 here
 # left such functions unshaped).
 MAX_GAIN = 1e12
-COLD_TRAP = 0.01  # a trap (blocks no flow leaves) that calc counts at most this share of the function: cut
+# A trap (blocks no flow leaves) that calc counts at most this share of the function is cold: its
+# ways out are opened (block_frequencies); a hotter one leaves the function unshaped.
+COLD_TRAP = 0.01
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,8 @@ def block_frequencies(blocks: Sequence[PathBlock], outcomes: dict[int, dict[int,
         known = [c for c in b.succ_counts if c is not None]
         prior = np.full(k, 1.0 / k)
         if len(known) == k and sum(known) > 0:
-            # calc's split. Where it puts a loop's exits at 0 and no path left the loop, the equations
-            # are singular and calc's counts stay. Tried and not kept: a floor of 1e-6 of a uniform
+            # calc's split. Where it puts a loop's exits at 0 and no path left the loop, the flow is
+            # trapped (handled below when the loop is cold). Tried and not kept: a floor of 1e-6 of a uniform
             # split under calc's, so that such loops are shaped too: they then run 10^6 times and
             # more per entry and the code around them goes cold (bzip2's share of instrumented
             # PGO's gain 87% -> 35% on the same recordings; docs/benchmarks.md).

@@ -383,7 +383,7 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str
                  ) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
     """calc's execution estimates per instruction, for each function with samples (shaped by the
     branch outcomes ``edges`` where given: analysis/paths.py); entry counts. The functions with
-    outcomes that no trusted solution shaped are added to ``unshaped``, hottest first."""
+    outcomes that no trusted solution shaped are added to ``unshaped`` (most samples first)."""
     from cyclescope.analysis.paths import PathBlock, shape_counts
     from cyclescope.cli.calc import calc_target
     from cyclescope.errors import CycleScopeError
