@@ -86,11 +86,22 @@ MADE = {
 NOREGEN = ["ACLOCAL=:", "AUTOCONF=:", "AUTOMAKE=:", "AUTOHEADER=:", "MAKEINFO=:", "AUTOPOINT=:"]
 
 
-def make_builder(name: str, work: Path) -> Any:
-    """A build function for a configured autotools/zlib tree: a private copy, rebuilt per variant."""
+def make_builder(name: str, work: Path, fresh: bool = True) -> Any:
+    """A build function ``build(out, extra flags) -> out`` for program ``name`` in its work directory
+    ``work``: one clang command, or for a configured autotools/zlib tree a private copy in
+    work/tree (made unless ``fresh`` is False: a kept work directory's), rebuilt per variant."""
+    if name not in MADE:
+        srcs, _, more = programs()[name]
+
+        def build_one(out: Path, extra: str) -> Path:
+            sh([CLANG, *shlex.split(FLAGS), *shlex.split(extra), "-o", str(out), *srcs, *more])
+            return out
+
+        return build_one
     tree, binary, target, _ = MADE[name]
     src = work / "tree"
-    shutil.copytree(SUITE / "src" / tree, src, symlinks=True)
+    if fresh:
+        shutil.copytree(SUITE / "src" / tree, src, symlinks=True)
 
     def build(out: Path, extra: str) -> Path:
         subprocess.run(["make", "-s", "clean", *NOREGEN], cwd=src, stdout=subprocess.DEVNULL,
@@ -203,7 +214,7 @@ def main() -> None:
     cs = [sys.executable, "-m", "cyclescope"]
     results: dict[str, Any] = {}
     for name in args.programs.split(","):
-        srcs, run_argv, more = programs()[name]
+        srcs, run_argv, _ = programs()[name]
         needed = [SUITE / "src" / MADE[name][0]] if name in MADE else [Path(s) for s in srcs]
         if not all(p.exists() for p in needed):
             print(f"skipping {name}: sources missing (run bench/suite.py {name})", file=sys.stderr)
@@ -214,11 +225,7 @@ def main() -> None:
         def argv(exe: Path, run_argv: list[str] = run_argv) -> list[str]:
             return [a.replace("{exe}", str(exe)) for a in run_argv]
 
-        def build_one(out: Path, extra: str, srcs: list[str] = srcs, more: list[str] = more) -> Path:
-            sh([CLANG, *shlex.split(FLAGS), *shlex.split(extra), "-o", str(out), *srcs, *more])
-            return out
-
-        build = make_builder(name, d) if name in MADE else build_one
+        build = make_builder(name, d)
         print(f"{name}: building", flush=True)
 
         base = build(d / "base", "")

@@ -18,34 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from common import ROOT, save
-from optimize import CLANG, FLAGS, MADE, NOREGEN, programs, sh, simulate
-
-
-def builder(name: str, d: Path) -> Any:
-    srcs, _, more = programs()[name]
-    if name in MADE:
-        _, binary, target, _ = MADE[name]
-
-        def build_made(out: Path, extra: str) -> Path:
-            subprocess.run(["make", "-s", "clean", *NOREGEN], cwd=d / "tree", stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-            sh(["make", "-s", "-j2", *NOREGEN, f"CC={CLANG}", f"CFLAGS={FLAGS} {extra}", target], cwd=d / "tree")
-            shutil.copy(d / "tree" / binary, out)
-            return out
-        return build_made
-
-    def build_one(out: Path, extra: str) -> Path:
-        sh([CLANG, *shlex.split(FLAGS), *shlex.split(extra), "-o", str(out), *srcs, *more])
-        return out
-    return build_one
+from optimize import make_builder, programs, sh, simulate
 
 
 def main() -> None:
@@ -66,7 +44,7 @@ def main() -> None:
             if not (d / "base").exists():
                 sys.exit(f"reexport: {d}: no base build (not a bench/optimize.py work directory)")
             _, run_argv, _ = programs()[name]
-            build = builder(name, d)
+            build = make_builder(name, d, fresh=False)
             sim = anchors.get(name, {}).get("sim", {})
             for where in [d, *sorted(d.glob("rep*"))]:
                 if not (where / "paths").exists():

@@ -94,7 +94,6 @@ def test_outcomes_come_from_the_edge_hotlists_of_one_image_scaled_by_their_p() -
     assert edge_outcomes(vs, "c") == {}
 
 
-
 def test_a_cold_trap_passes_no_flow_on_and_the_rest_is_shaped() -> None:
     # Lua's luaV_execute: error paths end in calls to luaG_runerror (noreturn, unknown to the CFG),
     # each falling into the next in the disassembly, the last jumping back: a cycle no flow leaves,

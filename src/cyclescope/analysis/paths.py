@@ -76,6 +76,7 @@ def _reached_and_trapped(blocks: Sequence[PathBlock], probs: Sequence[np.ndarray
     from which no way out of the function is reachable."""
     n = len(blocks)
     reached, stack = {0}, [0]
+    succ: list[list[int]] = [[] for _ in range(n)]
     pred: list[list[int]] = [[] for _ in range(n)]
     out: list[int] = []
     for i, b in enumerate(blocks):
@@ -84,11 +85,8 @@ def _reached_and_trapped(blocks: Sequence[PathBlock], probs: Sequence[np.ndarray
             out.append(i)
         for s in live:
             if s >= 0:
+                succ[i].append(s)
                 pred[s].append(i)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for s, ps in enumerate(pred):
-        for p in ps:
-            succ[p].append(s)
     while stack:
         for s in succ[stack.pop()]:
             if s not in reached:
@@ -185,12 +183,17 @@ def block_frequencies(blocks: Sequence[PathBlock], outcomes: dict[int, dict[int,
     return out
 
 
+def observed(blocks: Sequence[PathBlock], outcomes: dict[int, dict[int, float]]) -> bool:
+    """Whether any branch of the function (its blocks' exits) has outcomes."""
+    return any(b.addresses and b.addresses[-1] in outcomes for b in blocks)
+
+
 def shape_counts(blocks: Sequence[PathBlock], counts: dict[int, int], outcomes: dict[int, dict[int, float]],
                  prior_weight: float = PRIOR_WEIGHT) -> dict[int, int]:
     """Instruction address -> count: the block frequencies of the branch probabilities scaled to
     calc's total over the function's instructions (``counts``). ``counts`` unchanged when no branch
     of the function was observed, calc has no count, or the equations have no trusted solution."""
-    if not any(b.addresses and b.addresses[-1] in outcomes for b in blocks):
+    if not observed(blocks, outcomes):
         return counts
     total = sum(counts.values())
     if total <= 0:

@@ -384,7 +384,7 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str
     """calc's execution estimates per instruction, for each function with samples (shaped by the
     branch outcomes ``edges`` where given: analysis/paths.py); entry counts. The functions with
     outcomes that no trusted solution shaped are added to ``unshaped`` (most samples first)."""
-    from cyclescope.analysis.paths import PathBlock, shape_counts
+    from cyclescope.analysis.paths import PathBlock, observed, shape_counts
     from cyclescope.cli.calc import calc_target
     from cyclescope.errors import CycleScopeError
     from cyclescope.report.listing import Target
@@ -415,8 +415,7 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str
                                 [c.cfg.edges[e].dst if c.cfg.edges[e].dst >= 0 else -1 for e in b.succs],
                                 [c.freq.edge[e] for e in b.succs]) for b in c.cfg.blocks]
             shaped = shape_counts(blocks, got, edges)
-            if shaped is got and got and unshaped is not None and any(b.addresses[-1] in edges for b in blocks
-                                                                       if b.addresses):
+            if shaped is got and got and unshaped is not None and observed(blocks, edges):
                 unshaped.append(r.procedure)
             got = shaped
         if got:
