@@ -130,3 +130,41 @@ def test_a_drain_on_the_timer_is_not_followed_by_one_for_a_sliver(compile_c: Cal
     slivers = [n for n in drains[:-2] if n < typical / 4]
     assert len(slivers) <= 2, (typical, drains)
     assert len(drains) <= sum(drains) / typical + 5, (len(drains), sum(drains), typical, elapsed, drains)
+
+
+def test_a_hung_up_ring_is_drained_once_not_polled_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the sampled command exits, its event's descriptor reports POLLHUP from then on. The loop
+    drained after every such poll, each at once, until waitpid saw the exit: a busy spin of empty
+    drains as long as the exit took to finish (13 in one fresh-clone CI run, on a loaded VM). A hung-up
+    event has no task and no children left to sample: after one drain it is no longer polled. Here
+    the loop is held 0.5 s past the command's exit, where at most the timer's drains belong."""
+    from cyclescope.collect.daemon import Collector, CollectorConfig, child_done
+    from cyclescope.collect.events import parse_events
+    from cyclescope.collect.session import Command, Session
+    from cyclescope.db.layout import Database
+
+    drain_s = 0.1
+    session = Session(parse_events(["cpu-clock"]), Command(("true",)), rate_hz=1000)
+    c = Collector(session, Database.create_or_open(tmp_path / "db"),
+                  CollectorConfig(host="test", archive="none", drain_s=drain_s))
+    steps: list[float] = []
+    orig = Collector.step
+
+    def step(self: Collector) -> int:
+        steps.append(time.monotonic())
+        return orig(self)
+
+    monkeypatch.setattr(Collector, "step", step)
+    done = child_done(session)
+    exited: list[float] = []
+
+    def until() -> bool:
+        if not exited and done():
+            exited.append(time.monotonic())
+        return bool(exited) and time.monotonic() > exited[0] + 0.5
+
+    c.start()
+    c.run(until=until)
+    after = [t for t in steps if t > exited[0]]
+    # 0.5 s / 0.1 s of timer drains, the end's drain, one for the hang-up if it came late.
+    assert len(after) <= 0.5 / drain_s + 3, len(after)

@@ -169,6 +169,9 @@ class Collector:
         self._archived: set[str] = set()
         self._clock = 0.0
         self._overhead: dict[int, float] = {}
+        # Rings whose event hung up (its task exited with no children left): drained once more by
+        # the wake-up that reported it, never polled again (poll would report it at once forever).
+        self._hung_up: set[int] = set()
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -266,9 +269,9 @@ class Collector:
         """Sleep until a ring is worth draining (True), a control request was served, an
         ``extra`` descriptor is readable, or timeout."""
         p = select.poll()
-        fds = self.session.fds
-        for fd in fds:
-            p.register(fd, select.POLLIN)
+        for fd in self.session.fds:
+            if fd not in self._hung_up:
+                p.register(fd, select.POLLIN)
         for fd in extra:
             p.register(fd, select.POLLIN)
         if self.control is not None:
@@ -283,13 +286,17 @@ class Collector:
                 self._serve()
             elif fd not in extra:
                 ring = True
-                hup |= bool(ev & (select.POLLHUP | select.POLLERR))  # poll reports it again at once
+                if ev & (select.POLLHUP | select.POLLERR):
+                    hup = True
+                    self._hung_up.add(fd)
         # The kernel wakes us each time a ring's head crosses the next multiple of the watermark,
         # counted from the ring's start, not from where we last read: after a drain on the timer
         # (drain_s shorter than the time to fill half a ring, as with interpretation) the next
         # wake-up comes with only a fraction of a watermark in the ring. Draining then would double
         # the drains and their fixed cost; the timer or the next crossing (at most half a ring
-        # later) takes those samples instead. A hang-up or error is drained at once.
+        # later) takes those samples instead. A hang-up or error is drained at once, and only
+        # once: the event has nothing left to sample, and poll would report it again at once on
+        # every call, a busy loop of empty drains until the command's exit is reaped.
         return ring and (hup or self.session.fullest() >= WAKE_MIN_FILL)
 
     def close(self) -> None:
