@@ -70,13 +70,15 @@ def test_a_loop_run_many_times_per_entry_is_still_shaped() -> None:
 def test_shape_keeps_calcs_total_and_changes_nothing_without_observations() -> None:
     calc = {a: 50 for b in BLOCKS for a in b.addresses}
     calc.update({a: 1 for a in BLOCKS[0].addresses})
-    assert shape_counts(BLOCKS, calc, {}) is calc
+    total = sum(calc.values())
+    assert shape_counts(BLOCKS, calc, {}) == (calc, total)
     seen = {0x102: {0x200: 100.0, 0x300: 700.0}, 0x402: {0x100: 99.0, 0x999: 1.0}}
-    out = shape_counts(BLOCKS, calc, seen)
-    assert sum(out.values()) == pytest.approx(sum(calc.values()), rel=0.01)
+    out, kept = shape_counts(BLOCKS, calc, seen)
+    assert kept == 0 and sum(out.values()) == pytest.approx(total, rel=0.01)
     assert out[0x200] < out[0x300] / 5 and out[0x100] == out[0x400] and out[0x000] < out[0x100] / 10
     # No trusted solution (no prior, no exit seen): calc's counts as they were.
-    assert shape_counts(BLOCKS, calc, {0x402: {0x100: 10.0}}, prior_weight=0.0) is calc
+    shaped = shape_counts(BLOCKS, calc, {0x402: {0x100: 10.0}}, prior_weight=0.0)
+    assert shaped.counts is calc and shaped.kept == total
 
 
 def test_outcomes_come_from_the_edge_hotlists_of_one_image_scaled_by_their_p() -> None:
@@ -159,3 +161,29 @@ def test_a_closed_cycle_no_flow_reaches_does_not_unshape_its_function() -> None:
     ]
     f = block_frequencies(blocks, {0x101: {0x000: 900.0, 0x200: 100.0}})
     assert f is not None and f[3] == f[4] == 0 and f[1] == pytest.approx(f[0])
+
+
+def test_blocks_calc_counts_that_no_flow_reaches_keep_calcs_counts() -> None:
+    # SQLite's balance: balance_nonroot, inlined, is entered by an edge calc puts at 0 and no path
+    # saw taken, while its samples (in a loop of its own) say it ran. The flow gave it 0, and most
+    # of the function's count with it; it keeps calc's counts, and the rest is shaped and keeps
+    # calc's weight.
+    blocks = [
+        PathBlock([0x000, 0x001], [1, 2], [1000.0, 0.0]),  # entry: the common way, or into nonroot
+        PathBlock([0x100, 0x101], [4], [None]),
+        PathBlock([0x200], [3], [None]),                   # nonroot's entry
+        PathBlock([0x300, 0x301], [3, 4], [0.0, 0.0]),     # nonroot's loop, then on
+        PathBlock([0x400, 0x401], [5, 6], [None, None]),   # a diamond before the return
+        PathBlock([0x500], [-1], [None]),
+        PathBlock([0x600], [-1], [None]),
+    ]
+    seen = {0x001: {0x100: 50.0}, 0x401: {0x500: 30.0, 0x600: 10.0}}
+    calc = {0x000: 100, 0x001: 100, 0x100: 100, 0x101: 100, 0x200: 3, 0x300: 400, 0x301: 400, 0x400: 100,
+            0x401: 100, 0x500: 50, 0x600: 50}
+    f = block_frequencies(blocks, seen, weights=[200, 200, 3, 800, 200, 50, 50])
+    assert f is not None and f[2] == f[3] == 0 and f[4] == pytest.approx(1.0)
+    out, kept = shape_counts(blocks, calc, seen)
+    assert {a: out[a] for a in (0x200, 0x300, 0x301)} == {0x200: 3, 0x300: 400, 0x301: 400} and kept == 803
+    p = (30 + 2 * 0.5) / (40 + 2)  # the diamond: shaped by its outcomes
+    assert out[0x500] == round(100 * p) and out[0x600] == round(100 * (1 - p)) and out[0x000] == 100
+    assert sum(out.values()) == pytest.approx(sum(calc.values()), abs=2)

@@ -241,18 +241,22 @@ class Export(Command):
             per_fn, heads, source = _by_function(raw, counts), {}, f"{ev} samples per instruction"
         else:
             edges = None if args.no_edges else _edges(args, ps, sym, info)
-            unshaped: list[str] = []
-            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator, edges, unshaped)
+            kept: list[tuple[str, int, int]] = []
+            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator, edges, kept)
             for msg in skipped:
                 eprint(f"cyclescope export: skipped {msg}")
             source = f"execution counts estimated by calc from {ev} samples, {args.estimator} estimator"
             if edges:
                 seen = round(sum(sum(d.values()) for d in edges.values()))
                 source += f"; blocks shaped by {seen:,} branch outcomes on sampled paths at {len(edges):,} branches"
-            if unshaped:
-                names = ", ".join(unshaped[:3]) + (", ..." if len(unshaped) > 3 else "")
-                source += (f"; {len(unshaped)} function{'s' if len(unshaped) > 1 else ''} with outcomes kept calc's "
-                           f"shape, a loop no path left: {names}")
+            if any(k for _, k, _ in kept):
+                # Where the flow gives no count (loops no path saw end, code no edge of positive
+                # probability reaches), calc's counts stay: say how much, and where most.
+                share = sum(k for _, k, _ in kept) / max(1, sum(t for _, _, t in kept))
+                top = sorted((x for x in kept if x[1]), key=lambda x: -x[1])
+                names = ", ".join(f"{n} {100 * k / t:.0f}%" for n, k, t in top[:3]) + (", ..." if len(top) > 3 else "")
+                source += (f"; calc's counts kept for {100 * share:.0f}% of the shaped functions' count where "
+                           f"the flow gives none (of each: {names})")
         profiles = [p for p in (_profile_of(b.path, dw, raw, start, c, heads) for start, c in per_fn.items()) if p]
         if not any(p.total for p in profiles):
             raise NotFoundError(f"{info.path}: no execution counts for any function with source lines"
@@ -379,11 +383,11 @@ def _edges(args: argparse.Namespace, ps: Any, sym: Any, info: Any) -> dict[int, 
 
 
 def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str = "dcpi",
-                 edges: dict[int, dict[int, float]] | None = None, unshaped: list[str] | None = None
+                 edges: dict[int, dict[int, float]] | None = None, kept: list[tuple[str, int, int]] | None = None
                  ) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
     """calc's execution estimates per instruction, for each function with samples (shaped by the
-    branch outcomes ``edges`` where given: analysis/paths.py); entry counts. The functions with
-    outcomes that no trusted solution shaped are added to ``unshaped`` (most samples first)."""
+    branch outcomes ``edges`` where given: analysis/paths.py); entry counts. For each function with
+    outcomes, ``kept`` gets (name, calc's count that stayed calc's, calc's count)."""
     from cyclescope.analysis.paths import PathBlock, observed, shape_counts
     from cyclescope.cli.calc import calc_target
     from cyclescope.errors import CycleScopeError
@@ -415,9 +419,9 @@ def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str
                                 [c.cfg.edges[e].dst if c.cfg.edges[e].dst >= 0 else -1 for e in b.succs],
                                 [c.freq.edge[e] for e in b.succs]) for b in c.cfg.blocks]
             shaped = shape_counts(blocks, got, edges)
-            if shaped is got and got and unshaped is not None and observed(blocks, edges):
-                unshaped.append(r.procedure)
-            got = shaped
+            if kept is not None and got and observed(blocks, edges):
+                kept.append((r.procedure, shaped.kept, sum(got.values())))
+            got = shaped.counts
         if got:
             per_fn[start] = got
             entry = c.cfg.block_of[0] if c.cfg.insns else -1
