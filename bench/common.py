@@ -123,7 +123,7 @@ def _jsonable(o: Any) -> Any:
 
 def save(name: str, data: Any) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
-    p = OUT / f"{name}.json"
+    p = OUT / f"{name.removesuffix('.json')}.json"  # --save-as NAME or NAME.json
     p.write_text(json.dumps(data, indent=1, default=_jsonable))
     return p
 

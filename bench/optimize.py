@@ -188,15 +188,15 @@ def simulate(argv: list[str]) -> dict[str, int]:
     return out
 
 
-def cpu_of(argv: list[str]) -> float:
-    return run_cpu(argv, None)[0]  # the same measurement `cyclescope optimize` makes
+def cpu_of(argv: list[str], cpu: int | None = None) -> float:
+    return run_cpu(argv, None, cpu)[0]  # the same measurement `cyclescope optimize` makes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=31)
     ap.add_argument("--programs", default="bzip2,gzip,xz,zlib,lua,sqlite")
-    ap.add_argument("--save-as", default="optimize", help="name of the raw data file in bench/out/")
+    ap.add_argument("--save-as", default="optimize", help="name of the raw data file in bench/out/ (.json added)")
     ap.add_argument("--sources", default="calc,samples,callgrind",
                     help="count sources of the sample profiles compared (export llvm-sample --counts calc|samples, "
                          "or callgrind: exact counts from a valgrind run, the anchor for the profile's form)")
@@ -206,6 +206,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, metavar="R",
                     help="under cachegrind, each sample profile from R independent recordings (fresh training runs, "
                          "new profile, new build): the spread of its share of instrumented PGO's gain")
+    ap.add_argument("--cpu", type=int, default=None,
+                    help="time every build on this CPU only (2-3 times narrower intervals here: bench/retime.py)")
     ap.add_argument("--no-simulate", dest="simulate", action="store_false",
                     help="skip the deterministic comparison under cachegrind")
     args = ap.parse_args()
@@ -289,7 +291,7 @@ def main() -> None:
         for rnd in range(args.runs):
             k = rnd % len(cons)
             for c, exe in cons[k:] + cons[:k]:
-                cpu[c].append(cpu_of(argv(exe)))
+                cpu[c].append(cpu_of(argv(exe), args.cpu))
             print(f"{name} round {rnd}: " + ", ".join(f"{c} {cpu[c][-1]:.3f} s" for c, _ in cons), flush=True)
         speedup = {c: [b / x for b, x in zip(cpu["base"], cpu[c], strict=True)] for c, _ in cons[1:]}
         gain_i = median(speedup["instr"]) - 1

@@ -37,6 +37,8 @@ def test_every_command_has_help() -> None:
     (["record", "-p", "1", "--", "true"], "cyclescope record: give either -p PID or a command, not both"),
     (["record", "-e", "bogus", "--", "true"], "cyclescope record: unknown event 'bogus'"),
     (["record", "-p", "x1"], "cyclescope record: -p: not a process id list: x1"),
+    (["optimize", "--build", "cc -o {out} p.c", "--cpu", "4096", "--", "{out}"],
+     "cyclescope optimize: --cpu 4096: not a CPU this process may run on"),
 ])
 def test_bad_usage_is_one_line_with_exit_code_2(args: list[str], message: str) -> None:
     rc, out, err = run(*args)
@@ -74,3 +76,16 @@ def test_the_command_table_matches_the_commands() -> None:
         importlib.import_module(f"cyclescope.cli.{module}")
         assert REGISTRY[name].help == help_, name
     assert set(REGISTRY) == set(COMMANDS)
+
+
+def test_optimize_measures_on_the_cpu_asked_for() -> None:
+    import os
+    import sys
+
+    from cyclescope.cli.optimize import run_cpu
+
+    cpu = max(os.sched_getaffinity(0))
+    _, out = run_cpu([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], None, cpu)
+    assert out.decode().strip() == f"[{cpu}]"
+    _, out = run_cpu([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], None)
+    assert out.decode().strip() == str(sorted(os.sched_getaffinity(0)))
