@@ -1,8 +1,8 @@
 """Real CPU time of the builds a bench/optimize.py run kept: many alternated rounds of the
 unprofiled build, the instrumented PGO build and each recording's sample-profile build.
 
-bench/optimize.py times each build for --runs rounds on the first recording only, and its reports
-since the sampled paths used one round (the builds and the cachegrind runs take the time). Its work
+bench/optimize.py times each build for --runs rounds, on the first recording only (its runs since
+the sampled paths used one round: the builds and the cachegrind runs take the time). Its work
 directory stays behind (/tmp/cs-bench-opt-XXXX/PROGRAM, rep1/ and rep2/ for --repeat), so the same
 builds can be timed afterwards on a quiet machine, as long as wanted.
 
@@ -13,7 +13,7 @@ instrumented PGO's gain that the median reaches, with a 95% bootstrap interval (
 as wholes, so the pairing stays).
 
 Usage: python bench/retime.py [--rounds 41] [--cpu N] [--sources paths-profi,callgrind-profi]
-                              /tmp/cs-bench-opt-XXXX:lua,sqlite
+                              [--save-as NAME] /tmp/cs-bench-opt-XXXX:lua,sqlite ...
 """
 
 from __future__ import annotations
