@@ -180,6 +180,36 @@ def test_interpreter_records_results_loads_and_stores_without_side_effects() -> 
     assert reads.count(HEAP) == 2 and len(it2.take(np.zeros(1, np.uint64), np.full(1, -1))) == 1
 
 
+def test_an_emulator_that_mapped_many_pages_is_replaced_and_runs_stay_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    # unicorn's mem_map costs more with every page mapped: a program reading memory widely (the
+    # demo's pointer chase) spent 30 s mapping and minutes releasing at exit. Past MAX_PAGES the
+    # process gets a fresh emulator; what runs read is still the process's memory.
+    import cyclescope.values.interp as interp
+
+    monkeypatch.setattr(interp, "MAX_PAGES", 8)
+    text, _ = _memory(bytes.fromhex("488b07"))  # mov rax, [rdi]
+    far = 0x10000000
+
+    def make(pid: int):  # type: ignore[no-untyped-def]
+        def rd(a: int, n: int) -> bytes | None:
+            if a >= CODE and a + n <= CODE + 4096:
+                return bytes(text[a - CODE : a - CODE + n])
+            if a >= far:  # each page holds its own number
+                return b"".join(struct.pack("<Q", (a + i) >> 12) for i in range(0, n, 8))[:n]
+            return bytes(n) if STACK - 4096 <= a < STACK + 4096 else None
+
+        return rd
+
+    it = Interpreter(reader=make)
+    seen = []
+    for k in range(40):
+        run = it.run(1, _regs(rdi=far + k * 4096), bytes(64), 1)
+        seen.append(run.steps[0].loaded)
+        assert len(it._emus[1].pages) <= interp.MAX_PAGES + 3  # code, stack and the page read
+    assert seen == [(far >> 12) + k for k in range(40)]
+    assert it.stops["length"] == 40
+
+
 def test_interpreter_stops_cleanly_and_says_why() -> None:
     text, heap = _memory(bytes.fromhex("488b07"))  # mov rax, [rdi]
     it = Interpreter(reader=_reader(text, heap))

@@ -44,6 +44,14 @@ from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, de
 from cyclescope.values.procmem import ProcessMemory
 
 PAGE = 4096
+# Pages one emulator maps before the next call (a run, or a drain's runs) gets a fresh one. unicorn
+# rebuilds its memory map on every mem_map and on release, so a map costs more with every page
+# already mapped (on these VMs 0.4 ms a page at 512, 1.7 ms at 1,024; releasing 1,024 pages 1.6 s).
+# A program that reads memory widely, like the demo's pointer chase, maps thousands: `record
+# --exact interpret` of the demo's 1 s run took over 14 minutes, most of it releasing the emulator
+# at exit; 19 s with the cap. The SQLite shell's run, with fewer pages, is as fast either way.
+# Plans survive (decode is cached); the pages are read from the process again.
+MAX_PAGES = 256
 STOP_REASONS = ("length", "syscall", "fault", "unmapped", "tls", "vector", "undecodable", "unsupported")
 MemReader = Callable[[int, int], bytes | None]
 MAX_PLANS = 65536  # decoded instructions kept per process
@@ -254,6 +262,9 @@ class Interpreter:
         """The process's emulator, ready for this drain (the least recently used ones beyond
         max_processes are closed by ``_evict``, never while a call may still use them)."""
         e = self._emus.get(pid)
+        if e is not None and len(e.pages) > MAX_PAGES:
+            self._emus.pop(pid).close()  # a fresh emulator: every map into this one costs more
+            e = None
         if e is None:
             e = _Emulator(pid, self._reader(pid), self._lib, self._callback)
             self._emus[pid] = e
