@@ -52,15 +52,26 @@ def write_table(t: Table, out: TextIO | None = None, tty: bool | None = None) ->
         _write_plain(t, out)
 
 
+def _note_at(t: Table, r: list[str]) -> int | None:
+    """The column of a note row: one non-empty cell, in a left-aligned column, nothing after it (calc's
+    block headers and stall notes). It runs on past its column instead of widening it."""
+    filled = [i for i, cell in enumerate(r) if cell]
+    if len(filled) == 1 and t.cols[filled[0]].align == "left" and filled[0] < len(t.cols) - 1:
+        return filled[0]
+    return None
+
+
 def _write_plain(t: Table, out: TextIO) -> None:
     for line in t.preamble:
         out.write(line + "\n")
     if t.preamble:
         out.write("\n")
     widths = [len(c.header) for c in t.cols]
-    for r in t.rows:
+    notes = [_note_at(t, r) for r in t.rows]
+    for r, note in zip(t.rows, notes, strict=True):
         for i, cell in enumerate(r):
-            widths[i] = max(widths[i], len(cell))
+            if i != note:
+                widths[i] = max(widths[i], len(cell))
 
     last = len(t.cols) - 1
     specs = []
@@ -71,7 +82,11 @@ def _write_plain(t: Table, out: TextIO) -> None:
             specs.append("{}" if i == last else f"{{:<{widths[i]}}}")
     fmt = "  ".join(specs)
     lines = [fmt.format(*(c.header for c in t.cols)).rstrip()]
-    lines += [fmt.format(*r).rstrip() for r in t.rows]
+    for r, note in zip(t.rows, notes, strict=True):
+        if note is None:
+            lines.append(fmt.format(*r).rstrip())
+        else:
+            lines.append("".join(" " * widths[i] + "  " for i in range(note)) + r[note])
     out.write("\n".join(lines) + "\n")
     if t.footer:
         out.write("\n")
