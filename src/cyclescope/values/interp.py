@@ -50,7 +50,7 @@ PAGE = 4096
 # A program that reads memory widely, like the demo's pointer chase, maps thousands: `record
 # --exact interpret` of the demo's 1 s run took over 14 minutes, most of it releasing the emulator
 # at exit; 19 s with the cap. The SQLite shell's run, with fewer pages, is as fast either way.
-# Plans survive (decode is cached); the pages are read from the process again.
+# The fresh one decodes its plans again from decode's cache, and reads its pages from the process again.
 MAX_PAGES = 256
 STOP_REASONS = ("length", "syscall", "fault", "unmapped", "tls", "vector", "undecodable", "unsupported")
 MemReader = Callable[[int, int], bytes | None]
