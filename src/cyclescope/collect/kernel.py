@@ -13,7 +13,6 @@ import errno
 import fcntl
 import mmap
 import os
-import select
 import struct
 
 from cyclescope.collect.perf_abi import (
@@ -168,17 +167,6 @@ class RingBuffer:
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
-
-
-def poll_fds(fds: list[int], timeout_s: float) -> list[int]:
-    """fds that are readable (ring buffer past its watermark) or hung up."""
-    if not fds:
-        return []
-    p = select.poll()
-    for fd in fds:
-        p.register(fd, select.POLLIN | select.POLLHUP)
-    ready = p.poll(max(0, int(timeout_s * 1000)))
-    return [fd for fd, _ in ready]
 
 
 def close_fd(fd: int) -> None:
