@@ -20,7 +20,8 @@ import numpy as np
 from cyclescope.analysis.cfg import CFG, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
-from cyclescope.analysis.frequency import Frequencies, estimate_frequencies
+from cyclescope.analysis.frequency import Frequencies, Measured, estimate_frequencies
+from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
 from cyclescope.images.cache import Cache
@@ -103,6 +104,8 @@ def calc_procedure(
     cache_key: str | None = None,
     mcpu: str | None = None,
     estimator: str = "dcpi",
+    loop_stats: dict[int, LoopStats] | None = None,
+    mean_period: float = 0.0,
 ) -> Calc:
     from cyclescope.images.disasm import disassemble
 
@@ -137,7 +140,8 @@ def calc_procedure(
         if k >= 0:
             samples[k] += c
     s_cyc = samples[:, ev]
-    freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator)
+    measured, mnotes = _measured(cfg, infos, s_cyc, loop_stats or {}, mean_period, period_cycles)
+    freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     ms: list[float] = [im.m for b in cfg.blocks for im in model.blocks[b.id].insns]
     cpi: list[float | None] = []
     dyn: list[float] = []
@@ -156,8 +160,35 @@ def calc_procedure(
     statics = static_stalls(cfg, raw, infos)
     event_cols = {e: samples[:, i] for i, e in enumerate(events) if e != cycles_event}
     culprits = dynamic_culprits(cfg, infos, dyn, freq.block, freq.edge, event_cols)
-    notes = list(cfg.notes) + list(model.notes) + list(freq.notes)
+    notes = list(cfg.notes) + list(model.notes) + mnotes + list(freq.notes)
     if period_cycles is None:
         notes.append("the core clock was not measured while recording: CPI and frequencies are relative only")
     return Calc(name, start, end, events, cycles_event, period_cycles, cfg, classes, model, infos, samples, freq,
                 cpi, dyn, gain, statics, culprits, notes)
+
+
+def _measured(cfg: CFG, infos: Sequence[InsnInfo], s_cyc: np.ndarray, stats: dict[int, LoopStats],
+              mean_period: float, period_cycles: float | None) -> tuple[dict[int, Measured], list[str]]:
+    """Header frequencies the loop counters measured (F = executions / P), and notes on loops with
+    counts that could not be used."""
+    if not stats or not period_cycles:
+        return {}, []
+    from cyclescope.analysis.loops import find_loops
+
+    out: dict[int, Measured] = {}
+    notes: list[str] = []
+    block_at = {b.start: b.id for b in cfg.blocks}
+    for lp in find_loops(cfg, infos):
+        st = stats.get(lp.header)
+        if st is None or lp.header not in block_at:
+            continue
+        loop_samples = float(sum(s_cyc[k] for b in lp.blocks for k in range(cfg.blocks[b].first,
+                                                                             cfg.blocks[b].last + 1)))
+        est = loop_executions(st, loop_samples, mean_period, lp.calls)
+        if est is None:
+            if st.next_own >= 20 and st.same < 0.5:
+                notes.append(f"loop at {lp.header:#x}: executions mostly shorter than a sampling period "
+                             f"({100 * st.same:.0f}% of pairs in one); its count is the model's")
+            continue
+        out[block_at[lp.header]] = Measured(est.executions / period_cycles, est.confidence, "loop-counter", est.why)
+    return out, notes

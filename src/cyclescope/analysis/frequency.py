@@ -37,6 +37,9 @@ MIN_FRACTION = 0.25  # a cluster needs at least this share of the class's issue 
 FEW_SAMPLES = 40  # below this, F = sum S / sum M over the class
 MAX_STALL = 600.0  # cycles: more than any plausible miss per execution
 CONFIDENCE_WEIGHT = {"high": 8, "medium": 3, "low": 1}
+# Counts measured rather than modelled (loop counters): the repair moves them last.
+MEASURED = ("loop-counter",)
+MEASURED_WEIGHT = {"high": 256, "medium": 32, "low": 8}
 SHAPE_EXCESS = 0.2  # a block whose samples exceed the model's shape by less than this is stall-free
 MIN_BLOCK_M = 1.5  # cycles of (skidded) model a block needs for its ratio to mean anything
 MIN_BLOCK_POINTS = 3  # instructions carrying model cycles: with fewer, any shape "fits"
@@ -189,10 +192,23 @@ def _issue_point_estimate(points: list[tuple[float, float]], class_samples: floa
     return ClassEstimate(s / total_m if total_m else None, "low", "sum-ratio", n, n)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A block's frequency measured by other means than the model (a loop counter)."""
+
+    value: float  # F: executions per period
+    confidence: str
+    method: str  # one of MEASURED
+    why: str = ""
+
+
 def estimate_frequencies(cfg: CFG, classes: Classes, model: ProcedureModel, samples: Sequence[float] | np.ndarray,
                          infos: Sequence[InsnInfo] | None = None, repair: bool = True,
-                         estimator: str = "dcpi") -> Frequencies:
+                         estimator: str = "dcpi", measured: dict[int, Measured] | None = None) -> Frequencies:
     """Block and edge frequencies for a procedure; ``samples`` is S_i per instruction of cfg.insns.
+
+    ``measured``: blocks whose frequency was measured (loop counters); their class takes it,
+    whatever the model says, and the repair moves them last.
 
     ``estimator`` chooses how classes without a clean block get F (estimate_class).
 
@@ -206,7 +222,14 @@ def estimate_frequencies(cfg: CFG, classes: Classes, model: ProcedureModel, samp
     members = classes.members()
     estimates: dict[int, ClassEstimate] = {}
     cyclic = cyclic_blocks(cfg)
+    by_class: dict[int, list[Measured]] = {}
+    for b, m in (measured or {}).items():
+        by_class.setdefault(classes.block[b], []).append(m)
     for c, (blocks, _edges) in members.items():
+        if c in by_class:
+            best = sorted(by_class[c], key=lambda m: (m.confidence != "high", -m.value))[0]
+            estimates[c] = ClassEstimate(best.value, best.confidence, best.method, 0, 0, 1.0)
+            continue
         points: list[tuple[float, float]] = []
         all_insns: list[tuple[float, float]] = []
         per_block: list[tuple[list[float], list[float]]] = []
@@ -363,7 +386,10 @@ def _repair(cfg: CFG, classes: Classes, fr: Frequencies) -> None:
     for b in range(len(cfg.blocks)):
         if b in cfg.unreachable:
             continue
-        w = CONFIDENCE_WEIGHT.get(fr.block_confidence[b], 1) if fr.block_method[b] != "propagated" else 1
+        if fr.block_method[b] in MEASURED:
+            w = MEASURED_WEIGHT.get(fr.block_confidence[b], 8)
+        else:
+            w = CONFIDENCE_WEIGHT.get(fr.block_confidence[b], 1) if fr.block_method[b] != "propagated" else 1
         add_measured(node_in(b), node_out(b), f"b{b}", fr.block[b], w)
         arcs[("b", b)] = (node_in(b), f"b{b}m")
     for e in cfg.edges:

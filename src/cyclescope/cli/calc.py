@@ -23,6 +23,7 @@ PROFILE_ESTIMATOR = "geomean"
 
 if TYPE_CHECKING:
     from cyclescope.analysis.calc import Calc
+    from cyclescope.analysis.loopcount import LoopStats
     from cyclescope.db.query import ProfileSet
     from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.listing import Target
@@ -86,8 +87,33 @@ def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcp
         except Exception:  # an address outside the file (no table there), or unreadable relocations
             return None
 
+    stats = loop_stats(ps, info.key, target.start, target.end)
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
-                          period_cycles(ps, event), name_at, read, Cache(), info.key, mcpu, estimator)
+                          period_cycles(ps, event), name_at, read, Cache(), info.key, mcpu, estimator,
+                          stats, ps.events[event].mean_period)
+
+
+def loop_stats(ps: ProfileSet, image_key: str, start: int, end: int) -> dict[int, LoopStats]:
+    """The loop counters' tallies of the selection for the loops headed in [start, end)."""
+    from cyclescope.analysis.loopcount import LoopStats
+    from cyclescope.db.tallies import LOOPS, load_tally
+
+    memo = ps.memo.get((False, ("loops", image_key)))
+    if memo is None:
+        sel = load_tally(ps.db, LOOPS, ps.epochs, ps.hosts or None, {image_key})
+        ps.warnings += [f"skipping {c}" for c in sel.corrupt if f"skipping {c}" not in ps.warnings]
+        memo = sel.table
+        ps.memo[(False, ("loops", image_key))] = memo
+    d = memo.to_pydict()
+    out = {}
+    for i, h in enumerate(d["header"]):
+        if start <= h < end:
+            out[int(h)] = LoopStats(
+                own=int(d["own"][i]), own_period=float(d["own_period"][i]), followed=int(d["followed"][i]),
+                next_own=int(d["next_own"][i]), pairs=int(d["pairs"][i]), iterations=float(d["iterations"][i]),
+                pair_period=float(d["pair_period"][i]), mismatched=int(d["mismatched"][i]),
+                rejected=int(d["rejected"][i]))
+    return out
 
 
 @register

@@ -10,8 +10,10 @@ from typing import Any
 from cyclescope.cli.base import Command, add_db_option, db_path, eprint, register
 from cyclescope.cli.record import (
     VALUE_DRAIN_S,
+    add_count_options,
     add_sampling_options,
     add_value_options,
+    count_processors,
     list_value_modules,
     make_events,
     value_options,
@@ -81,6 +83,7 @@ class Daemon(Command):
                             "then survives upgrades), the whole file (list and calc too), or nothing")
         add_sampling_options(p, DEFAULT_DAEMON_HZ)
         add_value_options(p, exact=False)
+        add_count_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.collect.daemon import Collector, CollectorConfig, peak_rss_kib
@@ -94,14 +97,16 @@ class Daemon(Command):
         if args.flush_interval <= 0:
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
+        processors = count_processors(args)
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
-                          call_graph=args.call_graph)
+                          call_graph=args.call_graph, user_regs=any(p.needs_regs for p in processors))
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
                               new_epoch=args.new_epoch, archive=args.archive,
                               rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph,
-                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0)
+                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0,
+                              processors=processors)
         c = Collector(session, db, cfg)
         c.listen()
         try:

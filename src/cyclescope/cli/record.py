@@ -17,6 +17,7 @@ from cyclescope.report.render import fmt_count
 
 if TYPE_CHECKING:
     from cyclescope.collect.daemon import Collector, RunTotals
+    from cyclescope.collect.processor import Processor
     from cyclescope.collect.session import CallGraph
     from cyclescope.values.capture import ValueOptions
 
@@ -149,6 +150,23 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
                         users=users, commands=commands, budget=args.interpret_budget)
 
 
+def add_count_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("execution counts (what calc rests on; on by default)")
+    g.add_argument("--no-loop-counts", action="store_true",
+                   help="do not count loop iterations between samples (the user registers are then not "
+                        "sampled; calc falls back to its model where loops had counts)")
+
+
+def count_processors(args: argparse.Namespace) -> list[Processor]:
+    """The processors that gather calc's evidence while sampling (collect/processor.py)."""
+    out: list[Processor] = []
+    if not getattr(args, "no_loop_counts", False):
+        from cyclescope.analysis.loopcount import LoopCountProcessor
+
+        out.append(LoopCountProcessor())
+    return out
+
+
 def list_value_modules() -> int:
     from cyclescope.values.modules import available, load_module
 
@@ -225,6 +243,7 @@ class Record(Command):
                        help="write to the database every S seconds during long runs (default: 60)")
         o.add_argument("--no-archive", action="store_true",
                        help="do not copy profiled binaries into the database (they are needed if the files change)")
+        add_count_options(p)
         p.add_argument("-q", "--quiet", action="store_true", help="no progress or summary on stderr")
         p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS]",
                        help="the command to run and sample")
@@ -277,14 +296,16 @@ class Record(Command):
                 raise UsageError("--exact does not record call stacks; leave out --call-graph")
             assert vopts is not None
             return int(run_exact(args, cmd, events, rate, vopts))
+        processors = count_processors(args)
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
-                          call_graph=args.call_graph)
+                          call_graph=args.call_graph, user_regs=any(p.needs_regs for p in processors))
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
                               rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph,
-                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0)
+                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0,
+                              processors=processors)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()
         collector = Collector(session, db, cfg, progress=progress_printer(start) if show else None)

@@ -25,7 +25,8 @@ import numpy as np
 from cyclescope.collect.aggregate import Aggregator, Counts
 from cyclescope.collect.clock import measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer, reply
-from cyclescope.collect.perf_abi import RecordType
+from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, RecordType, regs_in_mask
+from cyclescope.collect.processor import Context, Drain, Processor
 from cyclescope.collect.records import (
     CommRecord,
     LostRecord,
@@ -87,6 +88,9 @@ class CollectorConfig:
     # Call stacks (PERF_SAMPLE_CALLCHAIN, frame pointers or .eh_frame unwinding of user stack
     # snapshots): counted per stack, written beside the flat counts.
     stacks: CallGraph | None = None
+    # What else is computed from each drain's samples (loop-iteration counts), each writing its
+    # own tally at every flush.
+    processors: list[Processor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,8 @@ class Collector:
         # Rings whose event hung up (its task exited with no children left): drained once more by
         # the wake-up that reported it, never polled again (poll would report it at once forever).
         self._hung_up: set[int] = set()
+        self.processors = list(config.processors)
+        self.tally_files: list[str] = []
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -188,6 +194,14 @@ class Collector:
             if spec.time_based:  # before the target runs: a quiet machine
                 ns = sample_overhead(int(self.session.randomizers[i].mean), Cache().root)
                 self._overhead[i] = ns or 0.0
+        time_event = next((i for i, e in enumerate(self.session.events)
+                           if e.time_based or e.label.startswith("cycles")), -1)
+        cols = {r.name.lower(): k for k, r in enumerate(regs_in_mask(self.session.layout.regs_user_mask
+                                                                      or X86_REGS_USER_MASK))}
+        cols = {("r" + n if len(n) == 2 and not n[1].isdigit() else n): k for n, k in cols.items()}
+        ctx = Context(self.table, not isinstance(self.session.target, SystemWide), time_event, cols)
+        for p in self.processors:
+            p.bind(ctx)
         self.session.start()
         if isinstance(self.session.target, SystemWide):
             # DCPI's third source: processes that were running before we started.
@@ -252,6 +266,8 @@ class Collector:
             if hooks is not None and hooks.finish is not None:
                 hooks.finish()
             self.step()
+            for p in self.processors:
+                p.finish()
             if self.dwarf is not None:
                 # Unwind tables still loading: wait for them (a walk may meet a new image on its
                 # way, so repeat while that brings progress), then unwind what is left regardless.
@@ -304,6 +320,8 @@ class Collector:
             with contextlib.suppress(Exception):
                 self._compacting.result()
         self._pool.shutdown(wait=True)
+        for p in self.processors:
+            p.close()
         if self.dwarf is not None:
             self.dwarf.loader.close()
         self.session.close()
@@ -351,10 +369,13 @@ class Collector:
                     self.session.stats[idx].throttles += 1
             elif isinstance(rec, TaskRecord) and rec.kind == RecordType.FORK and rec.pid != rec.ppid:
                 self.session.note_fork(rec.pid, rec.ppid, rec.time)
-            elif isinstance(rec, TaskRecord) and rec.kind == RecordType.EXIT and rec.pid == rec.tid:
-                self.session.forget_pid(rec.pid)
-                if self.values is not None:
-                    self.values.forget(rec.pid)
+            elif isinstance(rec, TaskRecord) and rec.kind == RecordType.EXIT:
+                for p in self.processors:
+                    p.forget(rec.pid, rec.tid)
+                if rec.pid == rec.tid:
+                    self.session.forget_pid(rec.pid)
+                    if self.values is not None:
+                        self.values.forget(rec.pid)
             elif isinstance(rec, CommRecord) and rec.exec and self.values is not None:
                 self.values.forget(rec.pid)
         if not samples_list:
@@ -366,7 +387,7 @@ class Collector:
         keep = ev >= 0
         if not keep.all():
             samples, ev = samples[keep], ev[keep]
-        self.session.account(ev, samples)
+        periods = self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
         self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
         regs = stack = slen = None
@@ -374,6 +395,10 @@ class Collector:
             regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
             stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
             slen = np.concatenate(len_parts) if len(len_parts) > 1 else len_parts[0]
+        if self.processors:
+            drain = Drain(samples, ev, periods, mapped.image, mapped.offset, regs)
+            for p in self.processors:
+                p.process(drain)
         if self.stacks is not None and chains:
             kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
             if self.dwarf is not None:
@@ -465,6 +490,8 @@ class Collector:
             self._flush_values(epoch)
         if self.stacks is not None:
             self._flush_stacks(epoch)
+        for p in self.processors:
+            self.tally_files += [str(x) for x in p.flush(self.db, epoch, self.cfg.host)]
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
         for k, v in meta.unknown.items():

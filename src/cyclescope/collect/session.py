@@ -189,6 +189,7 @@ class Session:
         user_stack: int | None = None,
         traceme: bool = False,
         call_graph: CallGraph | None = None,
+        user_regs: bool = False,
     ) -> None:
         if not events:
             raise UsageError("no events to sample")
@@ -223,7 +224,11 @@ class Session:
             # Unwinding needs the user registers and the top of the user stack: share them with
             # value capture, which needs less (its snapshot is the larger of the two).
             user_stack = max(user_stack or 0, call_graph.stack_size)
-        if user_stack is None:
+        if user_stack is None and user_regs:
+            # The user registers alone (loop counting: analysis/loopcount.py): 168 bytes a sample,
+            # nothing for the sampled code (the interrupt dominates), decoded in bulk.
+            self.layout = SampleLayout(int(BASE_SAMPLE_TYPE | Sample.REGS_USER), X86_REGS_USER_MASK)
+        elif user_stack is None:
             self.layout = SampleLayout(int(BASE_SAMPLE_TYPE))
         else:
             # Value capture: the user registers and the top of the user stack at each interrupt.
@@ -499,9 +504,11 @@ class Session:
         ok = keys[pos] == ids
         return np.where(ok, vals[pos], -1)
 
-    def account(self, ev_idx: np.ndarray, samples: np.ndarray) -> None:
-        """Add samples and the true period of each to the per-event totals."""
+    def account(self, ev_idx: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """Add samples and the true period of each to the per-event totals; the period of each
+        sample (in its event's units), for weighting."""
         per_task = not isinstance(self.target, SystemWide)
+        periods = np.zeros(len(samples), np.float64)
         for i in range(len(self.events)):
             mask = ev_idx == i
             n = int(mask.sum())
@@ -514,9 +521,12 @@ class Session:
                 pids = samples["pid"][mask]
                 fork_t = np.array([self._fork_time.get(p, -1) for p in pids.tolist()], dtype=np.int64)
                 eff = np.where(fork_t >= 0, fork_t.astype(np.uint64), ts)
-                st.period_sum += int(self.timelines[i].at(eff).sum())
+                p = self.timelines[i].at(eff)
             else:
-                st.period_sum += int(self.timelines[i].at(ts).sum())
+                p = self.timelines[i].at(ts)
+            st.period_sum += int(p.sum())
+            periods[mask] = p
+        return periods
 
     def read_counters(self) -> None:
         """Counter values and enabled/running times, for the multiplexing share.

@@ -1,0 +1,231 @@
+"""Natural loops of a procedure and the registers that count their iterations.
+
+A loop counter is a register that changes by the same constant on every trip around the loop
+(``add rdx, 1``, ``sub r12d, 1``, ``lea rsi, [rsi + 8]``) and by nothing else. Where a loop has
+one, two samples of the same thread taken in the same execution of the loop give the number of
+iterations between them exactly: the difference of the counter's values, each taken back to the
+header by the offset the path from the header to the sampled instruction added, divided by the
+step. That is an execution count without a cycle model (collect/loopcount.py measures it; calc
+uses it): the count DCPI derived from issue points on an in-order Alpha, which an out-of-order core
+hides in the shadow of its stalls.
+
+Registers at a sample are those before the sampled instruction runs, so each instruction gets
+the counter's offset *before* it: 0 at the header's first instruction by definition.
+
+Registers that the loop never writes (its invariants: a bound, a base pointer, the stack pointer)
+tell one execution of the loop from another: two samples whose invariants differ were taken in
+different executions. Calls clobber the System V caller-saved registers and keep the others.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cyclescope.analysis.cfg import CFG, ENTRY
+from cyclescope.images.disasm import Insn, InsnInfo
+
+# The general-purpose registers by their 64-bit names, in the order perf numbers them (X86Reg).
+GPRS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
+        "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+CALLER_SAVED = frozenset({"rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"})
+
+_R32 = {**{f"e{x}": f"r{x}" for x in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")},
+        **{f"r{n}d": f"r{n}" for n in range(8, 16)}}
+_R64 = {r: r for r in GPRS}
+_IMM = r"(0x[0-9a-f]+|\d+)"
+_LEA = re.compile(r"^(?:qword ptr |dword ptr )?\[(?P<base>[a-z0-9]+)(?:\s*(?P<sign>[+-])\s*" + _IMM + r")?\]$")
+
+
+@dataclass(frozen=True)
+class Counter:
+    """A register that counts a loop's iterations: ``step`` per trip, its value before each
+    instruction of the body being the value at the header plus ``offsets[address]``."""
+
+    reg: str
+    width: int  # 64, or 32 where the register is updated through its 32-bit half (compare modulo 2^32)
+    step: int
+    offsets: dict[int, int]
+
+
+@dataclass
+class Loop:
+    id: int
+    header: int  # address of the header's first instruction
+    blocks: frozenset[int]
+    addresses: frozenset[int]  # every instruction address in the body (inner loops included)
+    counters: list[Counter]
+    invariants: tuple[str, ...]  # registers no instruction of the body writes
+    calls: bool  # the body calls other code (whose time a sample there does not show)
+    parent: int | None = None
+    depth: int = 1
+    exits: list[int] = field(default_factory=list)  # edge ids leaving the body
+
+
+def dominators(cfg: CFG) -> dict[int, int]:
+    """Immediate dominator of each block reachable from the entry (the entry block maps to itself)."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_node(ENTRY)
+    for e in cfg.edges:
+        if e.dst >= 0:
+            g.add_edge(e.src, e.dst)
+    idom = nx.immediate_dominators(g, ENTRY)
+    return {b: d for b, d in idom.items() if b >= 0}
+
+
+def _dominates(idom: dict[int, int], a: int, b: int) -> bool:
+    while True:
+        if b == a:
+            return True
+        d = idom.get(b)
+        if d is None or d == b or d < 0:
+            return False
+        b = d
+
+
+def find_loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
+    """The natural loops of ``cfg`` (back edges to a dominating header; irreducible cycles are
+    left out), outermost first, each with its counters and invariants."""
+    idom = dominators(cfg)
+    bodies: dict[int, set[int]] = {}
+    for e in cfg.edges:
+        if e.src < 0 or e.dst < 0 or e.src not in idom or e.dst not in idom:
+            continue
+        if _dominates(idom, e.dst, e.src):
+            body = bodies.setdefault(e.dst, {e.dst})
+            stack = [e.src]
+            while stack:
+                b = stack.pop()
+                if b in body:
+                    continue
+                body.add(b)
+                stack.extend(cfg.edges[p].src for p in cfg.blocks[b].preds if cfg.edges[p].src >= 0)
+    order = sorted(bodies, key=lambda h: -len(bodies[h]))
+    loops: list[Loop] = []
+    for h in order:
+        members = frozenset(bodies[h])
+        addrs = frozenset(cfg.insns[k].address for b in members
+                          for k in range(cfg.blocks[b].first, cfg.blocks[b].last + 1))
+        written, calls = _written(cfg, members, infos)
+        inv = tuple(r for r in GPRS if r not in written)
+        exits = [eid for b in members for eid in cfg.blocks[b].succs if cfg.edges[eid].dst not in members]
+        loop = Loop(len(loops), cfg.blocks[h].start, members, addrs, [], inv, calls, exits=exits)
+        for outer in reversed(loops):
+            if members <= outer.blocks and outer.blocks != members:
+                loop.parent, loop.depth = outer.id, outer.depth + 1
+                break
+        loop.counters = [c for r in GPRS if r in written and r != "rsp"
+                         for c in [_counter(cfg, h, members, infos, r)] if c is not None]
+        loops.append(loop)
+    return loops
+
+
+def _written(cfg: CFG, body: frozenset[int], infos: Sequence[InsnInfo]) -> tuple[set[str], bool]:
+    written: set[str] = set()
+    calls = False
+    for b in body:
+        blk = cfg.blocks[b]
+        for k in range(blk.first, blk.last + 1):
+            ins, info = cfg.insns[k], infos[k]
+            if ins.mnemonic == "call":
+                calls = True
+                written |= CALLER_SAVED  # the callee's; rsp comes back as it was
+                continue
+            written |= {r for r in info.writes if r in _R64}
+    return written, calls
+
+
+def _step(ins: Insn, info: InsnInfo, reg: str) -> tuple[int | None, int] | None:
+    """How ``ins`` changes ``reg``: None if it does not write it; (delta, width) for a constant
+    change; (None, 0) for anything else."""
+    if ins.mnemonic == "call":
+        return (None, 0) if reg in CALLER_SAVED else None
+    if reg not in info.writes:
+        return None
+    m = ins.mnemonic
+    ops = [o.strip() for o in ins.op_str.split(",")]
+    dest = ops[0] if ops else ""
+    width = 64 if _R64.get(dest) == reg else 32 if _R32.get(dest) == reg else 0
+    if not width:
+        return (None, 0)
+    if m in ("inc", "dec") and len(ops) == 1:
+        return (1 if m == "inc" else -1, width)
+    if m in ("add", "sub") and len(ops) == 2:
+        try:
+            v = int(ops[1], 0)
+        except ValueError:
+            return (None, 0)
+        return (v if m == "add" else -v, width)
+    if m == "lea" and len(ops) == 2:
+        mm = _LEA.match(ops[1])
+        if mm is None:
+            return (None, 0)
+        base = _R64.get(mm.group("base")) or _R32.get(mm.group("base"))
+        if base != reg:
+            return (None, 0)
+        v = int(mm.group(3), 0) if mm.group(3) else 0
+        return (v if mm.group("sign") != "-" else -v, width)
+    return (None, 0)
+
+
+_BOTTOM = object()
+
+
+def _counter(cfg: CFG, header: int, body: frozenset[int], infos: Sequence[InsnInfo], reg: str) -> Counter | None:
+    """``reg`` as a counter of the loop at ``header``, or None. Forward dataflow over the body:
+    each point holds the register's offset from its value at the header, unknown, or not yet seen."""
+    at_in: dict[int, object] = {header: 0}
+    offsets: dict[int, int] = {}
+    width = 64
+    back: list[object] = []
+    work = [header]
+    visits = 0
+    while work:
+        visits += 1
+        if visits > 50 * len(body) + 100:
+            return None  # a lattice of height 3 settles long before; a safety net
+        b = work.pop()
+        blk = cfg.blocks[b]
+        k_off = at_in[b]
+        for k in range(blk.first, blk.last + 1):
+            ins = cfg.insns[k]
+            if isinstance(k_off, int):
+                offsets[ins.address] = k_off
+            else:
+                offsets.pop(ins.address, None)
+            st = _step(ins, infos[k], reg)
+            if st is None:
+                continue
+            delta, w = st
+            if delta is None or not isinstance(k_off, int):
+                k_off = _BOTTOM
+            else:
+                k_off += delta
+                width = min(width, w)
+        for eid in blk.succs:
+            d = cfg.edges[eid].dst
+            if d == header:
+                back.append(k_off)
+                continue
+            if d < 0 or d not in body:
+                continue
+            old = at_in.get(d)
+            new = k_off if old is None or old == k_off else _BOTTOM
+            if old is None or (new is _BOTTOM and old is not _BOTTOM):
+                at_in[d] = new
+                work.append(d)
+    if not back or any(not isinstance(x, int) for x in back):
+        return None
+    steps = set(back)
+    if len(steps) != 1:
+        return None
+    step = steps.pop()
+    assert isinstance(step, int)
+    if step == 0:
+        return None
+    # Offsets from a pass that later met an unknown value were dropped above when the block was
+    # revisited; blocks never reached keep none.
+    return Counter(reg, width, step, offsets)

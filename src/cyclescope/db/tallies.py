@@ -1,0 +1,227 @@
+"""Tallies: small per-flush tables of counts that merge by addition.
+
+The evidence calc rests on besides the flat samples (loop iterations counted between samples,
+branch outcomes on sampled paths, exact counts of anchors) is a set of numbers per key, each a
+sum over samples or hits, so that flushes, epochs and hosts merge by adding them, like the flat
+counts. Each kind lives in ``epoch=N/host=H/<kind>/<prefix>-A-B.parquet``, written and compacted
+under the segments' rules (layout.py): a temporary file, fsync, a link to a name no other file
+has; a compaction covering flushes A..B is linked before its inputs are deleted, and readers take
+only the files no other strictly covers, so a crash between the two counts nothing twice. A
+corrupt file is never merged nor deleted; readers skip it and say so.
+
+These tables hold counts, not values: no register or memory value of a sampled process is stored
+here (value sampling's hotlists, which hold values, live apart and stay opt-in: db/values.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
+from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
+from cyclescope.errors import DataError
+
+META_KEY = b"cyclescope-tally"
+
+
+@dataclass(frozen=True)
+class TallyKind:
+    """One kind of tally: where its files live, the columns that key a row (the image key first)
+    and the columns summed when rows with equal keys meet."""
+
+    name: str  # directory under the host's
+    prefix: str  # file name prefix
+    keys: tuple[tuple[str, pa.DataType], ...]
+    sums: tuple[tuple[str, pa.DataType], ...]
+
+    @property
+    def schema(self) -> pa.Schema:
+        fields = [("image", pa.dictionary(pa.int32(), pa.string()))]
+        fields += [(n, t) for n, t in self.keys if n != "image"]
+        fields += list(self.sums)
+        return pa.schema(fields)
+
+    @property
+    def key_names(self) -> list[str]:
+        return ["image", *[n for n, _ in self.keys if n != "image"]]
+
+    @property
+    def sum_names(self) -> list[str]:
+        return [n for n, _ in self.sums]
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        return re.compile(rf"^{re.escape(self.prefix)}-(\d{{8,}})-(\d{{8,}})\.parquet$")
+
+
+# Loops whose iterations a counter register gives between two samples of one thread
+# (analysis/loopcount.py): per loop header, the samples in the loop ("own", with the sum of their
+# periods), how many of them had a next sample of the same thread ("followed") and how many of
+# those were in the loop too ("next_own"), and over the pairs in the same execution of the loop
+# ("pairs") the iterations between them and the sum of the second samples' periods.
+LOOPS = TallyKind(
+    "loops", "lc",
+    keys=(("image", pa.string()), ("header", pa.uint64())),
+    sums=(("own", pa.uint64()), ("own_period", pa.float64()), ("followed", pa.uint64()),
+          ("next_own", pa.uint64()), ("pairs", pa.uint64()), ("iterations", pa.uint64()),
+          ("pair_period", pa.float64()), ("mismatched", pa.uint64()), ("rejected", pa.uint64())),
+)
+
+KINDS = {k.name: k for k in (LOOPS,)}
+
+
+def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:
+    return db.host_dir(epoch, host) / kind.name
+
+
+def tally_files(db: Database, epoch: int, host: str, kind: TallyKind, live_only: bool = True) -> list[SegmentRef]:
+    out = []
+    pat = kind.pattern
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for f in tally_dir(db, epoch, host, kind).iterdir():
+            if m := pat.match(f.name):
+                out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
+    return live_segments(out) if live_only else sorted(out)
+
+
+def build(kind: TallyKind, columns: dict[str, Any]) -> pa.Table:
+    """A tally table from plain columns (image keys as strings, the rest numbers)."""
+    arrays = []
+    for f in kind.schema:
+        col = columns[f.name]
+        if pa.types.is_dictionary(f.type):
+            arrays.append(pa.array(list(col), pa.string()).dictionary_encode().cast(f.type))
+        else:
+            arrays.append(pa.array(np.asarray(col), f.type))
+    return pa.Table.from_arrays(arrays, schema=kind.schema)
+
+
+def merge(kind: TallyKind, tables: list[pa.Table]) -> pa.Table:
+    """Rows with equal keys summed; sorted by the keys."""
+    if not tables:
+        return kind.schema.empty_table()
+    plain = pa.schema([(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type) for f in kind.schema])
+    t = pa.concat_tables([x.select(kind.schema.names).cast(plain) for x in tables])
+    if not t.num_rows:
+        return kind.schema.empty_table()
+    keys = kind.key_names
+    g = t.group_by(keys, use_threads=False).aggregate([(n, "sum") for n in kind.sum_names])
+    g = g.rename_columns([n[:-4] if n.endswith("_sum") else n for n in g.column_names])
+    g = g.select(kind.schema.names).sort_by([(k, "ascending") for k in keys])
+    cols = []
+    import pyarrow.compute as pc
+
+    for f in kind.schema:
+        col = g.column(f.name)
+        cols.append(pc.dictionary_encode(col).cast(f.type) if pa.types.is_dictionary(f.type) else col.cast(f.type))
+    return pa.Table.from_arrays(cols, schema=kind.schema)
+
+
+def _link(db: Database, d: Path, table: pa.Table, meta: dict[str, Any], first: int, last: int,
+          kind: TallyKind) -> Path:
+    tmp = db.temp_path(d)
+    try:
+        t = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        pq.write_table(t, tmp, compression="zstd")
+        fsync_file(tmp)
+        return db.link_new(tmp, d, first, last, prefix=kind.prefix)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def write_tally(db: Database, epoch: int, host: str, kind: TallyKind, table: pa.Table,
+                meta: dict[str, Any] | None = None) -> Path:
+    """One flush's tally of ``kind``, under the next free flush number of its directory."""
+    with db.host_lock(epoch, host):
+        d = tally_dir(db, epoch, host, kind)
+        d.mkdir(parents=True, exist_ok=True)
+        seq = max((s.last for s in tally_files(db, epoch, host, kind, live_only=False)), default=0) + 1
+        return _link(db, d, table, {"epoch": epoch, "host": host, "kind": kind.name, **(meta or {})}, seq, seq,
+                     kind)
+
+
+def read_tally(path: Path, kind: TallyKind) -> pa.Table:
+    """One tally file (DataError when it cannot be read or is not of ``kind``)."""
+    try:
+        t = pq.read_table(path)
+    except (OSError, pa.ArrowException, ValueError) as err:
+        raise DataError(f"{path}: {err}") from None
+    missing = [n for n in kind.schema.names if n not in t.column_names]
+    if missing:
+        raise DataError(f"{path}: not a cyclescope {kind.name} tally (no {', '.join(missing)} column)")
+    return t
+
+
+def compact_tallies(db: Database, epoch: int, host: str, kind: TallyKind, min_files: int = 2) -> CompactResult | None:
+    """Merge the live files of ``kind`` in ``epoch``/``host`` into one covering their flush range;
+    None when there is nothing to do. A corrupt file is left alone, outside the merged range."""
+    with db.host_lock(epoch, host):
+        d = tally_dir(db, epoch, host, kind)
+        if not d.is_dir():
+            return None
+        db.clean_temp(d)
+        live = tally_files(db, epoch, host, kind)
+        delete_covered(tally_files(db, epoch, host, kind, live_only=False), live)
+        readable: dict[str, pa.Table] = {}
+        corrupt: list[SegmentRef] = []
+        for s in live:
+            try:
+                readable[s.name] = read_tally(s.path, kind)
+            except DataError:
+                corrupt.append(s)
+        run = contiguous_run([s for s in live if s.name in readable], corrupt)
+        if len(run) < min_files:
+            return None
+        merged = merge(kind, [readable[s.name] for s in run])
+        first, last = run[0].first, run[-1].last
+        out = _link(db, d, merged, {"epoch": epoch, "host": host, "kind": kind.name}, first, last, kind)
+        before = sum(s.path.stat().st_size for s in run)
+        for s in run:
+            with contextlib.suppress(FileNotFoundError):
+                s.path.unlink()
+        fsync_dir(d)
+        return CompactResult(epoch, host, len(run), before, out.stat().st_size,
+                             sum(readable[s.name].num_rows for s in run), merged.num_rows, [c.name for c in corrupt])
+
+
+@dataclass
+class TallySelection:
+    table: pa.Table
+    files: int = 0
+    corrupt: list[str] = field(default_factory=list)
+
+
+def load_tally(db: Database, kind: TallyKind, epochs: list[int], hosts: list[str] | None = None,
+               images: set[str] | None = None) -> TallySelection:
+    """The selection's rows of ``kind`` summed over flushes, epochs and hosts; ``images``: only
+    these image keys. Corrupt files are skipped and listed."""
+    import pyarrow.compute as pc
+
+    tables = []
+    out = TallySelection(kind.schema.empty_table())
+    for epoch in epochs:
+        for host in db.hosts(epoch):
+            if hosts is not None and host not in hosts:
+                continue
+            for ref in tally_files(db, epoch, host, kind):
+                try:
+                    t = read_tally(ref.path, kind)
+                except DataError as err:
+                    out.corrupt.append(str(err))
+                    continue
+                out.files += 1
+                if images is not None:
+                    t = t.filter(pc.is_in(t.column("image").cast(pa.string()), pa.array(sorted(images), pa.string())))
+                tables.append(t)
+    out.table = merge(kind, tables)
+    return out
