@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from cyclescope.cli.base import Command, add_db_option, open_db, register
@@ -28,7 +30,7 @@ class Db(Command):
     help = "inspect or compact the profile database"
     description = (
         "inspect: epochs, hosts, segments, samples and sizes (--verbose: each segment's metadata).\n"
-        "compact: merge each epoch's segments, stack files and value files per host (the daemon also\n"
+        "compact: merge each epoch's segments, stack files, tallies and value files per host (the daemon also\n"
         "does this on its own)."
     )
 
@@ -41,7 +43,9 @@ class Db(Command):
         p.add_argument("--json", action="store_true", help="inspect: write JSON")
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.db.compact import compact
+        from cyclescope.db.compact import CompactResult, compact
+        from cyclescope.db.tallies import KINDS as TALLY_KINDS
+        from cyclescope.db.tallies import compact_tallies
         from cyclescope.db.query import parse_epochs
         from cyclescope.db.stacks import compact_stacks
         from cyclescope.db.values import compact_values
@@ -60,7 +64,10 @@ class Db(Command):
                         if out is not None:
                             n += 1
                             print(f"epoch {ep} host {h}: value files of uid {uid} -> {out.name}")
-                    for what, fn in (("segments", compact), ("stack files", compact_stacks)):
+                    jobs: list[tuple[str, Callable[[Database, int, str], CompactResult | None]]] = [
+                        ("segments", compact), ("stack files", compact_stacks)]
+                    jobs += [(f"{k.name} tallies", partial(compact_tallies, kind=k)) for k in TALLY_KINDS.values()]
+                    for what, fn in jobs:
                         r = fn(db, ep, h)
                         if r is None:
                             continue

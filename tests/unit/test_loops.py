@@ -1,0 +1,191 @@
+"""Loops, their counter registers, and iterations counted between samples (synthetic samples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis.cfg import build_cfg
+from cyclescope.analysis.loopcount import LoopCounter, LoopStats, loop_executions, loop_table
+from cyclescope.analysis.loops import GPRS, find_loops
+from cyclescope.db.layout import Database
+from cyclescope.db.tallies import LOOPS, build, compact_tallies, load_tally, merge, tally_files, write_tally
+from cyclescope.images.disasm import disassemble, insn_info
+
+# gcc -O2 of tests/programs/kernels.c: chain (one loop, counter rdx) and nested (an outer loop
+# counted by rsi, an inner one by rax, its bound r9 set by the outer loop).
+CHAIN = bytes.fromhex("4885ff7e2b31d2b8010000000f1f40004889c148c1e1054829c14889d04883c20148c1f8024831c84839d775e3c3"
+                      "6690b801000000c3")
+CHAIN_AT = 0x1340
+NESTED = bytes.fromhex("4885ff7e4331f64531c0660f1f4400004989f131c931c04183e10f4983c101904889f24829c2a801480f45d148"
+                       "83c0014801f14901d04c39c875e54883c6014839f775cc4c89c0c34531c04c89c0c3")
+NESTED_AT = 0x1470
+COL = {r: i for i, r in enumerate(GPRS)}
+
+
+def loops_of(code: bytes, at: int):  # type: ignore[no-untyped-def]
+    insns, infos = disassemble(code, at), insn_info(code, at)
+    cfg = build_cfg(insns, at, at + len(code), infos=infos)
+    return find_loops(cfg, infos)
+
+
+def test_a_counted_loop_has_its_counter_its_step_and_the_offset_at_each_instruction() -> None:
+    (lp,) = loops_of(CHAIN, CHAIN_AT)
+    assert lp.header == 0x1350 and not lp.calls and lp.depth == 1
+    (c,) = lp.counters
+    assert (c.reg, c.step, c.width) == ("rdx", 1, 64)
+    assert c.offsets[0x1350] == 0 and c.offsets[0x135d] == 0 and c.offsets[0x1361] == 1 and c.offsets[0x136b] == 1
+    assert "rdi" in lp.invariants and "rsp" in lp.invariants and "rax" not in lp.invariants
+
+
+def test_nested_loops_each_count_and_the_outer_counter_is_an_invariant_of_the_inner() -> None:
+    outer, inner = loops_of(NESTED, NESTED_AT)
+    assert (outer.header, inner.header) == (0x1480, 0x1490)
+    assert inner.parent == outer.id and inner.depth == 2 and inner.blocks < outer.blocks
+    assert [(c.reg, c.step) for c in outer.counters] == [("rsi", 1)]
+    assert [(c.reg, c.step) for c in inner.counters] == [("rax", 1)]  # rcx grows by rsi: not a constant
+    assert "rsi" in inner.invariants and "r9" in inner.invariants
+    assert outer.counters[0].offsets[0x1490] == 0  # the inner loop does not move the outer counter
+
+
+@dataclass
+class FakeBinary:
+    """images.code.Binary over one procedure's bytes."""
+
+    code_bytes: bytes
+    at: int
+
+    def procedure_starts(self, offsets: np.ndarray) -> np.ndarray:
+        inside = (offsets >= self.at) & (offsets < self.at + len(self.code_bytes))
+        return np.where(inside, self.at, -1).astype(np.int64)
+
+    def procedure(self, start: int):  # type: ignore[no-untyped-def]
+        from cyclescope.images.code import Procedure
+
+        return Procedure(self.at, self.at + len(self.code_bytes), "f") if start == self.at else None
+
+    def code(self, start: int, end: int) -> bytes:
+        return self.code_bytes[start - self.at : end - self.at]
+
+    def name_at(self, addr: int) -> str | None:
+        return None
+
+    def read(self, addr: int, n: int) -> bytes | None:
+        return None
+
+
+def counter(per_task: bool = True) -> LoopCounter:
+    b = FakeBinary(CHAIN, CHAIN_AT)
+    return LoopCounter(lambda i: b if i == 1 else None, lambda i: f"img{i}", per_task, background=False)
+
+
+def regs(rdx: int, rdi: int = 1000, rsp: int = 0x7FFF0000) -> list[int]:
+    r = [0] * 16
+    r[COL["rdx"]], r[COL["rdi"]], r[COL["rsp"]] = rdx, rdi, rsp
+    return r
+
+
+def add(lc: LoopCounter, rows: list[tuple[int, int, int, list[int]]], cpu: int = 0, period: float = 1000.0) -> None:
+    """rows: (tid, time, offset, registers)."""
+    lc.add(np.array([r[0] for r in rows]), np.array([r[1] for r in rows], np.uint64), np.full(len(rows), cpu),
+           np.ones(len(rows), np.int64), np.array([r[2] for r in rows], np.uint64), np.full(len(rows), period),
+           np.array([r[3] for r in rows], np.uint64))
+
+
+def stats(lc: LoopCounter) -> dict[str, float]:
+    t = lc.take().to_pydict()
+    assert t["header"] == [0x1350]
+    return {k: v[0] for k, v in t.items()}
+
+
+def test_pairs_in_one_execution_count_iterations_across_drains() -> None:
+    lc = counter()
+    # rdx before 0x1361 is one ahead of its value at the header: the offsets take it back.
+    add(lc, [(7, 1, 0x1357, regs(100)), (7, 2, 0x1361, regs(351)), (8, 2, 0x1350, regs(5))])
+    add(lc, [(7, 3, 0x1368, regs(601)), (8, 3, 0x1350, regs(505))])
+    lc.finish()
+    s = stats(lc)
+    # thread 7: 100 -> 350 -> 600 iterations at the header; thread 8: 5 -> 505
+    assert s["pairs"] == 3 and s["iterations"] == 250 + 250 + 500
+    assert s["own"] == 5 and s["pair_period"] == 3000.0 and s["mismatched"] == 0 and s["rejected"] == 0
+
+
+def test_other_executions_are_told_apart_by_invariants_and_backward_counters() -> None:
+    lc = counter()
+    add(lc, [(7, 1, 0x1350, regs(100)), (7, 2, 0x1350, regs(900, rdi=2000)),  # another bound: another execution
+             (7, 3, 0x1350, regs(40, rdi=2000)),  # the counter went back: a new execution, same invariants
+             (7, 4, 0x1350, regs(90, rdi=2000))])
+    lc.finish()
+    s = stats(lc)
+    assert s["mismatched"] == 1 and s["rejected"] == 1 and s["pairs"] == 1 and s["iterations"] == 50
+
+
+def test_system_wide_pairs_need_one_cpu_and_no_gap() -> None:
+    lc = counter(per_task=False)
+    add(lc, [(7, 1000, 0x1350, regs(0)), (7, 2000, 0x1350, regs(10))], cpu=0)  # one period later: counts
+    add(lc, [(7, 9000, 0x1350, regs(20))], cpu=0)  # 7 periods later: the thread did not run throughout
+    add(lc, [(7, 10000, 0x1350, regs(30))], cpu=1)  # another CPU
+    lc.finish()
+    s = stats(lc)
+    assert s["pairs"] == 1 and s["iterations"] == 10 and s["pair_period"] == 1000.0
+
+
+def test_samples_wait_for_their_procedure_to_be_analyzed() -> None:
+    b = FakeBinary(CHAIN, CHAIN_AT)
+    lc = LoopCounter(lambda i: b, lambda i: "img", True, background=True)
+    add(lc, [(7, 1, 0x1350, regs(0)), (7, 2, 0x1350, regs(10))])
+    lc.finish(timeout_s=30)
+    lc.close()
+    assert stats(lc)["iterations"] == 10 and lc.skipped == 0
+
+
+def test_executions_from_the_rate_and_the_sampled_time() -> None:
+    st = LoopStats(own=100, own_period=100 * 200.0, followed=100, next_own=99, pairs=99, iterations=99 * 50.0,
+                   pair_period=99 * 200.0)
+    est = loop_executions(st, 100, 210.0, calls=False)
+    assert est is not None and est.confidence == "high"
+    assert est.executions == pytest.approx(100 * 200.0 * 0.25)  # the loop's own periods, not the run's mean
+    # A loop that calls out: own samples are the share followed by another of its own.
+    st2 = LoopStats(own=100, own_period=20000.0, followed=100, next_own=50, pairs=50, iterations=50 * 50.0,
+                    pair_period=50 * 200.0)
+    est2 = loop_executions(st2, 100, 200.0, calls=True)
+    assert est2 is not None and est2.confidence == "medium" and est2.executions == pytest.approx(2 * 100 * 200 * 0.25)
+    # Executions shorter than a period: pairs in one execution are rare and biased; not used.
+    assert loop_executions(LoopStats(own=100, followed=100, next_own=100, pairs=10, iterations=500.0,
+                                     pair_period=2000.0), 100, 200.0, False) is None
+
+
+def test_loop_table_arrays_match_the_loops() -> None:
+    t = loop_table(NESTED, NESTED_AT, NESTED_AT + len(NESTED))
+    assert [hex(h) for h in t.headers.tolist()] == ["0x1480", "0x1490"]
+    k = int(np.searchsorted(t.addrs, 0x1493))
+    assert t.inner[k] == 1 and t.anc[1, 1] == 0 and t.anc[1, 2] == 1
+
+
+def _tally(image: str, header: int, pairs: int) -> object:
+    cols = {n: [0] for n in LOOPS.schema.names}
+    cols.update(image=[image], header=[header], pairs=[pairs], own=[pairs + 1], iterations=[10 * pairs],
+                own_period=[1.0], pair_period=[2.0])
+    return build(LOOPS, cols)
+
+
+def test_tallies_merge_by_addition_and_compaction_skips_a_corrupt_file(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    ep = db.new_epoch()
+    write_tally(db, ep, "h", LOOPS, _tally("a", 1, 3))  # type: ignore[arg-type]
+    write_tally(db, ep, "h", LOOPS, _tally("a", 1, 4))  # type: ignore[arg-type]
+    bad = write_tally(db, ep, "h", LOOPS, _tally("b", 2, 1))  # type: ignore[arg-type]
+    bad.write_bytes(b"not parquet")
+    write_tally(db, ep, "h", LOOPS, _tally("a", 1, 5))  # type: ignore[arg-type]
+    sel = load_tally(db, LOOPS, [ep], images={"a"})
+    assert sel.table.to_pydict()["pairs"] == [12] and len(sel.corrupt) == 1
+    r = compact_tallies(db, ep, "h", LOOPS)
+    assert r is not None and r.merged == 2 and r.skipped_corrupt == [bad.name]
+    names = [f.name for f in tally_files(db, ep, "h", LOOPS)]
+    assert bad.name in names and len(names) == 3  # merged 1-2, the corrupt 3, and 4
+    assert load_tally(db, LOOPS, [ep]).table.to_pydict()["iterations"] == [120]
+    m = merge(LOOPS, [_tally("a", 1, 1), _tally("b", 1, 1)])  # type: ignore[list-item]
+    assert m.num_rows == 2
