@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.system.helpers import cs, prof_json, samples_of
+from tests.system.helpers import cs, cs_popen, prof_json, samples_of
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
 
@@ -233,3 +235,50 @@ def test_record_handles_a_process_that_exits_immediately(tmp_path: Path) -> None
     p = cs("record", "--db", str(tmp_path / "db"), "--", "true")
     assert time.monotonic() - t0 < 10 and "lost 0" in p.stderr
     assert os.path.isdir(tmp_path / "db")
+
+
+def _children_of(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _wait_for_child(pid: int, timeout: float = 20) -> int:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        kids = _children_of(pid)
+        if kids:
+            return kids[0]
+        time.sleep(0.05)
+    raise AssertionError("record did not start its command")
+
+
+def test_sigterm_goes_on_to_the_command_and_its_samples_are_kept(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    rec = cs_popen("record", "--db", str(db), "-q", "--", "sh", "-c", "while :; do :; done")
+    kid = _wait_for_child(rec.pid)
+    time.sleep(1.0)
+    rec.send_signal(signal.SIGTERM)
+    _, err = rec.communicate(timeout=60)
+    assert rec.returncode == 128 + signal.SIGTERM, err  # the command's status: it got the signal
+    assert not os.path.exists(f"/proc/{kid}")
+    assert prof_json(db)["totals"]["cpu-clock"] > 1000
+
+
+def test_a_killed_record_takes_its_command_with_it(tmp_path: Path) -> None:
+    rec = cs_popen("record", "--db", str(tmp_path / "db"), "-q", "--", "sleep", "60")
+    kid = _wait_for_child(rec.pid)
+    rec.kill()
+    rec.wait(timeout=30)
+    t0 = time.monotonic()
+    while os.path.exists(f"/proc/{kid}") and time.monotonic() - t0 < 10:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(kid, os.WNOHANG)
+        time.sleep(0.05)
+    alive = os.path.exists(f"/proc/{kid}") and open(f"/proc/{kid}/stat").read().split(")")[-1].split()[0] != "Z"
+    assert not alive, "the command outlived a record killed with -9"

@@ -103,7 +103,7 @@ class Daemon(Command):
                           call_graph=args.call_graph, user_regs=any(p.needs_regs for p in processors))
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
-                              new_epoch=args.new_epoch, archive=args.archive,
+                              new_epoch=args.new_epoch, archive=args.archive, follow_epochs=True,
                               rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph,
                               drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0,
                               processors=processors)
@@ -137,7 +137,7 @@ def _need_daemon(args: argparse.Namespace, cmd: str, **kw: Any) -> dict[str, Any
     if r is None:
         raise CycleScopeError(f"no daemon is running on {db.root}")
     if not r.get("ok"):
-        raise CycleScopeError(f"the daemon refused '{cmd}': {r.get('error')}")
+        raise CycleScopeError(f"the daemon refused '{cmd}': {str(r.get('error'))[:300]}")
     return r
 
 
@@ -151,8 +151,9 @@ class Flush(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         r = _need_daemon(args, "flush")
-        print(f"flushed {fmt_count(int(r['samples']))} samples ({fmt_count(int(r['rows']))} rows) "
-              f"into epoch {r['epoch']} in {r['seconds']} s")
+        samples, rows = control.field_of(r, "samples", int), control.field_of(r, "rows", int)
+        epoch, secs = control.field_of(r, "epoch", int), control.field_of(r, "seconds", (int, float))
+        print(f"flushed {fmt_count(samples)} samples ({fmt_count(rows)} rows) into epoch {epoch} in {secs} s")
         return 0
 
 
@@ -180,13 +181,14 @@ class Epoch(Command):
         db = Database.create_or_open(db_path(args))
         r = control.request(db.root, "epoch", name=args.name or "")
         if r is None:
-            e = db.new_epoch(args.name)
+            e = db.new_epoch(args.name, owner="cyclescope epoch")
             print(f"epoch {e} started (no daemon running on {db.root})")
             return 0
         if not r.get("ok"):
             raise CycleScopeError(f"the daemon refused 'epoch': {r.get('error')}")
-        print(f"epoch {r['epoch']} started; {fmt_count(int(r['samples']))} samples flushed into epoch "
-              f"{r['flushed_into']}")
+        epoch, samples = control.field_of(r, "epoch", int), control.field_of(r, "samples", int)
+        print(f"epoch {epoch} started; {fmt_count(samples)} samples flushed into epoch "
+              f"{control.field_of(r, 'flushed_into', int)}")
         return 0
 
 
@@ -206,11 +208,15 @@ class Status(Command):
 
             print(json.dumps(r, indent=1))
             return 0
-        unk = 100.0 * int(r["unknown"]) / int(r["samples"]) if int(r["samples"]) else 0.0
-        print(f"daemon pid {r['pid']} on {r['host']}, up {r['uptime_s']} s, epoch {r['epoch']}, "
-              f"events {', '.join(r['events'])}")
-        lost = int(r["lost_records"]) + int(r["lost_samples"])
-        print(f"samples {fmt_count(int(r['samples']))}, lost {fmt_count(lost)}, "
-              f"unknown {unk:.2f}%, {r['flushes']} flushes, {r['pending_rows']} rows pending")
-        print(f"tracking {r['processes']} processes and {r['images']} images; RSS {int(r['rss_kib']) / 1024:.1f} MiB")
+        f = control.field_of
+        n = f(r, "samples", int)
+        unk = 100.0 * f(r, "unknown", int) / n if n else 0.0
+        events = [str(e) for e in f(r, "events", list)]
+        print(f"daemon pid {f(r, 'pid', int)} on {f(r, 'host', str)}, up {f(r, 'uptime_s', (int, float))} s, "
+              f"epoch {f(r, 'epoch', int)}, events {', '.join(events)}")
+        lost = f(r, "lost_records", int) + f(r, "lost_samples", int)
+        print(f"samples {fmt_count(n)}, lost {fmt_count(lost)}, unknown {unk:.2f}%, {f(r, 'flushes', int)} flushes, "
+              f"{f(r, 'pending_rows', int)} rows pending")
+        print(f"tracking {f(r, 'processes', int)} processes and {f(r, 'images', int)} images; "
+              f"RSS {f(r, 'rss_kib', int) / 1024:.1f} MiB")
         return 0

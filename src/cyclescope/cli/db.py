@@ -44,10 +44,10 @@ class Db(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.compact import CompactResult, compact
-        from cyclescope.db.tallies import KINDS as TALLY_KINDS
-        from cyclescope.db.tallies import compact_tallies
         from cyclescope.db.query import parse_epochs
         from cyclescope.db.stacks import compact_stacks
+        from cyclescope.db.tallies import KINDS as TALLY_KINDS
+        from cyclescope.db.tallies import compact_tallies
         from cyclescope.db.values import compact_values
         from cyclescope.db.values import uids as value_uids
 

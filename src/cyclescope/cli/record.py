@@ -325,7 +325,11 @@ class Record(Command):
             eprint(f"cyclescope record: {w}")
         if isinstance(target, CommandTarget):
             until = child_done(session)
-        collector.install_signals()
+        if child_session is not None:
+            running: Callable[[], int | None] = lambda: child_session.pid if child_session.status is None else None  # noqa: E731
+        else:
+            running = lambda: session.child_pid if session.exit_status is None else None  # noqa: E731
+        collector.install_signals(running if cmd else None)
         if child_session is not None:
             child_session.release()
         totals = collector.run(duration_s=args.duration, until=until)
@@ -397,9 +401,13 @@ class _Spawned:
         if shutil.which(argv[0]) is None:
             raise CycleScopeError(f"{argv[0]}: command not found")
         r, w = os.pipe()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             try:
+                from cyclescope.collect.session import die_with
+
+                die_with(parent)
                 os.close(w)
                 os.read(r, 1)
                 os.execvp(argv[0], argv)

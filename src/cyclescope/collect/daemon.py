@@ -24,7 +24,7 @@ import numpy as np
 
 from cyclescope.collect.aggregate import Aggregator, Counts
 from cyclescope.collect.clock import measure_ghz, sample_overhead
-from cyclescope.collect.control import ControlServer, reply
+from cyclescope.collect.control import ControlServer
 from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, RecordType, regs_in_mask
 from cyclescope.collect.processor import Context, Drain, Processor
 from cyclescope.collect.records import (
@@ -51,7 +51,7 @@ from cyclescope.images.kernel import (
     read_kallsyms,
 )
 from cyclescope.images.maps import Mapper
-from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map
+from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map, read_perf_map
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
 
 if TYPE_CHECKING:  # value capture (capstone, unicorn, the modules) is imported only when asked for
@@ -78,6 +78,9 @@ class CollectorConfig:
     max_pending_rows: int = 2_000_000
     reap_interval_s: float = 5.0
     new_epoch: bool = False
+    # A daemon follows the epochs `cyclescope epoch` makes (here or on another host sharing the
+    # database); a `record` run writes into the epoch it made (or, --append, the latest) and no other.
+    follow_epochs: bool = False
     epoch_name: str | None = None
     # What of each profiled binary to keep in the database, by build-id, so that reports
     # survive upgrades and deletions: "binaries" (needed by list and calc), "symbols"
@@ -185,10 +188,14 @@ class Collector:
 
     def start(self) -> None:
         self.session.open()  # first: a failure here must not leave an empty epoch behind
-        if self.cfg.new_epoch or self.db.current_epoch() is None:
-            self.epoch = self.db.new_epoch(self.cfg.epoch_name)
-        else:
+        owner = f"{'daemon' if self.cfg.follow_epochs else 'record'} {self.cfg.host} pid {os.getpid()}"
+        latest = self.db.current_epoch()
+        if self.cfg.new_epoch or latest is None:
+            self.epoch = self.db.new_epoch(self.cfg.epoch_name, shared=self.cfg.follow_epochs, owner=owner)
+        elif self.cfg.follow_epochs:
             self.epoch = self.db.ensure_epoch()
+        else:
+            self.epoch = latest
         self._clock = measure_ghz() or 0.0
         for i, spec in enumerate(self.session.events):
             if spec.time_based:  # before the target runs: a quiet machine
@@ -213,9 +220,24 @@ class Collector:
     def request_stop(self, *_: object) -> None:
         self._stop = True
 
-    def install_signals(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+    def install_signals(self, child: Callable[[], int | None] | None = None) -> None:
+        """SIGTERM and SIGINT stop the loop (it flushes first), SIGHUP flushes. With ``child`` (the
+        pid of the command being recorded, while it runs): the first SIGTERM or SIGINT goes on to
+        the command, and recording goes on until it exits (its last samples are wanted too); a
+        second one stops at once."""
+        asked = {"n": 0}
+
+        def stop(signum: int, _frame: object) -> None:
+            pid = child() if child is not None else None
+            asked["n"] += 1
+            if pid is not None and asked["n"] == 1:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signum)
+                return
+            self._stop = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, lambda *_: setattr(self, "_flush_requested", True))
 
     def run(self, duration_s: float | None = None, until: Callable[[], bool] | None = None,
@@ -497,9 +519,10 @@ class Collector:
         for k, v in meta.unknown.items():
             self.totals.unknown_reasons[k] = self.totals.unknown_reasons.get(k, 0) + v
         # A new epoch made by `cyclescope epoch` (here or on another host): switch now.
-        newest = self.db.current_epoch()
+        newest = self.db.newest_shared_epoch() if self.cfg.follow_epochs else None
         if self._epoch_requested is not None:
-            newest = self.db.new_epoch(self._epoch_requested or None)
+            newest = self.db.new_epoch(self._epoch_requested or None, shared=True,
+                                       owner=f"daemon {self.cfg.host} pid {os.getpid()}")
             self._epoch_requested = None
         if newest is not None and newest > self.epoch:
             old = self.epoch
@@ -574,11 +597,11 @@ class Collector:
                         symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso_bytes, "[vdso]"))
                 self._symbols_written.add(info.key)
             elif info.kind == "jit":
-                try:
-                    with open(info.path) as f:
-                        entries = parse_perf_map(f.read())
-                except OSError:
+                pid = info.key.split(":")[1] if info.key.count(":") >= 2 else ""
+                text = read_perf_map(info.path, int(pid) if pid.isdigit() else None)
+                if text is None:
                     continue
+                entries = parse_perf_map(text)
                 symstore.write_symbols(self.db, info.key, SymbolTable.build(entries))
 
     def _archive(self, counts: Counts) -> None:
@@ -609,34 +632,32 @@ class Collector:
         self.control = ControlServer(self.db.root)
 
     def _serve(self) -> None:
+        """Answer the requests the control server checked and queued (in this thread: flushes and
+        epochs change the collector's state)."""
         assert self.control is not None
-        while True:
-            got = self.control.accept()
-            if got is None:
-                return
-            conn, req = got
-            cmd = req.get("cmd")
+        for p in self.control.pending():
+            cmd = p.request["cmd"]
             try:
                 if cmd == "flush":
                     self.step()
                     r = self.flush()
-                    reply(conn, {"ok": True, "epoch": r.epoch, "samples": r.samples, "rows": r.rows,
-                                 "path": r.path, "seconds": round(r.seconds, 3)})
+                    p.reply({"ok": True, "epoch": r.epoch, "samples": r.samples, "rows": r.rows,
+                             "path": r.path, "seconds": round(r.seconds, 3)})
                 elif cmd == "epoch":
                     self.step()
-                    self._epoch_requested = str(req.get("name") or "")
+                    self._epoch_requested = str(p.request.get("name") or "")
                     old = self.epoch
                     r = self.flush()
-                    reply(conn, {"ok": True, "flushed_into": old, "samples": r.samples, "epoch": self.epoch})
+                    p.reply({"ok": True, "flushed_into": old, "samples": r.samples, "epoch": self.epoch})
                 elif cmd == "status":
-                    reply(conn, {"ok": True, **self.status()})
+                    p.reply({"ok": True, **self.status()})
                 elif cmd == "stop":
                     self._stop = True
-                    reply(conn, {"ok": True})
+                    p.reply({"ok": True})
                 else:
-                    reply(conn, {"ok": False, "error": f"unknown command {cmd!r}"})
+                    p.reply({"ok": False, "error": f"unknown command {cmd!r}"})
             except Exception as e:  # a failing request must not kill the daemon
-                reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                p.reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
 
     def status(self) -> dict[str, Any]:
         return {

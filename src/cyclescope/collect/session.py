@@ -14,9 +14,11 @@ Targets:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -163,6 +165,19 @@ def _threads(pid: int) -> list[int]:
         return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return []
+
+
+def die_with(parent: int) -> None:
+    """In a child about to exec the recorded command: be killed when ``parent`` dies, even by
+    SIGKILL, rather than run on unrecorded (PR_SET_PDEATHSIG; a set-user-ID program's exec clears
+    it). If the parent is already gone, exit now."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def kernel_max_sample_rate() -> int | None:
@@ -408,9 +423,11 @@ class Session:
             raise CycleScopeError(f"{exe}: command not found")
         go_r, go_w = os.pipe()
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             try:
+                die_with(parent)
                 os.close(go_w)
                 os.close(err_r)
                 os.read(go_r, 1)

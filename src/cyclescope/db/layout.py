@@ -25,6 +25,7 @@ ignored even if a crash left them on disk, and they are deleted afterwards.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -86,14 +87,69 @@ def fsync_file(path: Path) -> None:
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
+        os.fchmod(fd, mode)  # the umask may have taken bits the file should keep, or left ones it should not
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+# Directories cyclescope makes: writable by their owner only, whatever the umask.
+DIR_MODE = 0o755
+
+
+def unsafe_dir(st: os.stat_result, euid: int | None = None) -> str | None:
+    """Why a root writer must not write into a directory (another user could swap its entries for
+    links to files of root's), or None. A non-root writer risks only its own files: anything goes."""
+    import stat
+
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != 0:
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & 0o002:
+        return "writable by every user"
+    if st.st_mode & 0o020 and st.st_gid != 0:
+        return f"writable by group {st.st_gid}"
+    return None
+
+
+def ensure_dir(root: Path, path: Path, mode: int = DIR_MODE) -> Path:
+    """Create ``path`` (under ``root``) and the directories on the way, each with ``mode``, walking
+    down from ``root`` on directory descriptors without following links; as root, refuse any
+    directory on the way that another user could write (UsageError saying which and why)."""
+    rel = path.relative_to(root)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        where = root
+        why = unsafe_dir(os.fstat(fd))
+        if why:
+            raise UsageError(f"{where}: {why}; as root, cyclescope writes only into directories no other user "
+                             "can write (chown the database to root, or write it as its owner)")
+        for part in rel.parts:
+            where = where / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode, dir_fd=fd)
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                raise DataError(f"{where}: not a directory cyclescope can use ({e.strerror})") from None
+            os.close(fd)
+            fd = nfd
+            why = unsafe_dir(os.fstat(fd))
+            if why:
+                raise UsageError(f"{where}: {why}; as root, cyclescope writes only into directories no other "
+                                 "user can write")
+        return path
+    finally:
+        os.close(fd)
 
 
 def live_segments(segs: list[SegmentRef]) -> list[SegmentRef]:
@@ -117,17 +173,78 @@ class Database:
     # --- opening --------------------------------------------------------------------
     @staticmethod
     def create_or_open(path: str | os.PathLike[str]) -> Database:
+        """Open the database at ``path`` for writing, creating it if need be. Creation is atomic:
+        the directory appears with its marker in it (several writers creating one database at
+        once all end up using the one that won)."""
         root = Path(path)
         if root.exists() and not root.is_dir():
             raise UsageError(f"{root}: exists and is not a directory")
-        if root.is_dir() and (root / MARKER).exists():
-            return Database.open(root)
-        if root.is_dir() and any(root.iterdir()):
-            raise UsageError(f"{root}: directory is not empty and is not a cyclescope database")
-        root.mkdir(parents=True, exist_ok=True)
-        meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "created": time.time()}
-        write_atomic(root / MARKER, json.dumps(meta, indent=1).encode())
-        return Database(root)
+        if not root.exists():
+            Database._create(root)
+        elif not (root / MARKER).exists():
+            if any(n != MARKER and not n.startswith(".tmp-") for n in os.listdir(root)):
+                raise UsageError(f"{root}: directory is not empty and is not a cyclescope database")
+            Database._mark(root)
+        db = Database.open(root)
+        why = unsafe_dir(os.stat(root))
+        if why:
+            raise UsageError(f"{root}: {why}; as root, cyclescope writes only into a database no other user "
+                             "can write (chown it to root, or write it as its owner)")
+        return db
+
+    @staticmethod
+    def _marker_bytes() -> bytes:
+        return json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "created": time.time()},
+                          indent=1).encode()
+
+    @staticmethod
+    def _create(root: Path) -> None:
+        """A new database: a temporary directory with its marker, renamed into place."""
+        parent = root.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{root.name}"
+        os.mkdir(tmp, DIR_MODE)
+        try:
+            os.chmod(tmp, DIR_MODE)  # the umask may have taken bits
+            write_atomic(tmp / MARKER, Database._marker_bytes())
+            try:
+                os.rename(tmp, root)  # fails if another writer's directory is there first
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                if not root.is_dir():
+                    raise UsageError(f"{root}: exists and is not a directory") from None
+                if not (root / MARKER).exists():
+                    Database._mark(root)
+            fsync_dir(parent)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                (tmp / MARKER).unlink()
+            with contextlib.suppress(FileNotFoundError, OSError):
+                tmp.rmdir()
+
+    @staticmethod
+    def _mark(root: Path) -> None:
+        """The marker in an existing empty directory, linked so that only one writer's lands."""
+        tmp = root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{MARKER}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, Database._marker_bytes())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, root / MARKER)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        fsync_dir(root)
+
+    def ensure(self, path: Path, mode: int = DIR_MODE) -> Path:
+        """``path`` (under the database) made safely: see :func:`ensure_dir`."""
+        return ensure_dir(self.root, path, mode)
 
     @staticmethod
     def open(path: str | os.PathLike[str]) -> Database:
@@ -174,23 +291,37 @@ class Database:
         eps = self.epochs()
         return eps[-1] if eps else None
 
-    def new_epoch(self, name: str | None = None) -> int:
-        """Create the next epoch; every writer switches to it at its next flush."""
+    def new_epoch(self, name: str | None = None, shared: bool = True, owner: str | None = None) -> int:
+        """Create the next epoch and return its number. A ``shared`` epoch (`cyclescope epoch`, a
+        daemon's first) is one every daemon writing to the database switches to at its next flush;
+        an epoch a `record` run makes for itself is its own, and no other writer follows it."""
+        why = unsafe_dir(os.stat(self.root))
+        if why:
+            raise UsageError(f"{self.root}: {why}; as root, cyclescope writes only into a database no other "
+                             "user can write")
         while True:
             eps = self.epochs()
             nxt = (eps[-1] + 1) if eps else 1
             d = self.epoch_dir(nxt)
             try:
-                d.mkdir()
+                os.mkdir(d, DIR_MODE)
             except FileExistsError:
                 continue
-            info = {"id": nxt, "created": time.time(), "name": name}
+            info = {"id": nxt, "created": time.time(), "name": name, "shared": shared, "owner": owner}
             write_atomic(d / "epoch.json", json.dumps(info).encode())
             fsync_dir(self.root)
             return nxt
 
+    def newest_shared_epoch(self) -> int | None:
+        """The newest epoch daemons follow (epochs from before the distinction count as shared)."""
+        for ep in reversed(self.epochs()):
+            if self.epoch_info(ep).get("shared", True):
+                return ep
+        return None
+
     def ensure_epoch(self) -> int:
-        cur = self.current_epoch()
+        """The epoch a daemon joins at start: the newest shared one, or a new one."""
+        cur = self.newest_shared_epoch()
         return cur if cur is not None else self.new_epoch()
 
     # --- hosts and segments ---------------------------------------------------------------
@@ -223,9 +354,8 @@ class Database:
     @contextlib.contextmanager
     def host_lock(self, epoch: int, host: str) -> Iterator[Path]:
         """Exclusive lock on one epoch/host directory: writers and compaction take turns."""
-        d = self.host_dir(epoch, host)
-        d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        d = self.ensure(self.host_dir(epoch, host))
+        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield d

@@ -87,8 +87,7 @@ def write_stacks(db: Database, epoch: int, host: str, sc: StackCounts, image_key
                    [[key_of[i] if 0 <= i < len(key_of) else "[unknown]" for i, _ in st] for st in stacks],
                    [[o for _, o in st] for st in stacks])
     with db.host_lock(epoch, host):
-        d = stacks_dir(db, epoch, host)
-        d.mkdir(parents=True, exist_ok=True)
+        d = db.ensure(stacks_dir(db, epoch, host))
         seq = max((s.last for s in stack_files(db, epoch, host, live_only=False)), default=0) + 1
         return _link(db, d, table, {"epoch": epoch, "host": host, "images": images}, seq, seq)
 

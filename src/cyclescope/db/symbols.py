@@ -35,7 +35,7 @@ def has_symbols(db: Database, key: str) -> bool:
 
 
 def write_symbols(db: Database, key: str, table: SymbolTable) -> None:
-    db.symbols_dir.mkdir(parents=True, exist_ok=True)
+    db.ensure(db.symbols_dir)
     t = pa.table({
         "start": pa.array(table.starts, pa.uint64()),
         "end": pa.array(table.ends, pa.uint64()),
@@ -59,7 +59,7 @@ def store_kernel_symbols(db: Database, key: str, make: Callable[[], SymbolTable 
     if shared is not None:
         try:
             pq.read_metadata(shared)  # a whole file (written atomically), not a stray one
-            db.symbols_dir.mkdir(parents=True, exist_ok=True)
+            db.ensure(db.symbols_dir)
             write_atomic(final, shared.read_bytes())
             return True
         except (OSError, pa.ArrowException):
@@ -103,7 +103,7 @@ def write_binary(db: Database, key: str, data: bytes) -> None:
     p = binary_path(db, key)
     if p.exists():
         return
-    db.binaries_dir.mkdir(parents=True, exist_ok=True)
+    db.ensure(db.binaries_dir)
     write_atomic(p, data)
 
 
@@ -114,11 +114,17 @@ def archive_binary(db: Database, key: str, path: str, build_id: str | None) -> b
     """Copy an ELF image into the database, so analysis works after it is deleted or upgraded.
 
     Only images named by build-id are archived (the build-id proves the copy is
-    the profiled binary); files above 512 MiB are skipped.
+    the profiled binary); files above 512 MiB are skipped. The file is opened once,
+    without following a link, and its build-id checked and its bytes copied from that
+    one descriptor: a root daemon archives the programs of every user, and a user who
+    swapped a program for a link between a check and a copy would otherwise have
+    root copy any file into the database. The copy is readable by all only where the
+    original was.
     """
     import shutil
+    import stat
 
-    from cyclescope.images.elf import read_build_id
+    from cyclescope.images.elf import read_load_info
 
     if not build_id or key != build_id:
         return False
@@ -126,29 +132,49 @@ def archive_binary(db: Database, key: str, path: str, build_id: str | None) -> b
     if dest.exists():
         return True
     try:
-        if os.path.getsize(path) > ARCHIVE_MAX_BYTES or read_build_id(path) != build_id:
-            return False
-        db.binaries_dir.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".tmp-{os.getpid()}-{dest.name}")
-        shutil.copyfile(path, tmp)
-        fsync_file(tmp)
-        os.replace(tmp, dest)
-        return True
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
+    with os.fdopen(fd, "rb") as src:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > ARCHIVE_MAX_BYTES:
+                return False
+            if read_load_info(path, src).build_id != build_id:
+                return False
+            src.seek(0)
+            db.ensure(db.binaries_dir)
+            mode = 0o644 if st.st_mode & 0o004 else 0o600
+            tmp = dest.with_name(f".tmp-{os.getpid()}-{dest.name}")
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            with os.fdopen(out, "wb") as f:
+                os.fchmod(out, mode)
+                shutil.copyfileobj(src, f, 1 << 20)
+                f.flush()
+                os.fsync(out)
+            os.replace(tmp, dest)
+            return True
+        except Exception:  # unreadable or not ELF after all: not archived
+            with contextlib.suppress(OSError):
+                os.unlink(dest.with_name(f".tmp-{os.getpid()}-{dest.name}"))
+            return False
 
 
 def archive_symbols(db: Database, key: str, path: str, build_id: str | None) -> bool:
     """Keep only the symbol table of a binary (when its build-id still matches)."""
     from cyclescope.errors import DataError
-    from cyclescope.images.elf import read_build_id, read_symbols
+    from cyclescope.images.elf import read_load_info, read_symbols
 
     if not build_id or key != build_id or has_symbols(db, key):
         return bool(build_id) and has_symbols(db, key)
     try:
-        if read_build_id(path) != build_id:
-            return False
-        write_symbols(db, key, read_symbols(path))
+        # One descriptor for the check and the read (see archive_binary).
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+            if read_load_info(path, f).build_id != build_id:
+                return False
+            f.seek(0)
+            table = read_symbols(path, f)
+        write_symbols(db, key, table)
         return True
     except (OSError, DataError):
         return False

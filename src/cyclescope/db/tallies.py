@@ -143,8 +143,7 @@ def write_tally(db: Database, epoch: int, host: str, kind: TallyKind, table: pa.
                 meta: dict[str, Any] | None = None) -> Path:
     """One flush's tally of ``kind``, under the next free flush number of its directory."""
     with db.host_lock(epoch, host):
-        d = tally_dir(db, epoch, host, kind)
-        d.mkdir(parents=True, exist_ok=True)
+        d = db.ensure(tally_dir(db, epoch, host, kind))
         seq = max((s.last for s in tally_files(db, epoch, host, kind, live_only=False)), default=0) + 1
         return _link(db, d, table, {"epoch": epoch, "host": host, "kind": kind.name, **(meta or {})}, seq, seq,
                      kind)

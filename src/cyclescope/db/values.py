@@ -1,11 +1,17 @@
 """Value hotlists on disk: other people's data, kept apart per owner.
 
-Layout: ``epoch=N/host=H/values/uid=U/vals-A-B.parquet``. The ``uid=U`` directory
-is mode 0700 and every file 0600, both owned by U (the owner of the sampled
-processes), so a user reads their own values and nobody else's; root reads all.
-Files follow the segments' rules: written under a temporary name, fsynced, then
-linked to a name no other file has; compaction writes one file covering a range
-of flushes and deletes those it covers.
+Layout: ``epoch=N/host=H/values/uid=U/vals-A-B.parquet``. Every file is mode 0600
+and owned by U (the owner of the sampled processes), so a user reads their own
+values and nobody else's; root reads all. The directories belong to the writer
+(root, for the daemon) and only it can write them: a user who could write the
+directory where root writes and chowns their files could swap those files for
+links to any file of root's and be given it (files made by versions before this
+one had the ``uid=U`` directory owned by U: root takes such a directory back
+before writing in it, and drops the links in it). Files are made, chowned and
+linked on descriptors (openat on the directory, O_EXCL|O_NOFOLLOW, fchown,
+fchmod, linkat), never by path after the fact. They follow the segments' rules:
+written under a temporary name, fsynced, then linked to a name no other file has;
+compaction writes one file covering a range of flushes and deletes those it covers.
 
 Rows: (image, offset, kind, v0, v1, vimage, count, p, total): one per value of
 each hotlist; ``p`` and ``total`` (vtot) repeat per hotlist and compress to runs.
@@ -25,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
+from cyclescope.db.layout import Database, SegmentRef, fsync_dir, live_segments
 from cyclescope.errors import DataError
 from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, hotlist_sizes, merge_sets, unique_struct
 
@@ -108,15 +114,33 @@ def values_dir(db: Database, epoch: int, host: str, uid: int) -> Path:
     return db.host_dir(epoch, host) / "values" / f"uid={uid}"
 
 
-def _ensure_dir(d: Path, uid: int) -> None:
-    if not d.exists():
-        d.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(d, 0o700)
-    os.chmod(d, 0o700)
+def _ensure_dir(db: Database, d: Path) -> None:
+    """The owner's value directory, the writer's and writable by it only (see the module's doc)."""
     if os.geteuid() == 0:
-        with contextlib.suppress(OSError):
-            os.chown(d, uid, -1)
+        _take_back(d)
+    db.ensure(d)
+
+
+def _take_back(d: Path) -> None:
+    """A value directory an earlier version gave to its user: root's again, links in it dropped."""
+    import stat
+
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # not there yet (or not a directory: ensure says so)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == 0 and not st.st_mode & 0o022:
+            return
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o755)
+        for name in os.listdir(fd):
+            with contextlib.suppress(OSError):
+                if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def value_files(db: Database, epoch: int, host: str, uid: int, live_only: bool = True) -> list[SegmentRef]:
@@ -167,24 +191,26 @@ def to_table(nh: NamedHotlists) -> pa.Table:
     }, schema=SCHEMA)
 
 
-def _write(table: pa.Table, path: Path, meta: ValuesMeta) -> None:
+def _write_at(dirfd: int, name: str, table: pa.Table, meta: ValuesMeta) -> None:
+    """A new file ``name`` in the directory ``dirfd``: 0600, its owner's, written and fsynced."""
     table = table.replace_schema_metadata({META_KEY: meta.to_json()})
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.close(fd)
-    with pq.ParquetWriter(path, table.schema, compression="zstd", compression_level=6,
-                          use_dictionary=["image", "kind", "vimage"]) as w:
-        w.write_table(table, row_group_size=1 << 20)
-    os.chmod(path, 0o600)
-    if os.geteuid() == 0:
-        os.chown(path, meta.uid, -1)
-    fsync_file(path)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dirfd)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)
+        if os.geteuid() == 0:
+            os.fchown(fd, meta.uid, -1)
+        with pq.ParquetWriter(f, table.schema, compression="zstd", compression_level=6,
+                              use_dictionary=["image", "kind", "vimage"]) as w:
+            w.write_table(table, row_group_size=1 << 20)
+        f.flush()
+        os.fsync(fd)
 
 
 def write_values(db: Database, epoch: int, host: str, nh: NamedHotlists, meta: ValuesMeta) -> Path:
     """One flush of one owner's hotlists, atomically."""
     with db.host_lock(epoch, host):
         d = values_dir(db, epoch, host, meta.uid)
-        _ensure_dir(d, meta.uid)
+        _ensure_dir(db, d)
         existing = value_files(db, epoch, host, meta.uid, live_only=False)
         seq = max((s.last for s in existing), default=0) + 1
         meta.first = meta.last = seq
@@ -193,13 +219,23 @@ def write_values(db: Database, epoch: int, host: str, nh: NamedHotlists, meta: V
 
 
 def _link(db: Database, d: Path, table: pa.Table, meta: ValuesMeta, first: int, last: int) -> Path:
-    tmp = db.temp_path(d)
+    """Write and link a value file on descriptors (the directory opened without following links)."""
+    import secrets
+
+    from cyclescope.db.layout import segment_name
+
+    dirfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    tmp = f".tmp-{os.getpid()}-{secrets.token_hex(6)}.parquet"
+    final = segment_name(first, last, "vals")
     try:
-        _write(table, tmp, meta)
-        return db.link_new(tmp, d, first, last, prefix="vals")
+        _write_at(dirfd, tmp, table, meta)
+        os.link(tmp, final, src_dir_fd=dirfd, dst_dir_fd=dirfd, follow_symlinks=False)  # never clobbers
+        os.fsync(dirfd)
+        return d / final
     finally:
         with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+            os.unlink(tmp, dir_fd=dirfd)
+        os.close(dirfd)
 
 
 def read_meta(path: Path) -> ValuesMeta:

@@ -69,6 +69,32 @@ def own_vdso() -> bytes | None:
     return None
 
 
+PERF_MAP_MAX_BYTES = 64 << 20
+
+
+def read_perf_map(path: str, pid: int | None) -> str | None:
+    """A JIT's /tmp/perf-PID.map, if it is a regular file of the process's owner (or root): the
+    daemon reads these as root and stores their names where every reader of the database sees
+    them, and anyone can create a file (or a link) under that name in /tmp."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            st = os.fstat(fd)
+            owner = os.stat(f"/proc/{pid}").st_uid if pid is not None else None
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size > PERF_MAP_MAX_BYTES:
+            return None
+        if st.st_uid != 0 and owner is not None and st.st_uid != owner:
+            return None
+        return f.read(PERF_MAP_MAX_BYTES).decode("utf-8", "replace")
+
+
 def parse_perf_map(text: str) -> list[tuple[int, int, str]]:
     """Lines of /tmp/perf-PID.map: "START SIZE NAME" (hex, hex, rest of line)."""
     out = []
