@@ -641,7 +641,9 @@ def test_value_files_are_private_atomic_and_compact(tmp_path: Path) -> None:
     uid = os.getuid()
     write_value_file(db, ep, "h", _named([16, 16, 32], [1, 1, 2]), ValuesMeta(uid, samples=3))
     p2 = write_value_file(db, ep, "h", _named([16], [5]), ValuesMeta(uid, samples=1))
-    assert stat.S_IMODE(p2.stat().st_mode) == 0o600 and stat.S_IMODE(p2.parent.stat().st_mode) == 0o700
+    # The files are their owner's alone; the directory is the writer's, and only it can write it.
+    assert stat.S_IMODE(p2.stat().st_mode) == 0o600 and p2.stat().st_uid == uid
+    assert p2.parent.stat().st_uid == os.geteuid() and not p2.parent.stat().st_mode & 0o022
     vs = load_values(db, [ep])
     assert vs.files == 2 and vs.meta is not None and vs.meta.samples == 4
     nh = vs.hotlists
