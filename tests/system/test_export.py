@@ -155,10 +155,10 @@ def plain_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     src = Path(__file__).parents[1] / "programs" / "callgraph.c"
     subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), str(src)], check=True, capture_output=True)
     db = d / "db"
-    # inner, outer and main together take about 0.1% of the time: 400,000 calls left them without
-    # a sample in about one recording of seven (the export then has leaf alone); 2,000,000 give
-    # them 13-22 (three recordings).
-    cs("record", "--db", str(db), "-q", "--", str(exe), "2000000", timeout=300)
+    # inner, outer and main together take about 0.1% of the time: 2,000,000 calls at 5 kHz gave
+    # them 2-22 samples (the export then had leaf alone about one time in ten); 3,000,000 at 10 kHz
+    # give them about four times as many.
+    cs("record", "--db", str(db), "-q", "-F", "10000", "--", str(exe), "3000000", timeout=300)
     return exe, db
 
 

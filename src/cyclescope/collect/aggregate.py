@@ -26,6 +26,9 @@ class Counts:
     event: np.ndarray  # int64
     comm: np.ndarray  # int64
     count: np.ndarray  # uint64
+    # uint64: the sum of the samples' periods (event units), so that reports weigh each sample by
+    # the period it stood for (periods are randomized; see Session.account)
+    weight: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.count)
@@ -37,7 +40,7 @@ class Counts:
     @staticmethod
     def empty() -> Counts:
         z = np.zeros(0, np.int64)
-        return Counts(z, np.zeros(0, np.uint64), z, z, np.zeros(0, np.uint64))
+        return Counts(z, np.zeros(0, np.uint64), z, z, np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
 
 def pack_key(image: np.ndarray, event: np.ndarray, comm: np.ndarray) -> np.ndarray:
@@ -51,7 +54,7 @@ def pack_key(image: np.ndarray, event: np.ndarray, comm: np.ndarray) -> np.ndarr
 
 
 def reduce_keys(k1: np.ndarray, k2: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sum ``counts`` over equal (k1, k2) pairs; output sorted by (k1, k2)."""
+    """Sum ``counts`` (one column or several) over equal (k1, k2) pairs; output sorted by (k1, k2)."""
     if not len(k1):
         return k1, k2, counts
     order = np.lexsort((k2, k1))
@@ -74,16 +77,19 @@ class Aggregator:
         self.samples = 0
 
     def add(self, image: np.ndarray, offset: np.ndarray, event: np.ndarray, comm: np.ndarray,
-            count: np.ndarray | None = None) -> None:
+            count: np.ndarray | None = None, weight: np.ndarray | None = None) -> None:
+        """``weight``: each row's period (sum of periods where ``count`` is given); 0 if unknown."""
         n = len(image)
         if not n:
             return
         self._k1.append(pack_key(image, event, comm))
         self._k2.append(offset.astype(np.uint64, copy=False))
-        c = np.ones(n, dtype=np.uint64) if count is None else count.astype(np.uint64, copy=False)
+        c = np.empty((n, 2), np.uint64)
+        c[:, 0] = 1 if count is None else count.astype(np.uint64, copy=False)
+        c[:, 1] = 0 if weight is None else np.rint(weight).astype(np.uint64)
         self._c.append(c)
         self._pending += n
-        self.samples += int(c.sum())
+        self.samples += int(c[:, 0].sum())
         if self._pending >= self.reduce_at:
             self._reduce()
 
@@ -115,5 +121,6 @@ class Aggregator:
             k2,
             (k1 & np.uint64(_EVENT_MASK)).astype(np.int64),
             ((k1 >> np.uint64(_COMM_SHIFT)) & np.uint64(_COMM_MASK)).astype(np.int64),
-            c,
+            np.ascontiguousarray(c[:, 0]),
+            np.ascontiguousarray(c[:, 1]),
         )

@@ -411,7 +411,7 @@ class Collector:
             samples, ev = samples[keep], ev[keep]
         periods = self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
-        self.agg.add(mapped.image, mapped.offset, ev, mapped.comm)
+        self.agg.add(mapped.image, mapped.offset, ev, mapped.comm, weight=periods)
         regs = stack = slen = None
         if regs_parts:
             regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
@@ -501,7 +501,7 @@ class Collector:
             self._describe(counts, meta)
             table = build_table(
                 self.table.keys(), counts.image, counts.offset, [s.label for s in self.session.events],
-                counts.event, self.mapper.comms.names, counts.comm, counts.count,
+                counts.event, self.mapper.comms.names, counts.comm, counts.count, counts.weight,
             )
             path = str(write_segment(self.db, epoch, self.cfg.host, table, meta))
             self.totals.flushes += 1
@@ -597,8 +597,9 @@ class Collector:
                         symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso_bytes, "[vdso]"))
                 self._symbols_written.add(info.key)
             elif info.kind == "jit":
-                pid = info.key.split(":")[1] if info.key.count(":") >= 2 else ""
-                text = read_perf_map(info.path, int(pid) if pid.isdigit() else None)
+                parts = info.key.split(":")  # jit:PID:MTIME:OWNER
+                owner = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
+                text = read_perf_map(info.path, owner)
                 if text is None:
                     continue
                 entries = parse_perf_map(text)

@@ -29,6 +29,21 @@ class CompactResult:
     skipped_corrupt: list[str]
 
 
+def fill_weights(table: pa.Table, meta: SegmentMeta) -> pa.Table:
+    """A segment from before weights: each row weighed by its event's mean period in that segment."""
+    if "weight" in table.column_names and table.column("weight").null_count == 0:
+        return table
+    import numpy as np
+
+    events = table.column("event").to_pylist()
+    mean = {e: m.mean_period for e, m in meta.events.items()}
+    w = np.rint(table.column("count").to_numpy(zero_copy_only=False).astype(np.float64)
+                * np.array([mean.get(e, 0.0) for e in events], np.float64)).astype(np.uint64)
+    if "weight" in table.column_names:
+        table = table.drop_columns(["weight"])
+    return table.append_column("weight", pa.array(w, pa.uint64()))
+
+
 def merge_tables(tables: list[pa.Table]) -> pa.Table:
     """Sum counts over equal keys; sorted by (image, event, process, offset) like a flush."""
     import pyarrow.compute as pc  # not at import time: recording never needs it
@@ -36,7 +51,8 @@ def merge_tables(tables: list[pa.Table]) -> pa.Table:
                               for f in SCHEMA])
     t = pa.concat_tables([x.select(SCHEMA.names).cast(plain_schema) for x in tables])
     keys = ["image", "offset", "event", "process"]
-    g = t.group_by(keys, use_threads=False).aggregate([("count", "sum")]).rename_columns([*keys, "count"])
+    g = t.group_by(keys, use_threads=False).aggregate([("count", "sum"), ("weight", "sum")])
+    g = g.rename_columns([n[:-4] if n.endswith("_sum") else n for n in g.column_names])
     g = g.sort_by([("image", "ascending"), ("event", "ascending"), ("process", "ascending"),
                    ("offset", "ascending")])
     cols = []
@@ -66,7 +82,7 @@ def compact(db: Database, epoch: int, host: str, min_segments: int = 2) -> Compa
         good = run
         metas = [readable[s.name][1] for s in run]
         tables = [readable[s.name][2] for s in run]
-        merged = merge_tables(tables)
+        merged = merge_tables([fill_weights(t, m) for t, m in zip(tables, metas, strict=True)])
         meta = metas[0]
         for m in metas[1:]:
             meta.merge(m)

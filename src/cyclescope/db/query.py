@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,30 +247,57 @@ def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) ->
         where.append("event IN (SELECT unnest(?))")
         params.append(list(sel.events))
     cols = 'image, event, "offset"' + (", process" if by_process else "")
+    # Each sample counts for the period it stood for: periods are drawn at random and re-drawn every
+    # 200 ms, so a phase of the program sampled while the period was long would otherwise count for
+    # less than its time. Counts come back in samples of the selection's mean period, so totals do
+    # not change; rows of segments from before weights count as plain samples.
     sql = (
-        f'SELECT {cols}, sum("count")::UBIGINT AS count '
-        "FROM read_parquet(?, hive_partitioning=false) "
+        f'SELECT {cols}, sum("count")::UBIGINT AS raw, sum(weight)::DOUBLE AS w, '
+        'sum(CASE WHEN weight IS NULL THEN "count" ELSE 0 END)::DOUBLE AS unweighted '
+        "FROM read_parquet(?, hive_partitioning=false, union_by_name=true) "
         + ("WHERE " + " AND ".join(where) + " " if where else "")
         + f"GROUP BY {cols} ORDER BY image, event, \"offset\""
     )
-    for attempt in range(2):
+    last: Exception | None = None
+    for attempt in range(4):
         con = _connect()
         try:
-            return con.sql(sql, params=params).to_arrow_table()
+            t = con.sql(sql, params=params).to_arrow_table()
+            return _weigh(ps, t)
         except Exception as e:  # duckdb raises its own IOException when compaction removed a file
-            if attempt == 0 and "No files found" not in str(e) and ("IO Error" in str(e) or "No such file" in str(e)):
+            last = e
+            text = str(e)
+            if attempt < 3 and ("IO Error" in text or "No files found" in text or "No such file" in text):
+                # A compaction replaced files since the selection was listed: list it again.
+                time.sleep(0.05 * (attempt + 1))
                 fresh = open_profile(ps.db, ps.selection)
                 params[0] = fresh.files
+                if not fresh.files:
+                    return _empty_counts(by_process)
                 continue
-            raise DataError(f"query failed: {str(e).splitlines()[0]}") from None
-    raise AssertionError("unreachable")
+            break
+    raise DataError(f"query failed: {str(last).splitlines()[0] if last else 'unknown error'}") from None
+
+
+def _weigh(ps: ProfileSet, t: pa.Table) -> pa.Table:
+    """Weighted counts: (sum of periods + plain samples * mean period) / mean period, per event."""
+    import numpy as np
+
+    events = t.column("event").to_pylist()
+    mean = {e: (m.mean_period or 1.0) for e, m in ps.events.items()}
+    p = np.array([mean.get(e, 1.0) for e in events], np.float64)
+    w = np.nan_to_num(t.column("w").to_numpy(zero_copy_only=False).astype(np.float64))
+    un = t.column("unweighted").to_numpy(zero_copy_only=False).astype(np.float64)
+    count = np.rint((w + un * p) / p).astype(np.uint64)
+    t = t.drop_columns(["w", "unweighted"])
+    return t.append_column("count", pa.array(count, pa.uint64()))
 
 
 def _empty_counts(by_process: bool) -> pa.Table:
     fields = [("image", pa.string()), ("event", pa.string()), ("offset", pa.uint64())]
     if by_process:
         fields.append(("process", pa.string()))
-    fields.append(("count", pa.uint64()))
+    fields += [("raw", pa.uint64()), ("count", pa.uint64())]
     return pa.schema(fields).empty_table()
 
 

@@ -30,6 +30,9 @@ SCHEMA = pa.schema(
         ("event", pa.dictionary(pa.int8(), pa.string())),
         ("process", pa.dictionary(pa.int32(), pa.string())),
         ("count", pa.uint64()),
+        # the sum of the samples' periods (event units): reports weigh each sample by the period it
+        # stood for. Absent from segments written before it (read as null).
+        ("weight", pa.uint64()),
     ]
 )
 
@@ -162,7 +165,8 @@ def merge_clock(a: float, wa: int, b: float, wb: int) -> float:
 
 
 def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, event_names: list[str],
-                event: np.ndarray, comm_names: list[str], comm: np.ndarray, count: np.ndarray) -> pa.Table:
+                event: np.ndarray, comm_names: list[str], comm: np.ndarray, count: np.ndarray,
+                weight: np.ndarray | None = None) -> pa.Table:
     """Rows from index arrays; dictionaries hold only the values used."""
 
     def dict_array(names: list[str], idx: np.ndarray, itype: pa.DataType) -> pa.DictionaryArray:
@@ -178,6 +182,8 @@ def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, ev
             dict_array(event_names, event, pa.int8()),
             dict_array(comm_names, comm, pa.int32()),
             pa.array(count.astype(np.uint64, copy=False), type=pa.uint64()),
+            pa.array(weight.astype(np.uint64, copy=False), type=pa.uint64()) if weight is not None
+            else pa.nulls(len(count), pa.uint64()),
         ],
         schema=SCHEMA,
     )
@@ -228,9 +234,19 @@ def read_meta(path: Path) -> SegmentMeta:
 
 
 def read_table(path: Path) -> pa.Table:
+    """A segment's rows in the current schema (a segment from before weights gets a null weight)."""
     try:
-        return pq.read_table(path, schema=SCHEMA)
+        t = pq.ParquetFile(path).read()
     except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{path}: corrupt segment ({e})") from None
+    missing = [f.name for f in SCHEMA if f.name not in t.column_names and f.name != "weight"]
+    if missing:
+        raise DataError(f"{path}: corrupt segment (no {', '.join(missing)} column)")
+    if "weight" not in t.column_names:
+        t = t.append_column("weight", pa.nulls(t.num_rows, pa.uint64()))
+    try:
+        return t.select(SCHEMA.names).cast(SCHEMA)
+    except (pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt segment ({e})") from None
 
 

@@ -72,7 +72,7 @@ def own_vdso() -> bytes | None:
 PERF_MAP_MAX_BYTES = 64 << 20
 
 
-def read_perf_map(path: str, pid: int | None) -> str | None:
+def read_perf_map(path: str, owner: int | None) -> str | None:
     """A JIT's /tmp/perf-PID.map, if it is a regular file of the process's owner (or root): the
     daemon reads these as root and stores their names where every reader of the database sees
     them, and anyone can create a file (or a link) under that name in /tmp."""
@@ -85,12 +85,11 @@ def read_perf_map(path: str, pid: int | None) -> str | None:
     with os.fdopen(fd, "rb") as f:
         try:
             st = os.fstat(fd)
-            owner = os.stat(f"/proc/{pid}").st_uid if pid is not None else None
         except OSError:
             return None
         if not stat.S_ISREG(st.st_mode) or st.st_size > PERF_MAP_MAX_BYTES:
             return None
-        if st.st_uid != 0 and owner is not None and st.st_uid != owner:
+        if st.st_uid not in (0, owner):
             return None
         return f.read(PERF_MAP_MAX_BYTES).decode("utf-8", "replace")
 

@@ -217,9 +217,10 @@ class ImageResolver:
         path = f"/tmp/perf-{pid}.map"
         try:
             st = os.stat(path)
+            owner = os.stat(f"/proc/{pid}").st_uid  # whose the map must be (procfs.read_perf_map)
         except OSError:
             return None
-        key = f"jit:{pid}:{int(st.st_mtime_ns)}"
+        key = f"jit:{pid}:{int(st.st_mtime_ns)}:{owner}"
         idx = self.table.intern(ImageInfo(key, path, "jit", None, None, None, "absolute"))
         self.jit_images[pid] = idx
         return idx
