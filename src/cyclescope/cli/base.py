@@ -7,9 +7,11 @@ import os
 import sys
 from typing import TYPE_CHECKING, ClassVar
 
+from cyclescope.errors import DataError
+
 if TYPE_CHECKING:
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection
+    from cyclescope.db.query import ProfileSet, Selection
 
 DEFAULT_DB = "cyclescope.db"
 
@@ -82,8 +84,39 @@ def selection(args: argparse.Namespace) -> Selection:
     )
 
 
+def open_selection(args: argparse.Namespace, db: Database | None = None, sel: Selection | None = None,
+                   what: str | None = None) -> ProfileSet:
+    """The selection's profile, its warnings said on stderr (one line each: corrupt segments left
+    out, epochs a range named that do not exist); DataError when every segment it covers is
+    unreadable. ``what`` names the set in the warnings (stats and diff open several)."""
+    from cyclescope.db.query import open_profile
+
+    db = db or open_db(args)
+    ps = open_profile(db, sel or selection(args))
+    name = getattr(args, "_command", None) or "cyclescope"
+    for w in ps.warnings:
+        eprint(f"cyclescope {name}: {what + ': ' if what else ''}{w}")
+    if not ps.segments and any(w.startswith("skipping") for w in ps.warnings):
+        raise DataError(f"{what + ': ' if what else ''}no readable segment in the selection "
+                        f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
+    return ps
+
+
 def add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="write JSON instead of a table")
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is a number (not nan, not inf)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return v
 
 
 def eprint(*a: object) -> None:

@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_db, register, selection
+from cyclescope.cli.base import (
+    Command,
+    add_output_options,
+    add_selection_options,
+    eprint,
+    open_db,
+    open_selection,
+    register,
+    selection,
+)
 from cyclescope.errors import NotFoundError, UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
@@ -38,6 +47,8 @@ def cycles_event(ps: ProfileSet, wanted: str | None) -> str:
     for pref in ("cycles", "cycles:u", "cpu-clock", "task-clock"):
         if pref in evs:
             return pref
+    if not evs:
+        raise NotFoundError("no samples in the selection")
     return evs[0]
 
 
@@ -101,7 +112,10 @@ def loop_stats(ps: ProfileSet, image_key: str, start: int, end: int) -> dict[int
     memo = ps.memo.get((False, ("loops", image_key)))
     if memo is None:
         sel = load_tally(ps.db, LOOPS, ps.epochs, ps.hosts or None, {image_key})
-        ps.warnings += [f"skipping {c}" for c in sel.corrupt if f"skipping {c}" not in ps.warnings]
+        for c in sel.corrupt:
+            if f"skipping {c}" not in ps.warnings:
+                ps.warnings.append(f"skipping {c}")
+                eprint(f"cyclescope calc: skipping {c} (loop counts from it are left out)")
         memo = sel.table
         ps.memo[(False, ("loops", image_key))] = memo
     d = memo.to_pydict()
@@ -149,13 +163,12 @@ class CalcCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.cli.listing import image_totals, resolve_target
-        from cyclescope.db.query import open_profile
         from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.calc import calc_table, calc_to_json, summarize
 
         db = open_db(args)
         sel = selection(args)
-        ps = open_profile(db, sel)
+        ps = open_selection(args, db, sel)
         sym = Symbolizer(db)
         ev = cycles_event(ps, args.cycles_event)
         if args.procedure:
@@ -183,6 +196,13 @@ class CalcCommand(Command):
         rep = prof_report(ps, False)
         i = rep.events.index(ev)
         rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0]
+        if not rows:
+            problems = sorted({sym.problems[k] for k in ps.images if k in sym.problems})
+            nosym = [r.image for r in rep.rows if r.start is None and r.counts[i] > 0]
+            raise NotFoundError("no procedure with samples to analyze"
+                                + (f": {problems[0]}" if problems else
+                                   f": {nosym[0]} has no symbol table (stripped?); give an address range "
+                                   "0xSTART-0xEND instead of a procedure" if nosym else ""))
         limit = args.limit if args.limit is not None else (20 if is_tty(sys.stdout) else 0)
         if limit:
             rows = rows[:limit]

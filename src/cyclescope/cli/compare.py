@@ -7,8 +7,8 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_output_options, default_db, register
-from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.cli.base import Command, add_output_options, default_db, eprint, finite_float, open_selection, register
+from cyclescope.errors import DataError, NotFoundError, UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
 if TYPE_CHECKING:
@@ -68,14 +68,14 @@ class Stats(Command):
         p.add_argument("--normalize", action="store_true",
                        help="compare shares (each set scaled to the same total) instead of raw counts")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N", help="show the first N rows")
-        p.add_argument("--min-percent", type=float, default=0.5, metavar="P",
+        p.add_argument("--min-percent", type=finite_float, default=0.5, metavar="P",
                        help="hide procedures with less than P%% of all samples (default: 0.5)")
         _filters(p)
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.layout import Database
-        from cyclescope.db.query import Selection, open_profile, parse_epochs
+        from cyclescope.db.query import Selection, parse_epochs
         from cyclescope.report.compare import build_stats, stats_table
 
         dbs = [Database.open(p) for p in (args.db or [default_db()])]
@@ -101,11 +101,19 @@ class Stats(Command):
             raise UsageError(f"stats needs at least two sample sets; found {len(sets)} (by {args.by})")
         event = args.event
         per_set = []
-        for _, db, sel in sets:
-            ev, counts = set_counts(open_profile(db, sel), event, args.images)
+        names = []
+        for name, db, sel in sets:
+            try:
+                ev, counts = set_counts(open_selection(args, db, sel, what=name), event, args.images)
+            except DataError as e:  # a set with nothing readable: say so, compare the others
+                eprint(f"cyclescope stats: leaving out {name}: {e}")
+                continue
             event = event or ev
             per_set.append(counts)
-        rep = build_stats(event or "?", [s[0] for s in sets], per_set, normalize=args.normalize)
+            names.append(name)
+        if len(per_set) < 2:
+            raise DataError(f"stats needs at least two readable sample sets; {len(per_set)} left")
+        rep = build_stats(event or "?", names, per_set, normalize=args.normalize)
         if args.json:
             write_json(rep.to_json())
             return 0
@@ -147,8 +155,8 @@ class Diff(Command):
         p.add_argument("a", nargs="?", default="-2", metavar="A", help="first sample set (default: -2)")
         p.add_argument("b", nargs="?", default="-1", metavar="B", help="second sample set (default: -1)")
         p.add_argument("--db", metavar="PATH", default=None, help="database for sets that name none")
-        p.add_argument("--alpha", type=float, default=0.05, help="false discovery rate (default: 0.05)")
-        p.add_argument("--min-change", type=float, default=0.1, metavar="POINTS",
+        p.add_argument("--alpha", type=finite_float, default=0.05, help="false discovery rate (default: 0.05)")
+        p.add_argument("--min-change", type=finite_float, default=0.1, metavar="POINTS",
                        help="smallest change of share worth flagging, in percentage points (default: 0.1)")
         p.add_argument("--procedure", metavar="NAME", help="compare the instructions of one procedure")
         p.add_argument("--all", action="store_true", help="also list what did not change significantly")
@@ -158,7 +166,7 @@ class Diff(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.layout import Database
-        from cyclescope.db.query import Selection, open_profile
+        from cyclescope.db.query import Selection
         from cyclescope.report.compare import build_diff, diff_table
 
         if not 0 < args.alpha < 1:
@@ -170,7 +178,7 @@ class Diff(Command):
             db = Database.open(dbp)
             sel = Selection(epochs=epochs, hosts=(host,) if host else (), processes=tuple(args.process),
                             images=tuple(args.image))
-            sides.append((spec, db, open_profile(db, sel)))
+            sides.append((spec, db, open_selection(args, db, sel, what=spec)))
         event = args.event
         if args.procedure:
             (_, adb, aps), (_, bdb, bps) = sides

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from cyclescope.cli.base import Command, add_db_option, db_path, eprint, register
+from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, register
 from cyclescope.cli.record import (
     VALUE_DRAIN_S,
     add_count_options,
@@ -72,11 +72,11 @@ class Daemon(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_db_option(p)
         p.add_argument("--cpus", metavar="LIST", help="only these CPUs, e.g. 0-3,6 (default: all online)")
-        p.add_argument("--flush-interval", type=float, default=60.0, metavar="S",
+        p.add_argument("--flush-interval", type=finite_float, default=60.0, metavar="S",
                        help="merge into the database every S seconds (default: 60)")
         p.add_argument("--compact-after", type=int, default=8, metavar="N",
                        help="compact an epoch's segments once it has N (default: 8)")
-        p.add_argument("-d", "--duration", type=float, metavar="SECONDS", help="stop after this long")
+        p.add_argument("-d", "--duration", type=finite_float, metavar="SECONDS", help="stop after this long")
         p.add_argument("--new-epoch", action="store_true", help="start a new epoch instead of continuing the latest")
         p.add_argument("--archive", choices=["symbols", "binaries", "none"], default="symbols",
                        help="what to keep of each profiled binary, by build-id: its symbol table (default; prof "

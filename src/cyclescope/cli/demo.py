@@ -10,7 +10,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from cyclescope.cli.base import Command, eprint, register
+from cyclescope.cli.base import Command, eprint, finite_float, register
 from cyclescope.errors import CycleScopeError
 
 DEMO_DB = "cyclescope-demo.db"
@@ -39,9 +39,9 @@ class Demo(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--db", metavar="PATH", default=DEMO_DB, help=f"database to record into (default: ./{DEMO_DB})")
-        p.add_argument("-F", "--freq", type=float, default=5000.0, metavar="HZ",
+        p.add_argument("-F", "--freq", type=finite_float, default=5000.0, metavar="HZ",
                        help="samples per second (default: 5000)")
-        p.add_argument("--scale", type=float, default=1.0, help="work to do (1.0 runs about 2.5 s)")
+        p.add_argument("--scale", type=finite_float, default=1.0, help="work to do (1.0 runs about 2.5 s)")
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.cli.main import main as cli_main

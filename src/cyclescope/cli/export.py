@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, register, selection
+from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, open_selection, register
 from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
 from cyclescope.errors import NotFoundError, UsageError
 
@@ -24,13 +24,15 @@ def _emit(output: str | None, data: bytes) -> None:
     if output:
         write_atomic(Path(output), data)
         return
+    if data[:2] == b"\x1f\x8b" and sys.stdout.isatty():
+        raise UsageError("this format is binary (gzip): give -o FILE, or redirect standard output")
     try:
         buf = getattr(sys.stdout, "buffer", None)  # None when a caller redirected stdout to a StringIO
         if buf is not None:
             sys.stdout.flush()
             buf.write(data)
         else:
-            sys.stdout.write(data.decode())
+            sys.stdout.write(data.decode("utf-8", "surrogateescape"))
         sys.stdout.flush()
     except BrokenPipeError:
         pass
@@ -99,14 +101,14 @@ class Export(Command):
                        help="name frames procedure+offset instead of merging a procedure's instructions")
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.db.query import match_images, open_profile, query_counts
+        from cyclescope.db.query import match_images, query_counts
         from cyclescope.db.stacks import load_stacks
         from cyclescope.images.registry import ImageInfo
         from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.export import Stacks, collapsed, named_stacks, speedscope
 
         db = open_db(args)
-        ps = open_profile(db, selection(args))
+        ps = open_selection(args, db)
         if args.format == "llvm-sample":
             return self._llvm_sample(args, ps, db)
         if args.format == "bolt-fdata":

@@ -7,7 +7,15 @@ import difflib
 import re
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_db, register, selection
+from cyclescope.cli.base import (
+    Command,
+    add_output_options,
+    add_selection_options,
+    open_db,
+    open_selection,
+    register,
+    selection,
+)
 from cyclescope.errors import NotFoundError, UsageError
 from cyclescope.report.render import write_json, write_table
 
@@ -262,14 +270,13 @@ class List(Command):
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.db.query import open_profile
         from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.listing import listing_table, source_table
 
         if bool(args.procedure) == bool(args.source):
             raise UsageError("give a PROCEDURE (or address range) or --source FILE")
         db = open_db(args)
-        ps = open_profile(db, selection(args))
+        ps = open_selection(args, db)
         sym = Symbolizer(db)
         if args.source:
             sl = make_source_listing(ps, args.source, sym, args.source_dir)

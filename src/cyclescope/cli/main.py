@@ -33,6 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+INTERNAL_ERROR = 70  # EX_SOFTWARE: the fuzz tests fail on it
+
+
 class Parser(argparse.ArgumentParser):
     """Usage errors as one line that says where to look, not a usage dump."""
 
@@ -92,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as e:  # a file the command could not read or write: say which and why
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"cyclescope {name}: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        # A bug, not the input's fault: one line, and the traceback on request.
+        if os.environ.get("CYCLESCOPE_DEBUG"):
+            raise
+        print(f"cyclescope {name}: internal error: {type(e).__name__}: {e} (CYCLESCOPE_DEBUG=1 shows where; "
+              "please report it)", file=sys.stderr)
+        return INTERNAL_ERROR
 
 
 def entry() -> None:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from cyclescope.cli.base import Command, eprint, register
+from cyclescope.cli.base import Command, eprint, finite_float, register
 from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
 from cyclescope.errors import CycleScopeError, UsageError
 
@@ -94,7 +94,7 @@ class Optimize(Command):
         p.add_argument("--stdin", metavar="FILE", help="feed FILE to the program's standard input")
         p.add_argument("--workdir", metavar="DIR", help="where to build, record and keep the profile "
                                                         "(default: a new directory under /tmp)")
-        p.add_argument("-F", "--freq", type=float, default=5000.0, metavar="HZ",
+        p.add_argument("-F", "--freq", type=finite_float, default=5000.0, metavar="HZ",
                        help="sampling rate of the training run (default: 5000)")
         p.add_argument("--train-samples", type=int, default=20000, metavar="N",
                        help="repeat the training run into one profile until it has N samples, at most "

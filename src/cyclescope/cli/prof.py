@@ -6,7 +6,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_db, register, selection
+from cyclescope.cli.base import (
+    Command,
+    add_output_options,
+    add_selection_options,
+    open_selection,
+    register,
+)
 from cyclescope.errors import UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
@@ -58,11 +64,9 @@ class Prof(Command):
     def run(self, args: argparse.Namespace) -> int:
         if args.limit is not None and args.limit < 0:
             raise UsageError("--limit must be 0 or more")
-        from cyclescope.db.query import open_profile
         from cyclescope.report.prof import prof_table
 
-        db = open_db(args)
-        ps = open_profile(db, selection(args))
+        ps = open_selection(args)
         rep = prof_report(ps, args.images)
         if args.json:
             write_json(rep.to_json())
@@ -71,6 +75,4 @@ class Prof(Command):
         if limit is None:
             limit = TERMINAL_LIMIT if is_tty(sys.stdout) else 0
         write_table(prof_table(rep, limit or None))
-        for w in ps.warnings:
-            print(f"cyclescope prof: warning: {w}", file=sys.stderr)
         return 0

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_db_option, db_path, eprint, register, stderr_tty
+from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, register, stderr_tty
 from cyclescope.collect.events import DEFAULT_BAND, KNOWN_EVENTS, SAFE_MAX_RATE_HZ, EventSpec, parse_events
 from cyclescope.errors import CycleScopeError, UsageError
 from cyclescope.report.render import fmt_count
@@ -38,14 +38,14 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
                    help="events to sample, comma-separated (default: cpu-clock). NAME:u / NAME:k for user or "
                         "kernel only, NAME/period=N/ for a fixed period. Known: " + ", ".join(KNOWN_EVENTS))
     rate = g.add_mutually_exclusive_group()
-    rate.add_argument("-F", "--freq", type=float, default=None, metavar="HZ",
+    rate.add_argument("-F", "--freq", type=finite_float, default=None, metavar="HZ",
                       help=f"samples per second per CPU (default: {default_hz:g}; refused above "
                            f"{SAFE_MAX_RATE_HZ:,} without --force)")
     rate.add_argument("-c", "--period", type=int, default=None, metavar="N",
                       help="events (nanoseconds for clock events) between samples, for every event")
-    g.add_argument("--band", type=float, default=DEFAULT_BAND, metavar="F",
+    g.add_argument("--band", type=finite_float, default=DEFAULT_BAND, metavar="F",
                    help="randomize each period uniformly in [P*(1-F), P] (default: 1/16, as DCPI); 0: fixed")
-    g.add_argument("--redraw", type=float, default=200.0, metavar="MS",
+    g.add_argument("--redraw", type=finite_float, default=200.0, metavar="MS",
                    help="draw a new random period every MS milliseconds (default: 200)")
     g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
     g.add_argument("-g", "--call-graph", type=call_graph_arg, default=None, metavar="fp|dwarf[,SIZE]",
@@ -89,7 +89,7 @@ def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
                         "interrupt's registers)")
     g.add_argument("--interpret-every", type=int, default=2, metavar="K",
                    help="interpret one value sample in K (default: 2)")
-    g.add_argument("--interpret-budget", type=float, default=0.5, metavar="SHARE",
+    g.add_argument("--interpret-budget", type=finite_float, default=0.5, metavar="SHARE",
                    help="most of one CPU interpretation may use (default: 0.5); samples past it are "
                         "captured but not interpreted, and counted, so that PC samples are never lost to "
                         "it; 0: no limit")
@@ -187,6 +187,11 @@ def make_events(args: argparse.Namespace) -> tuple[list[EventSpec], float | None
         events = [replace(e, period=args.period) for e in events]
     if args.freq is not None and args.freq <= 0:
         raise UsageError("--freq must be positive")
+    if args.freq is not None and args.freq > 1e6 and not args.force:
+        raise UsageError(f"--freq {args.freq:g}: above the safe ceiling of {SAFE_MAX_RATE_HZ:,} samples/s per CPU "
+                         "(pass --force to try anyway)")
+    if not 0 <= args.band < 1:
+        raise UsageError("--band must be at least 0 and below 1 (periods are drawn from [P*(1-F), P])")
     if args.redraw <= 0:
         raise UsageError("--redraw must be positive")
     return events, args.freq
@@ -233,13 +238,13 @@ class Record(Command):
         t.add_argument("-a", "--all-cpus", action="store_true",
                        help="system-wide: every CPU and process, the kernel included (with a command: while it runs)")
         t.add_argument("-p", "--pid", metavar="PID[,PID]", help="running process(es) and their future children")
-        t.add_argument("-d", "--duration", type=float, metavar="SECONDS", help="stop after this long")
+        t.add_argument("-d", "--duration", type=finite_float, metavar="SECONDS", help="stop after this long")
         add_sampling_options(p, DEFAULT_RECORD_HZ)
         add_value_options(p, exact=True)
         o = p.add_argument_group("storing")
         o.add_argument("--append", action="store_true", help="add to the latest epoch instead of starting a new one")
         o.add_argument("--epoch-name", metavar="NAME", help="a name for the new epoch")
-        o.add_argument("--flush-interval", type=float, default=60.0, metavar="S",
+        o.add_argument("--flush-interval", type=finite_float, default=60.0, metavar="S",
                        help="write to the database every S seconds during long runs (default: 60)")
         o.add_argument("--no-archive", action="store_true",
                        help="do not copy profiled binaries into the database (they are needed if the files change)")
@@ -334,6 +339,10 @@ class Record(Command):
             child_session.release()
         totals = collector.run(duration_s=args.duration, until=until)
         elapsed = time.monotonic() - start
+        if not totals.samples:
+            every = f"; at {rate:g} Hz a sample comes every {1 / rate:.3g} s per CPU" if rate else ""
+            eprint(f"cyclescope record: no samples were taken in {elapsed:.1f} s{every} (raise -F, run longer, "
+                   "or check that the command did any work)")
         if show:
             sys.stderr.write("\r\x1b[K")
         if not args.quiet:

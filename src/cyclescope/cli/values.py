@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_db, register, selection
+from cyclescope.cli.base import (
+    Command,
+    add_output_options,
+    add_selection_options,
+    finite_float,
+    open_db,
+    open_selection,
+    register,
+)
 from cyclescope.errors import NotFoundError, UsageError
 from cyclescope.report.render import write_json, write_table
 
@@ -26,13 +34,12 @@ def add_value_report_options(p: argparse.ArgumentParser) -> None:
 
 def load_selection(args: argparse.Namespace) -> tuple[Database, ProfileSet, ValueSelection, Symbolizer,
                                                        list[ValueModule]]:
-    from cyclescope.db.query import open_profile
     from cyclescope.db.values import load_values
     from cyclescope.images.symbolize import Symbolizer
     from cyclescope.values.modules import DEFAULT_MODULES, load_modules
 
     db = open_db(args)
-    ps = open_profile(db, selection(args))
+    ps = open_selection(args, db)
     hosts = list(args.host) if args.host else None
     vs = load_values(db, ps.epochs, hosts, uid=args.uid)
     if not vs.files:
@@ -164,9 +171,9 @@ class Invariants(Command):
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--min-prob", type=float, default=0.6, metavar="P",
+        p.add_argument("--min-prob", type=finite_float, default=0.6, metavar="P",
                        help="the top value's estimated probability at least P (default: 0.6)")
-        p.add_argument("--min-share", type=float, default=1.0, metavar="PCT",
+        p.add_argument("--min-share", type=finite_float, default=1.0, metavar="PCT",
                        help="in procedures with at least PCT%% of the samples (default: 1)")
         p.add_argument("--min-vtot", type=int, default=30, metavar="N",
                        help="hotlists with at least N values (default: 30)")

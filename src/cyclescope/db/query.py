@@ -32,13 +32,20 @@ class Selection:
 
 
 def parse_epochs(spec: str, available: list[int]) -> list[int]:
+    return epochs_and_notes(spec, available)[0]
+
+
+def epochs_and_notes(spec: str, available: list[int]) -> tuple[list[int], list[str]]:
+    """The epochs ``spec`` selects, and notes on the parts of ranges no epoch holds (a range is
+    taken as far as epochs exist; the note says how far that was)."""
+    notes: list[str] = []
     if not available:
         raise NotFoundError("the database holds no epochs yet (nothing recorded)")
     spec = spec.strip().lower()
     if spec in ("", "latest", "current"):
-        return [available[-1]]
+        return [available[-1]], notes
     if spec == "all":
-        return list(available)
+        return list(available), notes
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
@@ -46,7 +53,12 @@ def parse_epochs(spec: str, available: list[int]) -> list[int]:
         try:
             if m:
                 lo, hi = int(m.group(1)), int(m.group(2))
-                out.update(e for e in available if lo <= e <= hi)
+                if lo > hi:
+                    raise UsageError(f"epoch range {part} runs backwards (try {hi}-{lo})")
+                got = [e for e in available if lo <= e <= hi]
+                out.update(got)
+                if got and (got[0] != lo or got[-1] != hi or len(got) != hi - lo + 1):
+                    notes.append(f"epochs {lo}-{hi}: only {_ranges(got)} exist")
             elif re.fullmatch(r"-\d+", part):  # -1 = latest, -2 = the one before
                 k = int(part)
                 if -k > len(available):
@@ -61,7 +73,7 @@ def parse_epochs(spec: str, available: list[int]) -> list[int]:
             raise UsageError(f"cannot parse epoch selection '{spec}' (try 3, 2-5, 1,4, -1, latest or all)") from None
     if not out:
         raise NotFoundError(f"no epoch matches '{spec}' (epochs: {_ranges(available)})")
-    return sorted(out)
+    return sorted(out), notes
 
 
 def _ranges(nums: list[int]) -> str:
@@ -120,23 +132,39 @@ class ProfileSet:
         return names
 
 
+def _host_segments(db: Database, epoch: int, host: str, warnings: list[str]) -> list[SegmentInfo]:
+    """The live segments of one epoch/host with their metadata. A file that vanished between the
+    listing and the read was replaced by a compaction: the directory is listed again."""
+    for _attempt in range(5):
+        out: list[SegmentInfo] = []
+        bad: list[str] = []
+        vanished = False
+        for ref in db.segments(epoch, host):
+            try:
+                out.append(SegmentInfo(epoch, host, ref, read_meta(ref.path)))
+            except DataError as e:
+                if not ref.path.exists():
+                    vanished = True
+                    break
+                bad.append(f"skipping {e}")
+        if not vanished:
+            warnings += bad
+            return out
+        time.sleep(0.02)
+    warnings.append(f"epoch {epoch} host {host}: its segments kept changing while they were read; left out")
+    return []
+
+
 def open_profile(db: Database, sel: Selection) -> ProfileSet:
-    epochs = parse_epochs(sel.epochs, db.epochs())
+    epochs, warnings = epochs_and_notes(sel.epochs, db.epochs())
     segs: list[SegmentInfo] = []
-    warnings: list[str] = []
     hosts_seen: set[str] = set()
     for ep in epochs:
         for h in db.hosts(ep):
             if sel.hosts and h not in sel.hosts:
                 continue
             hosts_seen.add(h)
-            for ref in db.segments(ep, h):
-                try:
-                    meta = read_meta(ref.path)
-                except DataError as e:
-                    warnings.append(f"skipping {e}")
-                    continue
-                segs.append(SegmentInfo(ep, h, ref, meta))
+            segs += _host_segments(db, ep, h, warnings)
     if sel.hosts:
         missing = set(sel.hosts) - hosts_seen
         if missing:
