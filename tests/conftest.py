@@ -60,7 +60,10 @@ def clean_world() -> Iterator[None]:
             with open(f"/proc/{k}/stat") as f:
                 if f.read().split(")")[-1].split()[0] != "Z":
                     live.append(k)
-        except OSError:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b"multiprocessing.resource_tracker" in f.read():
+                    live.remove(k)  # multiprocessing's helper: it lives as long as this process
+        except (OSError, ValueError):
             pass
     for k in live:
         try:

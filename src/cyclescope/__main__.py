@@ -1,3 +1,4 @@
 from cyclescope.cli.main import entry
 
-entry()
+if __name__ == "__main__":
+    entry()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cyclescope.analysis.cfg import build_cfg
-from cyclescope.analysis.loopcount import LoopCounter, LoopStats, loop_executions, loop_table
+from cyclescope.analysis.loopcount import LoopCounter, LoopStats, analyze_procedure, loop_executions, loop_table
 from cyclescope.analysis.loops import GPRS, find_loops
 from cyclescope.db.layout import Database
 from cyclescope.db.tallies import LOOPS, build, compact_tallies, load_tally, merge, tally_files, write_tally
@@ -58,10 +58,6 @@ class FakeBinary:
     code_bytes: bytes
     at: int
 
-    def procedure_starts(self, offsets: np.ndarray) -> np.ndarray:
-        inside = (offsets >= self.at) & (offsets < self.at + len(self.code_bytes))
-        return np.where(inside, self.at, -1).astype(np.int64)
-
     def procedure(self, start: int):  # type: ignore[no-untyped-def]
         from cyclescope.images.code import Procedure
 
@@ -77,9 +73,24 @@ class FakeBinary:
         return None
 
 
+@dataclass
+class FakeSource:
+    """analysis.loopcount.Source: image 1 is one procedure."""
+
+    b: FakeBinary
+
+    def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if img != 1:
+            return None
+        return np.array([self.b.at], np.uint64), np.array([self.b.at + len(self.b.code_bytes)], np.uint64)
+
+    def analyze(self, img: int, start: int):  # type: ignore[no-untyped-def]
+        return analyze_procedure(self.b, start)
+
+
 def counter(per_task: bool = True) -> LoopCounter:
-    b = FakeBinary(CHAIN, CHAIN_AT)
-    return LoopCounter(lambda i: b if i == 1 else None, lambda i: f"img{i}", per_task, background=False)
+    return LoopCounter(FakeSource(FakeBinary(CHAIN, CHAIN_AT)), lambda i: f"img{i}", per_task, background=False,
+                       analyze_after=1)
 
 
 def regs(rdx: int, rdi: int = 1000, rsp: int = 0x7FFF0000) -> list[int]:
@@ -133,12 +144,36 @@ def test_system_wide_pairs_need_one_cpu_and_no_gap() -> None:
     assert s["pairs"] == 1 and s["iterations"] == 10 and s["pair_period"] == 1000.0
 
 
-def test_samples_wait_for_their_procedure_to_be_analyzed() -> None:
-    b = FakeBinary(CHAIN, CHAIN_AT)
-    lc = LoopCounter(lambda i: b, lambda i: "img", True, background=True)
-    add(lc, [(7, 1, 0x1350, regs(0)), (7, 2, 0x1350, regs(10))])
-    lc.finish(timeout_s=30)
-    lc.close()
+def test_samples_wait_for_their_binary_and_procedure_in_the_worker(tmp_path: Path) -> None:
+    """The worker process opens the binary and analyzes it; the recording's samples wait for it."""
+    import shutil
+    import subprocess
+
+    from cyclescope.images.elf import read_load_info
+    from cyclescope.images.registry import ImageInfo
+
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    src = Path(__file__).parents[1] / "programs" / "kernels.c"
+    exe = tmp_path / "kernels"
+    subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), str(src)], check=True)
+    nm = subprocess.run(["nm", str(exe)], capture_output=True, text=True).stdout
+    chain = next(int(ln.split()[0], 16) for ln in nm.splitlines() if ln.endswith(" chain"))
+    bid = read_load_info(str(exe)).build_id
+    info = ImageInfo(bid or "k", str(exe), "elf", bid)
+    lc = LoopCounter(None, lambda i: "img", True, background=True, analyze_after=1, info_of=lambda i: info)
+    try:
+        # the loop's header is where the function's code jumps back to: ask the analysis for it
+        from cyclescope.analysis.loopcount import analyze_procedure
+        from cyclescope.images.code import open_binary
+        from cyclescope.images.symbolize import Symbolizer
+
+        table, _ = analyze_procedure(open_binary(info, Symbolizer(None)), chain)
+        header = int(table.headers[0])
+        add(lc, [(7, 1, header, regs(0)), (7, 2, header, regs(10))])
+        lc.finish(timeout_s=60)
+    finally:
+        lc.close()
     assert stats(lc)["iterations"] == 10 and lc.skipped == 0
 
 
@@ -156,6 +191,17 @@ def test_executions_from_the_rate_and_the_sampled_time() -> None:
     # Executions shorter than a period: pairs in one execution are rare and biased; not used.
     assert loop_executions(LoopStats(own=100, followed=100, next_own=100, pairs=10, iterations=500.0,
                                      pair_period=2000.0), 100, 200.0, False) is None
+
+
+def test_a_procedure_is_analyzed_once_it_has_enough_samples() -> None:
+    lc = LoopCounter(FakeSource(FakeBinary(CHAIN, CHAIN_AT)), lambda i: "img", True, background=False,
+                     analyze_after=3)
+    add(lc, [(7, 1, 0x1350, regs(0)), (7, 2, 0x1350, regs(10))])  # two samples in the image: not opened yet
+    add(lc, [(7, 3, 0x1350, regs(20)), (7, 4, 0x1350, regs(30))])  # opened; two in the procedure: not yet
+    add(lc, [(7, 5, 0x1350, regs(40)), (7, 6, 0x1350, regs(50))])  # analyzed: counted from here
+    lc.finish()
+    s = stats(lc)
+    assert s["pairs"] == 2 and s["iterations"] == 20 and lc.skipped == 2
 
 
 def test_loop_table_arrays_match_the_loops() -> None:

@@ -24,17 +24,19 @@ periods (the thread ran throughout), and spans the time between them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from cyclescope.analysis.loops import GPRS, find_loops
+
+if TYPE_CHECKING:
+    from cyclescope.analysis.worker import Worker
 
 # A loop's count is used only when at least this share of the consecutive pairs of samples in it
 # were in one execution of it: pairs exist in an execution only if it outlasts a sampling period,
@@ -45,8 +47,16 @@ MIN_SAME = 0.5
 HIGH_SAME = 0.9
 MIN_PAIRS = 5
 HIGH_PAIRS = 20
-MAX_PROC_BYTES = 1 << 20  # procedures larger than this are not analyzed (a CFG of 10^5 blocks)
+# Procedures larger than this are not analyzed: interpreters' dispatch functions (tens of KiB), whose
+# loops have no counter register, would cost seconds each.
+MAX_PROC_BYTES = 64 << 10
 MAX_WAITING = 1 << 18  # samples held back while their procedures are analyzed
+# A procedure is analyzed once it has this many samples: a loop count needs pairs of samples in the
+# loop (MIN_PAIRS), and system-wide the daemon sees hundreds of procedures with a handful each
+# (measured: 869 procedures, 17.9 s of one CPU in the first 18 s, analyzing every one).
+ANALYZE_AFTER = 32
+# The analyses may use at most this share of one CPU (over the run); past it new procedures wait.
+ANALYSIS_BUDGET = 0.10
 STATS = ("own", "own_period", "followed", "next_own", "pairs", "iterations", "pair_period", "mismatched",
          "rejected")
 _S = {n: i for i, n in enumerate(STATS)}
@@ -78,15 +88,12 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
                read: Callable[[int, int], bytes | None] = lambda a, n: None) -> LoopTable:
     """Disassemble [start, end), build its CFG and return its loops with their counters."""
     from cyclescope.analysis.cfg import build_cfg
-    from cyclescope.images.disasm import InsnInfo, disassemble, insn_info
+    from cyclescope.images.disasm import LazyInfos, disassemble
 
     insns = disassemble(code, start)
-    infos = insn_info(code, start)
-    if len(infos) != len(insns):
-        infos = (infos + [InsnInfo(frozenset(), frozenset(), False, False, frozenset(), "other")] * len(insns))[
-            : len(insns)]
     if not insns:
         return EMPTY
+    infos = LazyInfos(insns)  # details only of the instructions the analysis looks at
     cfg = build_cfg(insns, start, end, name_at, read, infos)
     loops = find_loops(cfg, infos)
     if not loops:
@@ -182,28 +189,112 @@ class _Batch:
     period: np.ndarray
     regs: np.ndarray  # uint64 [n, 16], GPRS order
     func: np.ndarray  # int64 procedure start, -1 outside any analyzable procedure
+    resolved: bool = False  # func filled in (the images' procedures were known)
 
     def __len__(self) -> int:
         return len(self.tid)
 
 
+def analyze_procedure(binary: object | None, start: int) -> tuple[LoopTable, float]:
+    """The loops of the procedure at ``start`` of ``binary`` (images.code.Binary) and the CPU time
+    it took; EMPTY when it cannot be read or analyzed, or is too large."""
+    t0 = time.thread_time()
+    table = EMPTY
+    b: Any = binary
+    try:
+        proc = b.procedure(start) if b is not None else None
+        if proc is not None and proc.end - proc.start <= MAX_PROC_BYTES:
+            table = loop_table(b.code(proc.start, proc.end), proc.start, proc.end, b.name_at, b.read)
+    except Exception:  # a procedure that cannot be read or analyzed has no usable loops
+        table = EMPTY
+    return table, time.thread_time() - t0
+
+
+class Source(Protocol):
+    """Where procedures come from: their bounds per image, and their loops (images.code)."""
+
+    def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Start and end of every procedure of the image, sorted (None: nothing to analyze)."""
+
+    def analyze(self, img: int, start: int) -> tuple[LoopTable, float]:
+        """The loops of the procedure at ``start`` and the CPU time the analysis took."""
+
+
+_BINARIES: dict[str, object | None] = {}  # in the worker process: binaries by image key
+
+
+def _worker_binary(info: Any) -> object | None:
+    from cyclescope.images.code import open_binary
+    from cyclescope.images.symbolize import Symbolizer
+
+    if info.key not in _BINARIES:
+        if len(_BINARIES) > 256:
+            _BINARIES.clear()
+        _BINARIES[info.key] = open_binary(info, Symbolizer(None))
+    return _BINARIES[info.key]
+
+
+def _worker_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    b: Any = _worker_binary(info)
+    if b is None:
+        return None
+    return np.asarray(b.table.starts, np.uint64), np.asarray(b.table.ends, np.uint64)
+
+
+def _worker_analyze(info: Any, start: int) -> tuple[LoopTable, float]:
+    return analyze_procedure(_worker_binary(info), start)
+
+
+class ImageSource:
+    """A Source over the collector's image table, whose binaries are opened and analyzed in the
+    process that calls ``bounds`` and ``analyze`` (the worker: see LoopCounter)."""
+
+    def __init__(self, info_of: Callable[[int], Any]) -> None:
+        self.info_of = info_of
+
+    def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
+        info = self.info_of(img)
+        return _worker_bounds(info) if info.kind == "elf" and info.offsets == "vaddr" else None
+
+    def analyze(self, img: int, start: int) -> tuple[LoopTable, float]:
+        return _worker_analyze(self.info_of(img), start)
+
+
 class LoopCounter:
     """Collects loop-iteration counts from consecutive samples of each thread.
 
-    ``binary(img)`` gives an image's procedures and code (images.code.Binary) or None;
-    ``image_key(img)`` its stable key. ``add`` takes one drain's user-mode samples of the
-    time event in any order. Procedures are analyzed on a worker thread the first time one of
-    their instructions is sampled; drains wait (up to MAX_WAITING samples) until the procedures
-    they touch are ready, so that a short run loses nothing to the analysis."""
+    ``source`` gives each image's procedures and their loops; ``image_key(img)`` the image's
+    stable key. ``add`` takes one drain's user-mode samples of the time event in any order.
 
-    def __init__(self, binary: Callable[[int], object | None], image_key: Callable[[int], str], per_task: bool,
-                 background: bool = True) -> None:
-        self.binary = binary
+    With ``background``, the binaries are read and the procedures analyzed in a worker process
+    (``info_of`` gives the ImageInfo it opens; ``source`` then serves only when background is off):
+    the analysis is pure Python (capstone, a CFG, dominators), and in the collector's process it
+    held the GIL from the drains and reading symbols left about 100 MiB behind. An image is opened
+    once it has ANALYZE_AFTER samples, a procedure analyzed once it has as many, within
+    ANALYSIS_BUDGET of a CPU. A recording's drains wait (up to MAX_WAITING samples) until the
+    procedures they touch are ready, so that a short run loses nothing to the analysis; the
+    daemon's do not wait."""
+
+    def __init__(self, source: Source | None, image_key: Callable[[int], str], per_task: bool,
+                 background: bool = True, analyze_after: int = ANALYZE_AFTER,
+                 info_of: Callable[[int], Any] | None = None) -> None:
         self.image_key = image_key
         self.per_task = per_task
+        self.source = source or ImageSource(info_of or (lambda i: None))
+        self.info_of = info_of
         self._tables: dict[tuple[int, int], LoopTable | None] = {}  # None: being analyzed
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loops") \
-            if background else None
+        self._bounds: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}  # absent: not asked; None: none
+        self._pending_bounds: set[int] = set()
+        self._seen: dict[tuple[int, int], int] = {}  # samples of procedures not yet analyzed
+        self._img_seen: dict[int, int] = {}  # samples per image (opened past the threshold)
+        self._started = time.monotonic()
+        self.analyze_after = analyze_after
+        self.deferred = 0  # analyses put off by the budget
+        self._pool: Worker | None = None
+        if background and info_of is not None:
+            from cyclescope.analysis.worker import Worker
+
+            self._pool = Worker()
         self._lock = threading.Lock()
         self._waiting: deque[_Batch] = deque()
         self._waiting_n = 0
@@ -212,39 +303,65 @@ class LoopCounter:
         self.analysis_s = 0.0
         self.skipped = 0  # samples whose procedure could not be analyzed in time
 
-    # --- procedures ---------------------------------------------------------------------
-    def _analyze(self, img: int, start: int) -> None:
-        t0 = time.perf_counter()
-        table: LoopTable = EMPTY
-        b = self.binary(img)
-        try:
-            proc = b.procedure(start) if b is not None else None  # type: ignore[attr-defined]
-            if proc is not None and proc.end - proc.start <= MAX_PROC_BYTES:
-                code = b.code(proc.start, proc.end)  # type: ignore[attr-defined]
-                table = loop_table(code, proc.start, proc.end, b.name_at, b.read)  # type: ignore[attr-defined]
-        except Exception:  # a procedure that cannot be read or analyzed has no usable loops
-            table = EMPTY
-        with self._lock:
-            self._tables[(img, start)] = table
-            self.analysis_s += time.perf_counter() - t0
+    # --- images and procedures ----------------------------------------------------------------
+    def _call(self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], land: Callable[[Any], None],
+              failed: Any) -> None:
+        """``fn(*args)`` here without a worker, else the worker's ``name`` with ``args``; ``land`` gets
+        the result (``failed`` when it raised, or the worker is gone)."""
+        if self._pool is None:
+            try:
+                land(fn(*args))
+            except Exception:  # treated as nothing to analyze
+                land(failed)
+            return
+        self._pool.call(name, args, lambda ok, got: land(got if ok else failed))
 
-    def _request(self, keys: set[tuple[int, int]]) -> bool:
-        """Start analyzing the procedures not yet seen; True when all of ``keys`` are ready."""
-        ready = True
-        for k in keys:
+    def _ask_bounds(self, img: int) -> None:
+        def land(b: tuple[np.ndarray, np.ndarray] | None) -> None:
+            with self._lock:
+                self._bounds[img] = b
+                self._pending_bounds.discard(img)
+
+        with self._lock:
+            self._pending_bounds.add(img)
+        if self._pool is not None and self.info_of is not None:
+            info = self.info_of(img)
+            if info.kind != "elf" or info.offsets != "vaddr":
+                land(None)
+                return
+            self._call(_worker_bounds, "bounds", (info,), land, None)
+        else:
+            self._call(self.source.bounds, "", (img,), land, None)
+
+    def _analyze(self, img: int, start: int) -> None:
+        def land(got: tuple[LoopTable, float]) -> None:
+            with self._lock:
+                self._tables[(img, start)] = got[0]
+                self.analysis_s += got[1]
+
+        if self._pool is not None and self.info_of is not None:
+            self._call(_worker_analyze, "analyze", (self.info_of(img), start), land, (EMPTY, 0.0))
+        else:
+            self._call(self.source.analyze, "", (img, start), land, (EMPTY, 0.0))
+
+    def _request(self, keys: dict[tuple[int, int], int]) -> None:
+        """Start analyzing the procedures of ``keys`` (with their new samples) that have enough
+        samples now, while the analyses stay within their share of a CPU."""
+        for k, n in keys.items():
             with self._lock:
                 state = self._tables.get(k, "new")
-            if state == "new":
-                with self._lock:
-                    self._tables[k] = None
-                if self._pool is None:
-                    self._analyze(*k)
-                else:
-                    self._pool.submit(self._analyze, *k)
-                    ready = False
-            elif state is None:
-                ready = False
-        return ready
+            if state != "new":
+                continue
+            seen = self._seen[k] = self._seen.get(k, 0) + n
+            if seen < self.analyze_after:
+                continue
+            if self.analysis_s > ANALYSIS_BUDGET * max(1.0, time.monotonic() - self._started):
+                self.deferred += 1
+                continue
+            self._seen.pop(k, None)
+            with self._lock:
+                self._tables[k] = None
+            self._analyze(*k)
 
     def _table(self, img: int, start: int) -> LoopTable | None:
         with self._lock:
@@ -256,30 +373,61 @@ class LoopCounter:
         """One drain's samples: tid, time, CPU, image index, offset, period (event units) and the 16
         general registers (GPRS order) of each; samples outside any ELF procedure are kept for the
         sequence (they break pairs) but count nowhere."""
-        func = np.full(len(tid), -1, np.int64)
-        keys: set[tuple[int, int]] = set()
-        for i in np.unique(img).tolist():
-            b = self.binary(int(i))
-            if b is None:
-                continue
-            m = img == i
-            starts = b.procedure_starts(off[m])  # type: ignore[attr-defined]
-            func[m] = starts
-            keys |= {(int(i), int(s)) for s in np.unique(starts).tolist() if s >= 0}
+        ui, uc = np.unique(img, return_counts=True)
+        for i, n in zip(ui.tolist(), uc.tolist(), strict=True):
+            with self._lock:
+                asked = i in self._bounds or i in self._pending_bounds
+            if not asked:
+                # An image is opened once it has enough samples for one of its procedures to be
+                # analyzed: system-wide, most images have a few samples now and then.
+                seen = self._img_seen[i] = self._img_seen.get(i, 0) + n
+                if seen >= self.analyze_after:
+                    self._ask_bounds(int(i))
         batch = _Batch(tid.astype(np.int64), time_ns.astype(np.uint64), cpu.astype(np.int64), img.astype(np.int64),
-                       off.astype(np.uint64), period.astype(np.float64), regs.astype(np.uint64), func)
-        self._request(keys)
+                       off.astype(np.uint64), period.astype(np.float64), regs.astype(np.uint64),
+                       np.full(len(tid), -1, np.int64))
         self._waiting.append(batch)
         self._waiting_n += len(batch)
-        self._drain(force=self._waiting_n > MAX_WAITING)
+        # A recording waits for its images and procedures (a short run would otherwise lose most of
+        # its pairs); the daemon, which runs for hours, does not hold samples for them.
+        self._drain(force=self._waiting_n > MAX_WAITING or not self.per_task)
+
+    def _procedures(self, b: _Batch) -> None:
+        """Each sample's procedure (where its image's bounds are known), and the analyses that asks for."""
+        keys: dict[tuple[int, int], int] = {}
+        for i in np.unique(b.img).tolist():
+            with self._lock:
+                bounds = self._bounds.get(i)
+            if bounds is None:
+                continue
+            starts_, ends_ = bounds
+            m = b.img == i
+            o = b.off[m]
+            k = np.searchsorted(starts_, o, side="right").astype(np.int64) - 1
+            ok = (k >= 0) & (o < ends_[np.maximum(k, 0)])
+            starts = np.where(ok, starts_[np.maximum(k, 0)].astype(np.int64), -1)
+            b.func[m] = starts
+            u, c = np.unique(starts, return_counts=True)
+            keys.update({(int(i), int(s)): int(n) for s, n in zip(u.tolist(), c.tolist(), strict=True) if s >= 0})
+        b.resolved = True
+        self._request(keys)
 
     def _drain(self, force: bool) -> None:
-        """Count the waiting batches, oldest first, while their procedures are ready (all of them,
-        ready or not, when ``force``)."""
+        """Count the waiting batches, oldest first, once their images' procedures are known and the
+        analyses they asked for are done (all of them, done or not, when ``force``). Procedures not
+        asked for (too few samples, or past the budget) do not hold a batch back."""
         while self._waiting:
             b = self._waiting[0]
+            if not b.resolved:
+                with self._lock:
+                    pending = bool(self._pending_bounds & set(np.unique(b.img).tolist()))
+                if pending and not force:
+                    return
+                self._procedures(b)
             keys = {(int(i), int(s)) for i, s in zip(b.img.tolist(), b.func.tolist(), strict=True) if s >= 0}
-            if not force and not all(self._table(*k) is not None for k in keys):
+            with self._lock:
+                busy = any(k in self._tables and self._tables[k] is None for k in keys)
+            if busy and not force:
                 return
             self._waiting.popleft()
             self._waiting_n -= len(b)
@@ -297,7 +445,8 @@ class LoopCounter:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.close()
+            self._pool = None
 
     def forget(self, tid: int) -> None:
         self._last.pop(tid, None)
@@ -322,7 +471,7 @@ class LoopCounter:
                        np.concatenate([np.array(cols[4], np.uint64), b.off]),
                        np.concatenate([np.array(cols[5], np.float64), b.period]),
                        np.concatenate([np.array(cols[6], np.uint64).reshape(-1, 16), b.regs]),
-                       np.concatenate([np.array(cols[7], np.int64), b.func]))
+                       np.concatenate([np.array(cols[7], np.int64), b.func]), True)
             fresh = np.ones(len(b), bool)
             fresh[: len(carried)] = False
         else:
@@ -351,7 +500,7 @@ class LoopCounter:
                 continue
             t = self._table(int(i), int(s))
             m = inv == g
-            if t is None:
+            if t is None:  # not analyzed (yet): its samples break pairs and count nowhere
                 self.skipped += int((m & fresh).sum())
                 continue
             if t.empty:
@@ -493,10 +642,8 @@ class LoopCountProcessor:
         self._time_event = -1
 
     def bind(self, ctx: Any) -> None:
-        from cyclescope.images.code import BinaryCache
-
-        binaries = BinaryCache(lambda i: ctx.table[i])
-        self.counter = LoopCounter(binaries.get, lambda i: ctx.table[i].key, ctx.per_task, self.background)
+        self.counter = LoopCounter(None, lambda i: ctx.table[i].key, ctx.per_task, self.background,
+                                   info_of=lambda i: ctx.table[i])
         self._cols = np.array([ctx.regs_columns[r] for r in GPRS], np.intp)
         self._time_event = ctx.time_event
 
@@ -535,4 +682,5 @@ class LoopCountProcessor:
         c = self.counter
         if c is None:
             return {}
-        return {"procedures": len(c._tables), "analysis_s": round(c.analysis_s, 3), "skipped": c.skipped}
+        return {"procedures": len(c._tables), "analysis_s": round(c.analysis_s, 3), "skipped": c.skipped,
+                "deferred": c.deferred}

@@ -117,10 +117,26 @@ def find_loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
             if members <= outer.blocks and outer.blocks != members:
                 loop.parent, loop.depth = outer.id, outer.depth + 1
                 break
-        loop.counters = [c for r in GPRS if r in written and r != "rsp"
+        stepped = _stepped(cfg, members)
+        loop.counters = [c for r in GPRS if r in stepped and r != "rsp"
                          for c in [_counter(cfg, h, members, infos, r)] if c is not None]
         loops.append(loop)
     return loops
+
+
+def _stepped(cfg: CFG, body: frozenset[int]) -> set[str]:
+    """Registers some instruction of the body moves by a constant (the candidates for a counter)."""
+    out: set[str] = set()
+    for b in body:
+        blk = cfg.blocks[b]
+        for k in range(blk.first, blk.last + 1):
+            ins = cfg.insns[k]
+            if ins.mnemonic in ("add", "sub", "inc", "dec", "lea"):
+                dest = ins.op_str.split(",")[0].strip()
+                reg = _R64.get(dest) or _R32.get(dest)
+                if reg:
+                    out.add(reg)
+    return out
 
 
 def _written(cfg: CFG, body: frozenset[int], infos: Sequence[InsnInfo]) -> tuple[set[str], bool]:

@@ -669,6 +669,7 @@ class Collector:
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
             "values": self._value_status(),
+            **{p.name: p.status() for p in self.processors},
         }
 
     def _value_status(self) -> dict[str, Any] | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, overload
 
 from cyclescope.errors import DataError
 from cyclescope.images.elf import ElfInfo, read_load_info
@@ -124,44 +125,75 @@ def _kind(mnem: str) -> str:
     return "other"
 
 
-def insn_info(code: bytes, address: int) -> list[InsnInfo]:
-    """Register and memory access per instruction of ``code`` (same order as disassemble())."""
+_EMPTY_INFO = InsnInfo(frozenset(), frozenset(), False, False, frozenset(), "other")
+
+
+def _info(ins: Any) -> InsnInfo:
+    """InsnInfo of one capstone instruction decoded with details."""
     import capstone
     from capstone import x86_const
 
-    md = _cs(True)
-    out: list[InsnInfo] = []
-    for ins in md.disasm(code, address):
-        if ins.id == 0:  # .byte from skipdata
-            out.append(InsnInfo(frozenset(), frozenset(), False, False, frozenset(), "other"))
-            continue
-        try:
-            r, w = ins.regs_access()
-            reads = {_wide(ins.reg_name(x)) for x in r}
-            writes = {_wide(ins.reg_name(x)) for x in w}
-        except capstone.CsError:
-            reads, writes = set(), set()
-        loads = stores = False
-        mem_regs: set[str] = set()
-        for op in ins.operands:
-            if op.type == x86_const.X86_OP_MEM:
-                if ins.mnemonic in ("lea", "nop") or ins.mnemonic.startswith("nop") or ins.mnemonic == "prefetcht0":
-                    continue
-                acc = op.access
-                if acc & capstone.CS_AC_READ:
-                    loads = True
-                if acc & capstone.CS_AC_WRITE:
-                    stores = True
-                for reg in (op.mem.base, op.mem.index):
-                    if reg:
-                        mem_regs.add(_wide(ins.reg_name(reg)))
-        ops = ins.op_str.split(", ")
-        if ins.mnemonic in _ZERO_IDIOMS and len(ops) == 2 and ops[0] == ops[1]:
-            reads = set()  # xor eax, eax and the like: no input, whatever capstone says
-        if ins.mnemonic.startswith(("push", "call")):
-            stores = True
-        if ins.mnemonic.startswith(("pop", "ret")):
-            loads = True
-        out.append(InsnInfo(frozenset(reads), frozenset(writes), loads, stores, frozenset(mem_regs),
-                            _kind(ins.mnemonic)))
-    return out
+    if ins.id == 0:  # .byte from skipdata
+        return _EMPTY_INFO
+    try:
+        r, w = ins.regs_access()
+        reads = {_wide(ins.reg_name(x)) for x in r}
+        writes = {_wide(ins.reg_name(x)) for x in w}
+    except capstone.CsError:
+        reads, writes = set(), set()
+    loads = stores = False
+    mem_regs: set[str] = set()
+    for op in ins.operands:
+        if op.type == x86_const.X86_OP_MEM:
+            if ins.mnemonic in ("lea", "nop") or ins.mnemonic.startswith("nop") or ins.mnemonic == "prefetcht0":
+                continue
+            acc = op.access
+            if acc & capstone.CS_AC_READ:
+                loads = True
+            if acc & capstone.CS_AC_WRITE:
+                stores = True
+            for reg in (op.mem.base, op.mem.index):
+                if reg:
+                    mem_regs.add(_wide(ins.reg_name(reg)))
+    ops = ins.op_str.split(", ")
+    if ins.mnemonic in _ZERO_IDIOMS and len(ops) == 2 and ops[0] == ops[1]:
+        reads = set()  # xor eax, eax and the like: no input, whatever capstone says
+    if ins.mnemonic.startswith(("push", "call")):
+        stores = True
+    if ins.mnemonic.startswith(("pop", "ret")):
+        loads = True
+    return InsnInfo(frozenset(reads), frozenset(writes), loads, stores, frozenset(mem_regs), _kind(ins.mnemonic))
+
+
+def insn_info(code: bytes, address: int) -> list[InsnInfo]:
+    """Register and memory access per instruction of ``code`` (same order as disassemble())."""
+    return [_info(ins) for ins in _cs(True).disasm(code, address)]
+
+
+class LazyInfos(Sequence[InsnInfo]):
+    """``insn_info`` of ``insns`` decoded one instruction at a time, when first asked for: an analysis
+    that looks at a few of a procedure's instructions (the collector's loop counting) need not pay
+    for details of all of them (capstone's details cost about 10 us an instruction)."""
+
+    def __init__(self, insns: Sequence[Insn]) -> None:
+        self.insns = insns
+        self._done: dict[int, InsnInfo] = {}
+
+    def __len__(self) -> int:
+        return len(self.insns)
+
+    @overload
+    def __getitem__(self, k: int) -> InsnInfo: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[InsnInfo]: ...
+
+    def __getitem__(self, k: int | slice) -> InsnInfo | Sequence[InsnInfo]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        got = self._done.get(k)
+        if got is None:
+            ins = self.insns[k]
+            dec = list(_cs(True).disasm(ins.raw, ins.address, 1))
+            got = self._done[k] = _info(dec[0]) if dec else _EMPTY_INFO
+        return got
