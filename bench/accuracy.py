@@ -12,7 +12,11 @@ estimate is within 5, 10 and 15% (DCPI on SPEC95: 73, 87, 92%); the share
 of edge executions within 10% (DCPI: 58%); how much of the samples off by
 more than 15% were marked low confidence; and the analysis time.
 
-Usage: python bench/accuracy.py [--programs kernels,demo,bzip2,gzip,xz,zlib] [--runs 3]
+Three designs are measured from the same recordings (default `record` settings): calc as it is
+(loop counters where they hold, the model elsewhere), calc without loop counters (the first
+design, DCPI's issue points), and the naive estimator (a block's samples over its instructions).
+
+Usage: python bench/accuracy.py [--programs kernels,demo,bzip2,gzip,xz,zlib,lua,sqlite,zstd,lzip] [--runs 3]
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,21 @@ def callgrind_counts(p: Program, args: list[str], tmp: Path) -> Any:
     return prof, ob
 
 
+DESIGNS = ("calc", "first", "naive")
+DESIGN_NAMES = {"calc": "calc (loop counters, then the model)", "first": "first design (issue points, DCPI)",
+                "naive": "naive (block samples / instructions, CPI 1)"}
+
+
+def _acc() -> dict[str, Any]:
+    return {"samples": 0.0, "within": [0.0, 0.0, 0.0], "big_err": 0.0, "big_err_low": 0.0, "edge_exec": 0.0,
+            "edge_within10": 0.0, "high_samples": 0.0, "high_within": [0.0, 0.0, 0.0], "by_method": {}}
+
+
 def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: int) -> dict[str, Any]:
+    """Each design's estimates against the exact counts, from the same recordings: calc as it is
+    (loop counters where they hold, the model elsewhere), calc without the loop counters (the first
+    design), and the naive estimator (a block's samples over its instruction count at one cycle
+    per instruction, BOLT's no-LBR rule made absolute)."""
     from cyclescope.cli.calc import calc_target, cycles_event
     from cyclescope.cli.prof import prof_report
     from cyclescope.db.layout import Database
@@ -69,9 +86,8 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     counts = prof.counts[ob]
     jumps = prof.jumps[ob]
     cond = prof.cond_exec[ob]
-    acc = {"samples": 0.0, "within": [0.0, 0.0, 0.0], "big_err": 0.0, "big_err_low": 0.0,
-           "edge_exec": 0.0, "edge_within10": 0.0, "procedures": [], "time": 0.0,
-           "high_samples": 0.0, "high_within": [0.0, 0.0, 0.0], "never_ran": 0.0}
+    out: dict[str, Any] = {k: _acc() for k in DESIGNS}
+    out.update({"procedures": [], "time": 0.0, "never_ran": 0.0})
     for row in rep.rows:
         if row.counts[i] < min_samples or row.start is None:
             continue
@@ -82,76 +98,86 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
         t0 = time.perf_counter()
         c = calc_target(ps, t, sym, ev, None)
         dt = time.perf_counter() - t0
-        acc["time"] += dt
+        out["time"] += dt
+        c1 = calc_target(ps, t, sym, ev, None, evidence=False)
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
-        proc = {"name": row.procedure, "samples": row.counts[i], "seconds": dt, "within": [0.0, 0.0, 0.0],
-                "blocks": []}
+        ecol = c.events.index(ev)
+        proc = {"name": row.procedure, "samples": row.counts[i], "seconds": dt, "blocks": []}
         for blk in c.cfg.blocks:
-            f = c.freq.block[blk.id]
+            s = float(c.samples[blk.first : blk.last + 1, ecol].sum())
             exact = counts.get(c.cfg.insns[blk.first].address, 0) * runs
-            est = (f or 0.0) * c.period_cycles
-            s = float(c.samples[blk.first : blk.last + 1, 0 if ev == c.events[0] else c.events.index(ev)].sum())
-            if s <= 0:
-                continue
-            err = (est - exact) / exact if exact else float("inf")
-            proc["blocks"].append({"start": blk.start, "samples": s, "exact": exact, "estimate": est, "error": err,
-                                   "confidence": c.freq.block_confidence[blk.id],
-                                   "method": c.freq.block_method[blk.id]})
-            high = c.freq.block_confidence[blk.id] == "high"
+            n = blk.last - blk.first + 1
+            est = {"calc": (c.freq.block[blk.id] or 0.0) * c.period_cycles,
+                   "first": (c1.freq.block[blk.id] or 0.0) * c.period_cycles,
+                   "naive": s / n * c.period_cycles}
+            conf = {"calc": c.freq.block_confidence[blk.id], "first": c1.freq.block_confidence[blk.id],
+                    "naive": "low"}
+            method = {"calc": c.freq.block_method[blk.id], "first": c1.freq.block_method[blk.id], "naive": "naive"}
+            if s > 0:
+                proc["blocks"].append({"start": blk.start, "samples": s, "exact": exact,
+                                       **{f"est_{k}": v for k, v in est.items()},
+                                       "confidence": conf["calc"], "method": method["calc"]})
             for kk in range(blk.first, blk.last + 1):
-                si = float(c.samples[kk, c.events.index(ev)])
+                si = float(c.samples[kk, ecol])
                 if si <= 0:
                     continue
                 ex = counts.get(c.cfg.insns[kk].address, 0) * runs
                 if ex == 0 and exact == 0:
                     # Samples on code callgrind never saw run: programs that pick code by CPUID
                     # (xz) take other paths under valgrind's CPU. Not a valid comparison.
-                    acc["never_ran"] += si
+                    out["never_ran"] += si
                     continue
-                e = abs((est - ex) / ex) if ex else float("inf")
-                acc["samples"] += si
-                if high:
-                    acc["high_samples"] += si
-                for b, lim in enumerate(BUCKETS):
-                    if e <= lim:
-                        acc["within"][b] += si
-                        proc["within"][b] += si
-                        if high:
-                            acc["high_within"][b] += si
-                if e > 0.15:
-                    acc["big_err"] += si
-                    if c.freq.block_confidence[blk.id] == "low":
-                        acc["big_err_low"] += si
+                for dname in DESIGNS:
+                    a = out[dname]
+                    e = abs((est[dname] - ex) / ex) if ex else float("inf")
+                    a["samples"] += si
+                    bm = a["by_method"].setdefault(method[dname], [0.0, 0.0])
+                    bm[0] += si
+                    high = conf[dname] == "high"
+                    if high:
+                        a["high_samples"] += si
+                    for b, lim in enumerate(BUCKETS):
+                        if e <= lim:
+                            a["within"][b] += si
+                            if high:
+                                a["high_within"][b] += si
+                    if e <= 0.15:
+                        bm[1] += si
+                    else:
+                        a["big_err"] += si
+                        if conf[dname] == "low":
+                            a["big_err_low"] += si
         # Edges: exact counts from callgrind's jumps, fall-throughs from executions minus jumps.
-        for e in c.cfg.edges:
-            if e.src < 0 or e.dst < 0 or c.freq.edge[e.id] is None:
-                continue
-            last = c.cfg.insns[c.cfg.blocks[e.src].last]
-            first_dst = c.cfg.blocks[e.dst].start
-            if e.kind in ("taken", "jump", "table"):
-                ex = jumps.get((last.address, first_dst), 0)
-            elif e.kind == "fall":
-                ran = counts.get(last.address, 0)
-                taken = sum(v for (src, _), v in jumps.items() if src == last.address)
-                ex = ran - taken if last.address in cond or taken else ran
-            else:
-                continue
-            ex *= runs
-            if ex <= 0:
-                continue
-            est = (c.freq.edge[e.id] or 0.0) * c.period_cycles
-            acc["edge_exec"] += ex
-            if abs(est - ex) <= 0.10 * ex:
-                acc["edge_within10"] += ex
-        acc["procedures"].append(proc)
-    return acc
+        for dname, cc in (("calc", c), ("first", c1)):
+            for e in cc.cfg.edges:
+                if e.src < 0 or e.dst < 0 or cc.freq.edge[e.id] is None:
+                    continue
+                last = cc.cfg.insns[cc.cfg.blocks[e.src].last]
+                first_dst = cc.cfg.blocks[e.dst].start
+                if e.kind in ("taken", "jump", "table"):
+                    ex = jumps.get((last.address, first_dst), 0)
+                elif e.kind == "fall":
+                    ran = counts.get(last.address, 0)
+                    taken = sum(v for (src, _), v in jumps.items() if src == last.address)
+                    ex = ran - taken if last.address in cond or taken else ran
+                else:
+                    continue
+                ex *= runs
+                if ex <= 0:
+                    continue
+                est_e = (cc.freq.edge[e.id] or 0.0) * c.period_cycles
+                out[dname]["edge_exec"] += ex
+                if abs(est_e - ex) <= 0.10 * ex:
+                    out[dname]["edge_within10"] += ex
+        out["procedures"].append(proc)
+    return out
 
 
-def median_ratio(acc: dict[str, Any]) -> float:
-    """The sample-weighted median of estimate / exact over the analyzed blocks: below 1, calc's
+def median_ratio(acc: dict[str, Any], design: str = "calc") -> float:
+    """The sample-weighted median of estimate / exact over the analyzed blocks: below 1, the
     counts are low across the board (a bias, not noise)."""
-    pairs = sorted((b["estimate"] / b["exact"], b["samples"]) for pr in acc["procedures"] for b in pr["blocks"]
+    pairs = sorted((b[f"est_{design}"] / b["exact"], b["samples"]) for pr in acc["procedures"] for b in pr["blocks"]
                    if b["exact"] > 0)
     half, run = sum(w for _, w in pairs) / 2, 0.0
     for r, w in pairs:
@@ -161,9 +187,19 @@ def median_ratio(acc: dict[str, Any]) -> float:
     return float("nan")
 
 
+def line(name: str, a: dict[str, Any]) -> str:
+    s = a["samples"] or 1.0
+    return (f"{name}: " + ", ".join(f"within {int(100 * b)}% {100 * w / s:5.1f}%" for b, w in zip(BUCKETS, a["within"],
+                                                                                             strict=True))
+            + f"; edges within 10% {100 * a['edge_within10'] / max(1, a['edge_exec']):5.1f}%"
+            + f"; >15% errors marked low {100 * a['big_err_low'] / max(1, a['big_err']):5.1f}%"
+            + f"; high confidence {100 * a['high_samples'] / s:4.1f}% of samples, "
+            + f"{100 * a['high_within'][2] / max(1, a['high_samples']):5.1f}% of them within 15%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--programs", default="kernels,demo,bzip2,gzip,xz,zlib")
+    ap.add_argument("--programs", default="kernels,demo,bzip2,gzip,xz,zlib,lua,sqlite,zstd,lzip")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate", type=int, default=5000)
     ap.add_argument("--min-samples", type=int, default=100)
@@ -179,9 +215,8 @@ def main() -> None:
         progs = [Program(progs[0].name, exe, progs[0].args, exe.name)]
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="cs-acc-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    totals: dict[str, Any] = defaultdict(float)
-    totals["within"] = [0.0, 0.0, 0.0]
-    totals["high_within"] = [0.0, 0.0, 0.0]
+    totals: dict[str, Any] = {k: _acc() for k in DESIGNS}
+    totals.update({"time": 0.0, "never_ran": 0.0})
     per_program = {}
     for p in progs:
         pargs = [a.replace("{input}", str(inp)) for a in p.args]
@@ -194,40 +229,36 @@ def main() -> None:
                 raise SystemExit(f"record failed for {p.name}: {r.stderr[-800:]}")
         acc = analyze(p, db, prof, ob, args.runs, args.min_samples)
         per_program[p.name] = acc
-        s = acc["samples"] or 1.0
-        print(f"{p.name:>8}: {len(acc['procedures'])} procedures, {acc['samples']:,.0f} samples analyzed: "
-              + ", ".join(f"within {int(100 * b)}% {100 * w / s:5.1f}%" for b, w in zip(BUCKETS, acc["within"],
-                                                                                       strict=True))
-              + f"; edges within 10% {100 * acc['edge_within10'] / max(1, acc['edge_exec']):5.1f}%"
-              + f"; >15% errors marked low {100 * acc['big_err_low'] / max(1, acc['big_err']):5.1f}%"
-              + f"; high confidence: {100 * acc['high_samples'] / s:4.1f}% of samples, "
-              + f"{100 * acc['high_within'][2] / max(1, acc['high_samples']):5.1f}% of them within 15%"
-              + f"; weighted median of estimate/exact {median_ratio(acc):.2f}"
-              + f"; analysis {acc['time']:.1f} s", flush=True)
-        for k in ("samples", "big_err", "big_err_low", "edge_exec", "edge_within10", "time", "high_samples",
-                  "never_ran"):
-            totals[k] += acc[k]
-        for b in range(3):
-            totals["within"][b] += acc["within"][b]
-            totals["high_within"][b] += acc["high_within"][b]
-    s = totals["samples"] or 1.0
-    print("\nall programs: "
-          + ", ".join(f"within {int(100 * b)}% {100 * w / s:.1f}%" for b, w in zip(BUCKETS, totals["within"],
-                                                                                 strict=True))
-          + f" of {totals['samples']:,.0f} samples (DCPI: 73, 87, 92)")
-    print(f"edges: {100 * totals['edge_within10'] / max(1, totals['edge_exec']):.1f}% of edge executions within 10% "
-          "(DCPI: 58)")
-    print(f"low confidence marks {100 * totals['big_err_low'] / max(1, totals['big_err']):.1f}% of the samples whose "
-          f"estimate is off by more than 15%")
-    hs = totals["high_samples"] or 1.0
-    print(f"high confidence covers {100 * totals['high_samples'] / s:.1f}% of the samples: "
-          + ", ".join(f"within {int(100 * b)}% {100 * w / hs:.1f}%" for b, w in zip(BUCKETS, totals["high_within"],
-                                                                                 strict=True)))
+        print(f"{p.name}: {len(acc['procedures'])} procedures, {acc['calc']['samples']:,.0f} samples analyzed, "
+              f"analysis {acc['time']:.1f} s; weighted median of estimate/exact: "
+              + ", ".join(f"{k} {median_ratio(acc, k):.2f}" for k in DESIGNS), flush=True)
+        for k in DESIGNS:
+            print("   " + line(k, acc[k]), flush=True)
+        for k in DESIGNS:
+            t, a = totals[k], acc[k]
+            for f in ("samples", "big_err", "big_err_low", "edge_exec", "edge_within10", "high_samples"):
+                t[f] += a[f]
+            for b in range(3):
+                t["within"][b] += a["within"][b]
+                t["high_within"][b] += a["high_within"][b]
+            for m, (n, w) in a["by_method"].items():
+                tm = t["by_method"].setdefault(m, [0.0, 0.0])
+                tm[0] += n
+                tm[1] += w
+        totals["time"] += acc["time"]
+        totals["never_ran"] += acc["never_ran"]
+    print("\nall programs (DCPI on SPEC95: within 5/10/15% 73/87/92%, edges within 10% 58%):")
+    for k in DESIGNS:
+        print("  " + line(DESIGN_NAMES[k], totals[k]))
+    c = totals["calc"]
+    print("calc's samples by what their block's count rests on (share of samples, share of those within 15%): "
+          + ", ".join(f"{m} {100 * n / max(1, c['samples']):.1f}% ({100 * w / max(1, n):.0f}%)"
+                      for m, (n, w) in sorted(c["by_method"].items(), key=lambda kv: -kv[1][0])))
     print(f"left out: {totals['never_ran']:,.0f} samples on code callgrind never saw run (CPU dispatch differs "
           "under valgrind)")
-    print(f"analysis time: {totals['time']:.1f} s")
+    print(f"analysis time (calc, all procedures analyzed): {totals['time']:.1f} s")
     path = save("accuracy", {"machine": machine(), "args": vars(args), "programs": per_program,
-                             "totals": dict(totals)})
+                             "totals": totals})
     print(f"raw data: {path}")
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)

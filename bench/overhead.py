@@ -45,6 +45,8 @@ def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path) -> li
         return wl
     if name == "perf":
         return ["perf", "record", "-e", "cpu-clock", "-F", str(rate), "-o", str(tmp / "perf.data"), "--", *wl]
+    if name == "plain":  # cyclescope without calc's evidence: flat samples only
+        return cyclescope_cmd("record", "--db", str(tmp / "plain.db"), "-F", str(rate), "--no-loop-counts", "--", *wl)
     return cyclescope_cmd("record", "--db", str(tmp / "cs.db"), "-F", str(rate), "--", *wl)
 
 
@@ -53,7 +55,7 @@ def measure(name: str, rate: int, exe: Path, secs: float, tmp: Path) -> dict[str
     if r.returncode != 0:
         raise RuntimeError(f"{name} failed: {r.stderr[-500:]}")
     tcpu, tuser = workload_cpu(r.stdout)
-    samples = perf_samples(r.stderr) if name == "perf" else cyclescope_samples(r.stderr) if name == "cyclescope" else 0
+    samples = perf_samples(r.stderr) if name == "perf" else cyclescope_samples(r.stderr) if name != "none" else 0
     return {
         "contender": name, "rate": rate, "seconds": secs, "target_cpu": tcpu, "target_user": tuser,
         "own_cpu": max(0.0, r.cpu_s - tcpu), "own_user": max(0.0, r.user_s - tuser), "wall": r.wall_s,
@@ -68,19 +70,24 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--marginal-rate", type=int, default=5000)
     ap.add_argument("--marginal-lengths", default="4,16")
+    ap.add_argument("--contenders", default="none,perf,cyclescope",
+                    help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts)")
     args = ap.parse_args()
     need("perf")
     rates = [int(x) for x in args.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="cs-bench-"))
     exe = build("workload.c", tmp / "workload")
-    contenders = ["none", "perf", "cyclescope"]
+    contenders = args.contenders.split(",")
+    if "none" not in contenders:
+        contenders.insert(0, "none")
     # Warm-up: the first cyclescope run into a database stores kernel symbols; perf fills its caches.
     for c in contenders:
         measure(c, rates[0], exe, 0.5, tmp)
     rows: list[dict[str, Any]] = []
     for rnd in range(args.runs):
         for rate in rates:
-            order = contenders[rnd % 3:] + contenders[: rnd % 3]
+            k = rnd % len(contenders)
+            order = contenders[k:] + contenders[:k]
             for c in order:
                 m = measure(c, rate, exe, args.seconds, tmp)
                 m["round"] = rnd
@@ -90,16 +97,16 @@ def main() -> None:
     # Marginal cost per sample: two workload lengths, alternated.
     lengths = [float(x) for x in args.marginal_lengths.split(",")]
     marg: list[dict[str, Any]] = []
-    for rnd in range(args.runs):
+    for rnd in range(args.runs if len(lengths) > 1 else 0):
         for secs in lengths:
-            for c in ("perf", "cyclescope"):
+            for c in [x for x in contenders if x != "none"]:
                 m = measure(c, args.marginal_rate, exe, secs, tmp)
                 m["round"] = rnd
                 marg.append(m)
                 print(f"marginal round {rnd} {secs:>5} s {c:>10}: own user {m['own_user']:.3f} s, "
                       f"{m['samples']} samples", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    report = summarize(rows, marg, rates, lengths)
+    report = summarize(rows, marg, rates, lengths, contenders)
     path = save("overhead", {"machine": machine(), "args": vars(args), "rows": rows, "marginal": marg,
                              "summary": report})
     print("\n".join(report["lines"]))
@@ -107,7 +114,7 @@ def main() -> None:
 
 
 def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: list[int],
-              lengths: list[float]) -> dict[str, Any]:
+              lengths: list[float], contenders: list[str]) -> dict[str, Any]:
     lines = ["", "Overhead (median [quartiles] over rounds; CPU seconds)", ""]
     out: dict[str, Any] = {"rates": {}}
     hdr = (f"{'rate':>6} {'contender':>10} {'target CPU':>24} {'profiler CPU':>24} {'extra CPU':>24} "
@@ -116,7 +123,7 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
     for rate in rates:
         base = {r["round"]: r["target_cpu"] for r in rows if r["rate"] == rate and r["contender"] == "none"}
         per: dict[str, dict[str, list[float]]] = {}
-        for c in ("none", "perf", "cyclescope"):
+        for c in contenders:
             rs = [r for r in rows if r["rate"] == rate and r["contender"] == c]
             extra = [r["target_cpu"] + r["own_cpu"] - base[r["round"]] for r in rs]
             per[c] = {
@@ -128,21 +135,24 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
             lines.append(f"{rate:>6} {c:>10} {fmt_spread(per[c]['target']):>24} {fmt_spread(per[c]['own']):>24} "
                          f"{fmt_spread(per[c]['extra']):>24} {median(per[c]['samples']):>8.0f} "
                          f"{median(per[c]['own_us_per_sample']) if per[c]['own_us_per_sample'] else 0:>14.1f}")
-        ratio = []
-        for rnd in sorted(base):
-            p = [r for r in rows if r["rate"] == rate and r["contender"] == "perf" and r["round"] == rnd]
-            s = [r for r in rows if r["rate"] == rate and r["contender"] == "cyclescope" and r["round"] == rnd]
-            if p and s:
-                pe = p[0]["target_cpu"] + p[0]["own_cpu"] - base[rnd]
-                se = s[0]["target_cpu"] + s[0]["own_cpu"] - base[rnd]
-                if pe > 0:
-                    ratio.append(se / pe)
-        per["ratio_extra_cyclescope_over_perf"] = {"values": ratio}  # type: ignore[dict-item]
-        lines.append(f"{'':>6} {'ratio':>10} extra CPU cyclescope / perf: {fmt_spread(ratio, digits=2)}")
+        for a, b in (("cyclescope", "perf"), ("cyclescope", "plain"), ("plain", "perf")):
+            if a not in contenders or b not in contenders:
+                continue
+            ratio = []
+            for rnd in sorted(base):
+                pa = [r for r in rows if r["rate"] == rate and r["contender"] == a and r["round"] == rnd]
+                pb = [r for r in rows if r["rate"] == rate and r["contender"] == b and r["round"] == rnd]
+                if pa and pb:
+                    ea = pa[0]["target_cpu"] + pa[0]["own_cpu"] - base[rnd]
+                    eb = pb[0]["target_cpu"] + pb[0]["own_cpu"] - base[rnd]
+                    if eb > 0:
+                        ratio.append(ea / eb)
+            per[f"ratio_extra_{a}_over_{b}"] = {"values": ratio}  # type: ignore[dict-item]
+            lines.append(f"{'':>6} {'ratio':>10} extra CPU {a} / {b}: {fmt_spread(ratio, digits=2)}")
         lines.append("")
         out["rates"][rate] = per
     # Marginal per-sample user cost: slope between the two lengths, per round.
-    for c in ("perf", "cyclescope"):
+    for c in [x for x in contenders if x != "none"]:
         slopes = []
         for rnd in sorted({m["round"] for m in marg}):
             a = [m for m in marg if m["contender"] == c and m["round"] == rnd and m["seconds"] == lengths[0]]

@@ -137,6 +137,16 @@ def wait_status(db: Path, timeout: float = 30) -> float | None:
     return None
 
 
+def _status_samples(db: Path) -> int | None:
+    from cyclescope.collect.control import request
+
+    try:
+        r = request(db, "status", timeout_s=10)
+    except Exception:
+        return None
+    return int(r["samples"]) if r and r.get("ok") else None
+
+
 def part_daemon(tmp: Path, kills: int, exes: dict[str, Path]) -> dict[str, Any]:
     db = tmp / "daemon.db"
     busy = [subprocess.Popen([str(exes["busy"])]) for _ in range(os.cpu_count() or 1)]
@@ -154,18 +164,18 @@ def part_daemon(tmp: Path, kills: int, exes: dict[str, Path]) -> dict[str, Any]:
                                                 str(FLUSH), "--compact-after", "3"),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             t_up = wait_status(db)
+            s0 = _status_samples(db)
             time.sleep(rng.uniform(0.3, 3.0))
-            t_kill = time.time()
-            d.kill()
+            s1 = _status_samples(db)  # what the daemon has taken so far...
+            t1 = time.time()
+            d.kill()  # ...and then dies at once
             d.wait()
-            after, segs = db_samples(db)
-            if t_up is None:
+            after, _ = db_samples(db)
+            if t_up is None or s0 is None or s1 is None:
                 continue
-            # Sampled time this run lost: from the end of its last flush to the kill (the daemon was
-            # sampling from t_up at the latest; its flushes hold the rest).
-            mine = [s for s in segs if s[0] >= t_up - 5]
-            last_end = max((e for _, e, _ in mine), default=t_up)
-            losses.append(max(0.0, t_kill - max(last_end, t_up)) / FLUSH)
+            rate = (s1 - s0) / max(1e-3, t1 - t_up)
+            # Samples taken before the kill that no segment holds, in flush intervals' worth.
+            losses.append(max(0, s1 - (after - before)) / max(1.0, rate * FLUSH))
             print(f"\rdaemon kills: {k + 1}/{kills}, samples {after - before:,} this run", end="", flush=True)
     finally:
         reader.stop.set()
@@ -180,8 +190,9 @@ def part_daemon(tmp: Path, kills: int, exes: dict[str, Path]) -> dict[str, Any]:
     return {"kills": kills, "corrupt_files": len(bad), "corrupt": bad[:5], "reader_runs": reader.runs,
             "reader_failures": reader.failures, "reader_errors": reader.errors[:5], "compactions": compactor.runs,
             "compaction_failures": compactor.failures, "compaction_errors": compactor.errors[:5],
-            "lost_flush_intervals": {"max": max(losses, default=0.0), "median": sorted(losses)[len(losses) // 2]
-                                     if losses else 0.0, "over_one": sum(x > 1.0 for x in losses)}}
+            "lost_flush_intervals": {"max": round(max(losses, default=0.0), 2),
+                                     "median": round(sorted(losses)[len(losses) // 2], 2) if losses else 0.0,
+                                     "over_one": sum(x > 1.0 for x in losses), "measured": len(losses)}}
 
 
 def part_record(tmp: Path, kills: int, exes: dict[str, Path]) -> dict[str, Any]:
@@ -281,21 +292,16 @@ def part_attack(tmp: Path, exes: dict[str, Path]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         wait_status(db)
-        quiet = flushes_per_s(db, 5)
 
         def drop() -> None:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
 
-        work = subprocess.Popen([str(spin), "12"], preexec_fn=drop)
-        thieves = [subprocess.Popen(["python3", str(attack), str(db), str(t), "10"], preexec_fn=drop,
-                                    stderr=subprocess.PIPE, text=True) for t in targets]
-        squat = subprocess.run(["python3", "-c", "import socket,os,sys\nn=0\nfor p in (sys.argv[1]+'/control/daemon.sock',"
-                                " sys.argv[1]+'/control/x'):\n try:\n  s=socket.socket(socket.AF_UNIX); s.bind(p); n+=1\n"
-                                " except OSError: pass\nprint(n)", str(db)], preexec_fn=drop, capture_output=True,
-                               text=True)
-        # As the one user the socket admits: a client trickling a byte every 0.3 s, and garbage.
+        work = subprocess.Popen([str(spin), "30"], preexec_fn=drop)
+        time.sleep(1)
+        quiet = flushes_per_s(db, 5)
+        # As the one user the socket admits: clients trickling a byte every 0.3 s, and garbage.
         stop = threading.Event()
         garbage_sent = [0, 0]
 
@@ -327,6 +333,7 @@ def part_attack(tmp: Path, exes: dict[str, Path]) -> dict[str, Any]:
                     pass
                 finally:
                     s.close()
+                time.sleep(0.01)
 
         threads = [threading.Thread(target=slowloris, daemon=True) for _ in range(4)]
         threads.append(threading.Thread(target=garbage, daemon=True))
@@ -334,16 +341,27 @@ def part_attack(tmp: Path, exes: dict[str, Path]) -> dict[str, Any]:
             t.start()
         attacked = flushes_per_s(db, 5)
         stop.set()
+        # As nobody: links planted in every directory of the database, the socket's name squatted.
+        thieves = [subprocess.Popen(["python3", str(attack), str(db), str(t), "8"], preexec_fn=drop,
+                                    stderr=subprocess.PIPE, text=True) for t in targets]
+        squatter = ("import socket, sys\nn = 0\nfor p in (sys.argv[1] + '/control/daemon.sock', "
+                    "sys.argv[1] + '/control/x'):\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
+                    "        s.bind(p)\n        n += 1\n    except OSError:\n        pass\nprint(n)")
+        squat = subprocess.run(["python3", "-c", squatter, str(db)], preexec_fn=drop, capture_output=True, text=True)
+        time.sleep(1)
+        busy = flushes_per_s(db, 5)
+        stop.set()
         tried = refused = 0
         for th in thieves:
             _, err = th.communicate(timeout=60)
             a, b = (int(x) for x in err.split()[-2:])
             tried, refused = tried + a, refused + b
+        work.kill()
         work.wait(timeout=60)
         out = {"link_attempts": tried, "link_attempts_refused": refused, "sockets_squatted": int(squat.stdout or 0),
                "garbage_requests": garbage_sent[0], "garbage_answered_with_error": garbage_sent[1],
-               "flushes_per_s_quiet": round(quiet, 2), "flushes_per_s_attacked": round(attacked, 2),
-               "daemon_alive": d.poll() is None}
+               "flushes_per_s_quiet": round(quiet, 2), "flushes_per_s_control_attacks": round(attacked, 2),
+               "flushes_per_s_link_attacks": round(busy, 2), "daemon_alive": d.poll() is None}
     finally:
         d.send_signal(signal.SIGTERM)
         _, err = d.communicate(timeout=60)
@@ -357,7 +375,6 @@ def part_attack(tmp: Path, exes: dict[str, Path]) -> dict[str, Any]:
 def part_fuzz(n: int) -> dict[str, Any]:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-
     from tests.unit import test_fuzz as tf
 
     root = Path(tempfile.mkdtemp(prefix="cs-fuzz-"))

@@ -6,6 +6,7 @@ its hot code lives in one image. Nothing built here is committed.
 
     python bench/suite.py            # fetch and build everything into bench/out/suite/
     python bench/suite.py lua sqlite # also (or only) Lua 5.4 and SQLite's shell (bench/optimize.py)
+    python bench/suite.py zstd lzip  # zstd (C) and lzip (C++)
 """
 
 from __future__ import annotations
@@ -145,6 +146,28 @@ def build_zlib() -> Path:
     return out
 
 
+def build_zstd() -> Path:
+    """zstd's command-line program with the library compiled in, single-threaded, without its
+    hand-written assembly (a decoder loop in .S: no CFG a compiler made)."""
+    out = BIN / "zstd"
+    if not out.exists():
+        src = fetch("libzstd")
+        sh(f"make -s -C programs zstd CFLAGS='{CFLAGS}' MOREFLAGS='-DZSTD_DISABLE_ASM' HAVE_THREAD=0 HAVE_ZLIB=0 "
+           "HAVE_LZMA=0 HAVE_LZ4=0 >/dev/null", cwd=src)
+        shutil.copy(src / "programs" / "zstd", out)
+    return out
+
+
+def build_lzip() -> Path:
+    """lzip, an LZMA compressor in C++."""
+    out = BIN / "lzip"
+    if not out.exists():
+        src = fetch("lzip")
+        sh(f"./configure -q CXXFLAGS='{CFLAGS}' >/dev/null && make -s >/dev/null", cwd=src)
+        shutil.copy(src / "lzip", out)
+    return out
+
+
 def build_own() -> tuple[Path, Path]:
     demo = BIN / "demo"
     skid = BIN / "kernels"
@@ -200,6 +223,10 @@ def programs(names: list[str] | None = None) -> tuple[list[Program], Path]:
     # Not in the default set (the accuracy figures were measured without them); bench/optimize.py uses them.
     if "lua" in want:
         out.append(Program("lua", build_lua(), [str(ROOT / "bench" / "programs" / "workload.lua")], "lua"))
+    if "zstd" in want:
+        out.append(Program("zstd", build_zstd(), ["-c", "-6", "--single-thread", "{input}"], "zstd"))
+    if "lzip" in want:
+        out.append(Program("lzip", build_lzip(), ["-c", "-3", "{input}"], "lzip"))
     if "sqlite" in want:
         out.append(Program("sqlite", build_sqlite(),
                            [":memory:", f".read {ROOT / 'bench' / 'programs' / 'workload.sql'}"], "sqlite3"))

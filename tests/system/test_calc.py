@@ -29,10 +29,30 @@ def calc(db: Path, proc: str) -> dict:
 def test_a_stall_free_loop_is_counted_within_a_few_percent(kernels_db: Path) -> None:
     doc = calc(kernels_db, "chain")
     loop = max(doc["blocks"], key=lambda b: b["samples"])
-    # chain(300000000) runs its loop body exactly 300M times.
-    assert loop["confidence"] == "high"
-    assert loop["executions"] == pytest.approx(300e6, rel=0.15)
+    # chain(300000000) runs its loop body exactly 300M times: its counter register (i) says so
+    # between samples, whatever the core's model, clock or skid.
+    assert loop["confidence"] == "high" and loop["method"] == "loop-counter"
+    assert loop["executions"] == pytest.approx(300e6, rel=0.05)
     assert doc["summary"]["actual_cpi"] == pytest.approx(doc["summary"]["best_cpi"], rel=0.25)
+
+
+def test_loop_counters_count_loops_of_known_trip_counts(kernels_db: Path, compile_c: Callable[..., Path],
+                                                        tmp_path: Path) -> None:
+    """divide's loop runs 30M - 1 times; nested's outer loop 20M times (its inner loop's executions
+    last less than a sampling period: no count from pairs, the model's). Without loop counters the
+    counts come from the model, never from a counter."""
+    loop = max(calc(kernels_db, "divide")["blocks"], key=lambda b: b["samples"])
+    assert loop["method"] == "loop-counter" and loop["executions"] == pytest.approx(30e6, rel=0.05)
+    exe = compile_c("kernels", "-O2", "-g", out="kernels")
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "-F", "5000", "--", str(exe), "nested")
+    doc = calc(db, "nested")
+    outer = [b for b in doc["blocks"] if b["method"] == "loop-counter"]
+    assert outer and all(b["executions"] == pytest.approx(20e6, rel=0.05) for b in outer)
+    plain = tmp_path / "plain"
+    cs("record", "--db", str(plain), "-q", "-F", "5000", "--no-loop-counts", "--", str(exe), "chain")
+    assert not list(plain.glob("epoch=*/host=*/loops/*.parquet"))
+    assert all(b["method"] != "loop-counter" for b in calc(plain, "chain")["blocks"])
 
 
 def test_divides_are_blamed_on_the_divider(kernels_db: Path) -> None:
@@ -51,8 +71,10 @@ def test_mispredicts_are_candidates_at_the_heads_of_data_dependent_blocks(kernel
     assert "*** Best-case" in text and "*** branch mispredict" in text and "block " in text
 
 
-def test_calc_over_an_image_and_a_missing_procedure(kernels_db: Path) -> None:
+def test_calc_over_an_image_everything_and_a_missing_procedure(kernels_db: Path) -> None:
     out = cs("calc", "--image", "kernels", "--db", str(kernels_db)).stdout
     assert "chain" in out and "divide" in out and "best CPI" in out
+    every = cs("calc", "--db", str(kernels_db), "--epoch", "all").stdout  # no procedure: the hottest ones
+    assert "chain" in every and "measured%" in every and "procedures analyzed in" in every
     p = cs("calc", "nosuch", "--db", str(kernels_db), check=False)
     assert p.returncode == 4 and "no procedure named 'nosuch'" in p.stderr

@@ -121,6 +121,28 @@ def test_queries_sum_over_segments_and_filter(tmp_path: Path) -> None:
         open_profile(db, Selection(hosts=("h9",)))
 
 
+def test_counts_are_weighted_by_the_periods_the_samples_stood_for(tmp_path: Path) -> None:
+    """Two procedures sampled 100 times each, one while the period was 150 us, the other 250 us: it
+    ran 5/3 as long, and the counts say so (their total stays the samples'). A segment from before
+    weights counts its rows as plain samples; compaction gives them their segment's mean period."""
+    db = Database.create_or_open(tmp_path / "db")
+    e = db.new_epoch()
+    t = build_table(IMAGES, np.array([1, 1]), np.array([0x10, 0x20], np.uint64), ["cpu-clock"], np.array([0, 0]),
+                    ["[unknown]", "prog"], np.array([1, 1]), np.array([100, 100], np.uint64),
+                    np.array([100 * 150_000, 100 * 250_000], np.uint64))
+    meta = SegmentMeta("h1", e, start_time=1000.0, end_time=1010.0)
+    meta.events["cpu-clock"] = EventMeta("cpu-clock", samples=200, period_sum=200 * 200_000, nominal_period=250_000)
+    meta.images = dict(INFO)
+    write_segment(db, e, "h1", t, meta)
+    got = {r["offset"]: (r["count"], r["raw"]) for r in query_counts(open_profile(db, Selection())).to_pylist()}
+    assert got == {0x10: (75, 100), 0x20: (125, 100)}
+    put(db, e, [(1, 0x30, 0, 1, 40)], events=("cpu-clock",))  # no weights: 40 plain samples
+    assert {r["offset"]: r["count"] for r in query_counts(open_profile(db, Selection())).to_pylist()}[0x30] == 40
+    assert compact(db, e, "h1") is not None
+    after = {r["offset"]: r["count"] for r in query_counts(open_profile(db, Selection())).to_pylist()}
+    assert after == {0x10: 75, 0x20: 125, 0x30: 40}
+
+
 def test_compaction_merges_and_size_follows_distinct_keys(tmp_path: Path) -> None:
     db = Database.create_or_open(tmp_path)
     e = db.new_epoch()

@@ -35,6 +35,16 @@ class CallgrindProfile:
     cond_exec: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
     functions: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))  # ob -> fn -> first addr
     summary: int = 0
+    # object path -> address -> every event's count (the events line's order), with keep_all=True:
+    # with --cache-sim=yes --branch-sim=yes, the D1/LL misses and mispredicts of each instruction
+    costs: dict[str, dict[int, list[int]]] = field(default_factory=lambda: defaultdict(dict))
+
+    def event(self, ob: str, name: str) -> dict[int, int]:
+        """One event's count per address of ``ob`` (needs keep_all)."""
+        if name not in self.events:
+            return {}
+        k = self.events.index(name)
+        return {a: v[k] for a, v in self.costs[ob].items() if v[k]}
 
     def total(self) -> int:
         return sum(sum(d.values()) for d in self.counts.values())
@@ -54,7 +64,7 @@ def _sub(tok: str, prev: int) -> int:
     return int(tok, 0)
 
 
-def parse_callgrind(text: str) -> CallgrindProfile:
+def parse_callgrind(text: str, keep_all: bool = False) -> CallgrindProfile:
     npos = 1
     names: dict[tuple[str, str], str] = {}
     prof = CallgrindProfile([])
@@ -91,6 +101,12 @@ def parse_callgrind(text: str) -> CallgrindProfile:
             if vals:
                 d = prof.counts[ob]
                 d[pos[0]] = d.get(pos[0], 0) + int(vals[0])
+                if keep_all:
+                    cur = prof.costs[ob].get(pos[0])
+                    if cur is None:
+                        cur = prof.costs[ob][pos[0]] = [0] * max(1, len(prof.events))
+                    for i, v in enumerate(vals[: len(cur)]):
+                        cur[i] += int(v)
             continue
         key, eq, value = line.partition("=")
         if eq:

@@ -63,7 +63,9 @@ def period_cycles(ps: ProfileSet, ev: str) -> float | None:
 
 
 def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcpu: str | None,
-                estimator: str = "dcpi") -> Calc:
+                estimator: str = "dcpi", evidence: bool = True) -> Calc:
+    """calc of one procedure of the selection; ``evidence=False``: from the samples and the model
+    alone (the first design, DCPI's), leaving out loop counters."""
     import numpy as np
 
     from cyclescope.analysis.calc import calc_procedure
@@ -98,7 +100,7 @@ def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcp
         except Exception:  # an address outside the file (no table there), or unreadable relocations
             return None
 
-    stats = loop_stats(ps, info.key, target.start, target.end)
+    stats = loop_stats(ps, info.key, target.start, target.end) if evidence else {}
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(ps, event), name_at, read, Cache(), info.key, mcpu, estimator,
                           stats, ps.events[event].mean_period)
@@ -143,12 +145,14 @@ class CalcCommand(Command):
         "store buffer). DCPI's dcpicalc, Figures 2 and 4 of the SOSP paper."
     )
     epilog = (
-        "examples:\n  cyclescope calc hot\n  cyclescope calc --image ./prog --limit 10\n"
+        "examples:\n  cyclescope calc hot\n  cyclescope calc                      # the 20 hottest procedures\n"
+        "  cyclescope calc --image ./prog --limit 10\n"
         "  cyclescope calc hot --json"
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("procedure", nargs="?", metavar="PROCEDURE|0xSTART-0xEND", help="what to analyze")
+        p.add_argument("procedure", nargs="?", metavar="PROCEDURE|0xSTART-0xEND",
+                       help="what to analyze (default: the procedures with most samples, one line each)")
         p.add_argument("--all", action="store_true", help="with --image: every procedure with samples in it")
         p.add_argument("--cycles-event", metavar="EVENT",
                        help="the event whose samples measure time (default: cycles, else cpu-clock)")
@@ -157,7 +161,8 @@ class CalcCommand(Command):
                        help=ESTIMATOR_HELP + " (default: dcpi)")
         p.add_argument("--hot", action="store_true", help="only blocks with samples")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
-                       help="--image: the N procedures with most samples (default: 20 on a terminal)")
+                       help="without a procedure: the N procedures with most samples (default: 20; with --image, "
+                            "all of them in a pipe; 0: all)")
         add_selection_options(p)
         add_output_options(p)
 
@@ -183,11 +188,12 @@ class CalcCommand(Command):
             else:
                 write_table(calc_table(c, s, hot_only=args.hot))
             return 0
-        if not sel.images:
-            raise UsageError("give a PROCEDURE, or --image IMAGE to analyze every procedure with samples in it")
-        return self._image(ps, sym, ev, args)
+        return self._many(ps, sym, ev, args)
 
-    def _image(self, ps: ProfileSet, sym: Symbolizer, ev: str, args: argparse.Namespace) -> int:
+    def _many(self, ps: ProfileSet, sym: Symbolizer, ev: str, args: argparse.Namespace) -> int:
+        """The procedures with most samples (of --image's images, or of all), each through calc."""
+        import time
+
         from cyclescope.cli.prof import prof_report
         from cyclescope.errors import CycleScopeError
         from cyclescope.report.calc import calc_to_json, image_table, summarize
@@ -196,6 +202,9 @@ class CalcCommand(Command):
         rep = prof_report(ps, False)
         i = rep.events.index(ev)
         rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0]
+        # The kernel's code is not in the database: its procedures cannot be analyzed.
+        no_code = [r for r in rows if ps.images[r.image_key].kind not in ("elf", "vdso")]
+        rows = [r for r in rows if ps.images[r.image_key].kind in ("elf", "vdso")]
         if not rows:
             problems = sorted({sym.problems[k] for k in ps.images if k in sym.problems})
             nosym = [r.image for r in rep.rows if r.start is None and r.counts[i] > 0]
@@ -203,9 +212,14 @@ class CalcCommand(Command):
                                 + (f": {problems[0]}" if problems else
                                    f": {nosym[0]} has no symbol table (stripped?); give an address range "
                                    "0xSTART-0xEND instead of a procedure" if nosym else ""))
-        limit = args.limit if args.limit is not None else (20 if is_tty(sys.stdout) else 0)
+        if args.limit is not None and args.limit < 0:
+            raise UsageError("--limit must be 0 (every procedure) or more")
+        # Over an image, every procedure in a pipe; over everything, the 20 hottest unless asked.
+        limit = args.limit if args.limit is not None else (20 if is_tty(sys.stdout) or not ps.selection.images else 0)
+        hidden = len(rows) - limit if limit and len(rows) > limit else 0
         if limit:
             rows = rows[:limit]
+        t0 = time.perf_counter()
         results = []
         failures = []
         for r in rows:
@@ -221,10 +235,16 @@ class CalcCommand(Command):
                 failures.append(f"{r.procedure}: {e}")
                 continue
             results.append((r.procedure, c, summarize(c)))
+        secs = time.perf_counter() - t0
         if args.json:
-            write_json({"procedures": [calc_to_json(c, s) for _, c, s in results], "failures": failures})
+            write_json({"procedures": [calc_to_json(c, s) for _, c, s in results], "failures": failures,
+                        "analysis_seconds": round(secs, 3), "not_shown": hidden})
             return 0
         out = image_table(results, float(rep.totals[i]))
         out.footer += [f"note: {f}" for f in failures]
+        if no_code:
+            out.footer.append(f"note: {len(no_code)} kernel procedure(s) with samples left out (no code to analyze)")
+        out.footer.append(f"{len(results)} procedures analyzed in {secs:.1f} s"
+                          + (f"; {hidden} more with fewer samples not analyzed (--limit 0: all)" if hidden else ""))
         write_table(out)
         return 0

@@ -119,6 +119,7 @@ class ControlServer:
             self.sock.bind(str(self.path))
         finally:
             os.umask(old)
+        self._ino = os.stat(self.path).st_ino  # close() removes the socket only if it is still this one
         self.sock.listen(MAX_CLIENTS)
         self.sock.settimeout(0.25)
         self._queue: queue.Queue[Pending] = queue.Queue()
@@ -151,7 +152,8 @@ class ControlServer:
         for p in self.pending():
             p.reply({"ok": False, "error": "the daemon is stopping"})
         with contextlib.suppress(OSError):
-            self.path.unlink()
+            if os.stat(self.path).st_ino == self._ino:
+                self.path.unlink()
         for fd in (self._wake_r, self._wake_w, self._lock_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -12,6 +12,7 @@ from typing import Any
 
 from cyclescope.analysis.calc import Calc
 from cyclescope.analysis.culprits import CULPRITS, STATIC
+from cyclescope.analysis.frequency import MEASURED
 from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
 
 # Why a block has no estimate, where frequency.py says.
@@ -246,15 +247,19 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
 
 def image_table(rows: list[tuple[str, Calc, Summary]], total_samples: float) -> Table:
     cols = [Col("samples", style="bold"), Col("%"), Col("best CPI"), Col("actual CPI"), Col("D-cache%"),
-            Col("I-cache%"), Col("mispredict%"), Col("unexplained%"), Col("static%"), Col("confidence", "left"),
-            Col("procedure", "left", style="cyan", wrap=True)]
+            Col("I-cache%"), Col("mispredict%"), Col("unexplained%"), Col("static%"), Col("measured%"),
+            Col("confidence", "left"), Col("procedure", "left", style="cyan", wrap=True)]
     out = []
     for name, c, s in rows:
         conf = [c.freq.block_confidence[b.id] for b in c.cfg.blocks if c.freq.block[b.id] is not None]
         high = sum(1 for x in conf if x == "high")
+        ev = c.events.index(c.cycles_event)
+        measured = sum(float(c.samples[b.first : b.last + 1, ev].sum()) for b in c.cfg.blocks
+                       if c.freq.block_method[b.id] in MEASURED)
         out.append([fmt_count(s.samples), fmt_pct(100 * s.samples / total_samples) if total_samples else "-",
                     f"{s.best_cpi:.2f}", f"{s.actual_cpi:.2f}", f"{s.pct(s.dynamic['d'][1]):.1f}",
                     f"{s.pct(s.dynamic['i'][1]):.1f}", f"{s.pct(s.dynamic['p'][1]):.1f}",
                     f"{s.pct(s.unexplained):.1f}", f"{s.pct(sum(s.static.values())):.1f}",
-                    f"{high}/{len(conf)} high", name])
-    return Table(cols, out, preamble=["cyclescope calc --image: per procedure (upper bounds of culprit shares)"])
+                    f"{100 * measured / s.samples:.0f}" if s.samples else "-", f"{high}/{len(conf)} high", name])
+    return Table(cols, out, preamble=["cyclescope calc: per procedure (upper bounds of culprit shares; measured%: "
+                                      "samples in blocks whose count a loop counter measured)"])
