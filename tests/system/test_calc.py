@@ -38,17 +38,24 @@ def test_a_stall_free_loop_is_counted_within_a_few_percent(kernels_db: Path) -> 
 
 def test_loop_counters_count_loops_of_known_trip_counts(kernels_db: Path, compile_c: Callable[..., Path],
                                                         tmp_path: Path) -> None:
-    """divide's loop runs 30M - 1 times; nested's outer loop 20M times (its inner loop's executions
-    last less than a sampling period: no count from pairs, the model's). Without loop counters the
-    counts come from the model, never from a counter."""
+    """divide's loop runs 30M - 1 times; nested's outer loop 20M times. The inner loops of branchy
+    (65,536 a pass, 1,500 passes) and nested ((i & 15) + 1 a pass) run less than a sampling period
+    at a time: no count from pairs, but each sample's registers hold the pass's start and end, and
+    the mean trip count times the outer loop's count gives theirs. Without loop counters the counts
+    come from the model, never from a counter."""
     loop = max(calc(kernels_db, "divide")["blocks"], key=lambda b: b["samples"])
     assert loop["method"] == "loop-counter" and loop["executions"] == pytest.approx(30e6, rel=0.05)
+    inner = next(b for b in calc(kernels_db, "branchy")["blocks"] if b["method"] == "loop-trips")
+    assert inner["executions"] == pytest.approx(1500 * 65536, rel=0.10)
     exe = compile_c("kernels", "-O2", "-g", out="kernels")
     db = tmp_path / "db"
     cs("record", "--db", str(db), "-q", "-F", "5000", "--", str(exe), "nested")
     doc = calc(db, "nested")
     outer = [b for b in doc["blocks"] if b["method"] == "loop-counter"]
     assert outer and all(b["executions"] == pytest.approx(20e6, rel=0.05) for b in outer)
+    inner = [b for b in doc["blocks"] if b["method"] == "loop-trips"]
+    # sum over i < 20M of (i & 15) + 1 = 20M * 8.5
+    assert inner and all(b["executions"] == pytest.approx(170e6, rel=0.10) for b in inner)
     plain = tmp_path / "plain"
     cs("record", "--db", str(plain), "-q", "-F", "5000", "--no-loop-counts", "--", str(exe), "chain")
     assert not list(plain.glob("epoch=*/host=*/loops/*.parquet"))

@@ -51,6 +51,40 @@ def test_nested_loops_each_count_and_the_outer_counter_is_an_invariant_of_the_in
     assert outer.counters[0].offsets[0x1490] == 0  # the inner loop does not move the outer counter
 
 
+def test_a_counters_start_and_end_give_each_executions_trip_count() -> None:
+    """nested's inner loop: j starts at 0 (xor eax, eax before it) and leaves when it reaches r9
+    ((i & 15) + 1, set by the outer loop); chain's i runs from 0 to rdi."""
+    from cyclescope.analysis.loops import Term
+
+    _outer, inner = loops_of(NESTED, NESTED_AT)
+    (c,) = inner.counters
+    assert c.init == Term(None, 0) and c.limit == Term("r9", -1)
+    (lp,) = loops_of(CHAIN, CHAIN_AT)
+    assert lp.counters[0].init == Term(None, 0) and lp.counters[0].limit == Term("rdi", -1)
+
+
+def test_samples_say_the_mean_trip_count_per_execution() -> None:
+    """Executions of 4 and 12 iterations, sampled in proportion to their iterations (1 sample in the
+    short one for every 3 in the long one): the mean per execution is 8, not the samples' 10."""
+    from cyclescope.analysis.loopcount import _trips
+
+    t = loop_table(NESTED, NESTED_AT, NESTED_AT + len(NESTED))
+    spec = t.trips[1]
+    assert spec is not None
+    k = int(np.searchsorted(t.addrs, 0x1490))  # the inner header: j as it is
+    rows = []
+    for r9, j in [(4, 2), (12, 0), (12, 5), (12, 11)]:
+        r = [0] * 16
+        r[COL["r9"]], r[COL["rax"]] = r9, j
+        rows.append(r)
+    bad = [0] * 16
+    bad[COL["r9"]], bad[COL["rax"]] = 4, 9  # a counter past its limit: not this loop's execution
+    regs_ = np.array([*rows, bad], np.uint64)
+    n, inv = _trips(spec, regs_, np.full(5, k))
+    assert n == 4 and n / inv == pytest.approx(4 / (1 / 4 + 3 / 12))
+    assert n / inv == pytest.approx(8.0)
+
+
 @dataclass
 class FakeBinary:
     """images.code.Binary over one procedure's bytes."""

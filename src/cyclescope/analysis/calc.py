@@ -20,8 +20,9 @@ import numpy as np
 from cyclescope.analysis.cfg import CFG, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
-from cyclescope.analysis.frequency import Frequencies, Measured, estimate_frequencies
+from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estimate_frequencies
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
+from cyclescope.analysis.loops import Loop
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
 from cyclescope.images.cache import Cache
@@ -140,8 +141,13 @@ def calc_procedure(
         if k >= 0:
             samples[k] += c
     s_cyc = samples[:, ev]
-    measured, mnotes = _measured(cfg, infos, s_cyc, loop_stats or {}, mean_period, period_cycles)
+    loops = _loops(cfg, infos) if loop_stats else []
+    measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
+    by_trips = _by_trips(cfg, loops, loop_stats or {}, freq, measured)
+    if by_trips:  # inner loops: their entries (from the first pass) times their mean trip count
+        measured = {**measured, **by_trips}
+        freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     ms: list[float] = [im.m for b in cfg.blocks for im in model.blocks[b.id].insns]
     cpi: list[float | None] = []
     dyn: list[float] = []
@@ -167,18 +173,47 @@ def calc_procedure(
                 cpi, dyn, gain, statics, culprits, notes)
 
 
-def _measured(cfg: CFG, infos: Sequence[InsnInfo], s_cyc: np.ndarray, stats: dict[int, LoopStats],
+def _loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
+    from cyclescope.analysis.loops import find_loops
+
+    return find_loops(cfg, infos)
+
+
+def _by_trips(cfg: CFG, loops: list[Loop], stats: dict[int, LoopStats], freq: Frequencies,
+              measured: dict[int, Measured]) -> dict[int, Measured]:
+    """Headers of loops whose samples gave their executions' trip counts (their counter's start and
+    end in registers) and whose pairs gave no count: the header runs (entries) x (mean trip) times,
+    the entries being the flow into the header from outside the loop as the first pass put it."""
+    out: dict[int, Measured] = {}
+    block_at = {b.start: b.id for b in cfg.blocks}
+    for lp in loops:
+        st = stats.get(lp.header)
+        h = block_at.get(lp.header)
+        if st is None or h is None or h in measured or st.mean_trip is None:
+            continue
+        entries = [e for e in cfg.in_edges(h) if e.src < 0 or e.src not in lp.blocks]
+        flows = [freq.edge[e.id] for e in entries]
+        if not entries or any(f is None for f in flows):
+            continue
+        srcs = [e.src for e in entries if e.src >= 0]
+        conf = "high" if srcs and all(freq.block_confidence[b] == "high" or freq.block_method[b] in MEASURED
+                                      for b in srcs) and st.trip_samples >= 100 else "medium"
+        f = sum(x for x in flows if x is not None) * st.mean_trip
+        out[h] = Measured(f, conf, "loop-trips", f"{st.mean_trip:,.1f} header runs per entry from "
+                                                 f"{st.trip_samples:,} samples' registers")
+    return out
+
+
+def _measured(cfg: CFG, loops: list[Loop], s_cyc: np.ndarray, stats: dict[int, LoopStats],
               mean_period: float, period_cycles: float | None) -> tuple[dict[int, Measured], list[str]]:
     """Header frequencies the loop counters measured (F = executions / P), and notes on loops with
     counts that could not be used."""
     if not stats or not period_cycles:
         return {}, []
-    from cyclescope.analysis.loops import find_loops
-
     out: dict[int, Measured] = {}
     notes: list[str] = []
     block_at = {b.start: b.id for b in cfg.blocks}
-    for lp in find_loops(cfg, infos):
+    for lp in loops:
         st = stats.get(lp.header)
         if st is None or lp.header not in block_at:
             continue
@@ -186,7 +221,7 @@ def _measured(cfg: CFG, infos: Sequence[InsnInfo], s_cyc: np.ndarray, stats: dic
                                                                              cfg.blocks[b].last + 1)))
         est = loop_executions(st, loop_samples, mean_period, lp.calls)
         if est is None:
-            if st.next_own >= 20 and st.same < 0.5:
+            if st.next_own >= 20 and st.same < 0.5 and st.mean_trip is None:
                 notes.append(f"loop at {lp.header:#x}: executions mostly shorter than a sampling period "
                              f"({100 * st.same:.0f}% of pairs in one); its count is the model's")
             continue

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -47,6 +47,7 @@ MIN_SAME = 0.5
 HIGH_SAME = 0.9
 MIN_PAIRS = 5
 HIGH_PAIRS = 20
+MIN_TRIP_SAMPLES = 20  # samples with a known trip count before the mean trip count is used
 # Procedures larger than this are not analyzed: interpreters' dispatch functions (tens of KiB), whose
 # loops have no counter register, would cost seconds each.
 MAX_PROC_BYTES = 64 << 10
@@ -58,7 +59,7 @@ ANALYZE_AFTER = 32
 # The analyses may use at most this share of one CPU (over the run); past it new procedures wait.
 ANALYSIS_BUDGET = 0.10
 STATS = ("own", "own_period", "followed", "next_own", "pairs", "iterations", "pair_period", "mismatched",
-         "rejected")
+         "rejected", "trip_samples", "inv_trip")
 _S = {n: i for i, n in enumerate(STATS)}
 
 
@@ -74,6 +75,11 @@ class LoopTable:
     invariants: list[np.ndarray]  # per loop: columns (GPRS order) of registers the loop never writes
     # per loop: (column, width, step, offset per instruction, offset valid per instruction)
     counters: list[list[tuple[int, int, int, np.ndarray, np.ndarray]]]
+    # per loop, where a counter's start and end are known (loops.Counter init and limit): (width,
+    # step, init column or -1, init constant, limit column or -1, limit constant, the counter's column,
+    # its offsets, valid), else None: every sample in the loop then knows its execution's trip count
+    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray] | None] = field(
+        default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -114,8 +120,10 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
             cur = loops[cur].parent
     col = {r: i for i, r in enumerate(GPRS)}
     counters = []
+    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray] | None] = []
     for lp in loops:
         cs = []
+        trip = None
         for c in lp.counters:
             offs = np.zeros(len(insns), np.int64)
             valid = np.zeros(len(insns), bool)
@@ -123,9 +131,13 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
                 offs[index[a]] = k
                 valid[index[a]] = True
             cs.append((col[c.reg], c.width, c.step, offs, valid))
+            if trip is None and c.init is not None and c.limit is not None:
+                trip = (c.width, c.step, col[c.init.reg] if c.init.reg else -1, c.init.add,
+                        col[c.limit.reg] if c.limit.reg else -1, c.limit.add, col[c.reg], offs, valid)
         counters.append(cs)
+        trips.append(trip)
     return LoopTable(addrs, inner, depth, anc, np.array([lp.header for lp in loops], np.uint64),
-                     [np.array([col[r] for r in lp.invariants], np.intp) for lp in loops], counters)
+                     [np.array([col[r] for r in lp.invariants], np.intp) for lp in loops], counters, trips)
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,13 @@ class LoopStats:
     pair_period: float = 0.0
     mismatched: int = 0
     rejected: int = 0
+    trip_samples: int = 0  # samples whose execution's trip count their registers gave
+    inv_trip: float = 0.0  # the sum of 1/trip over them
+
+    @property
+    def mean_trip(self) -> float | None:
+        """Header executions per execution of the loop (entry), where samples gave it."""
+        return self.trip_samples / self.inv_trip if self.trip_samples >= MIN_TRIP_SAMPLES and self.inv_trip else None
 
     @property
     def same(self) -> float:
@@ -528,7 +547,12 @@ class LoopCounter:
                 for L, c in zip(*np.unique(lp[ok], return_counts=True), strict=True):
                     st = self._stat(int(i), int(t.headers[L]))
                     st[_S["own"]] += c
-                    st[_S["own_period"]] += float(b.period[order[rows[ok][lp[ok] == L]]].sum())
+                    these = rows[ok][lp[ok] == L]
+                    st[_S["own_period"]] += float(b.period[order[these]].sum())
+                    if t.trips and t.trips[L] is not None:
+                        n_trip, inv_sum = _trips(t.trips[L], b.regs[order[these]], ix[these])
+                        st[_S["trip_samples"]] += n_trip
+                        st[_S["inv_trip"]] += inv_sum
         # Pairs: consecutive samples of one thread, the first in a loop.
         a = np.flatnonzero((tid[:-1] == tid[1:]) & (inner[:-1] >= 0))
         if not len(a):
@@ -595,8 +619,35 @@ class LoopCounter:
         cols: dict[str, object] = {"image": [r[0] for r in rows], "header": np.array([r[1] for r in rows], np.uint64)}
         for n, k in _S.items():
             v = np.array([r[2][k] for r in rows], np.float64)
-            cols[n] = v if n.endswith("period") else np.rint(v).astype(np.uint64)
+            cols[n] = v if n.endswith("period") or n == "inv_trip" else np.rint(v).astype(np.uint64)
         return build(LOOPS, cols)
+
+
+def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray], regs: np.ndarray,
+           ix: np.ndarray) -> tuple[int, float]:
+    """Samples in a loop whose execution's trip count their registers give, and the sum of 1/trip:
+    samples fall on executions in proportion to their iterations, so (samples) / (sum of 1/trip)
+    is the mean trip count per execution. A trip count that does not hold the sample's own
+    position (a counter outside [init, limit]) is left out."""
+    width, step, icol, iadd, lcol, ladd, ccol, offs, valid = spec
+    ok = (ix >= 0) & valid[np.maximum(ix, 0)]
+    if not ok.any():
+        return 0, 0.0
+    r = regs[ok]
+    mask = np.uint64((1 << width) - 1) if width < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):
+        init = (r[:, icol] if icol >= 0 else np.zeros(len(r), np.uint64)) + np.uint64(iadd & 0xFFFFFFFFFFFFFFFF)
+        limit = (r[:, lcol] if lcol >= 0 else np.zeros(len(r), np.uint64)) + np.uint64(ladd & 0xFFFFFFFFFFFFFFFF)
+        here = r[:, ccol] - offs[ix[ok]].astype(np.uint64)
+        span = ((limit - init) & mask).astype(np.float64)
+        done = ((here - init) & mask).astype(np.float64)
+    if step < 0:  # counting down: the distances run the other way
+        span = ((init - limit) & mask).astype(np.float64)
+        done = ((init - here) & mask).astype(np.float64)
+    s = abs(step)
+    trips = span / s + 1
+    good = (span % s == 0) & (done % s == 0) & (done / s < trips) & (trips >= 1) & (trips < 2.0**40)
+    return int(good.sum()), float(np.sum(1.0 / trips[good]))
 
 
 def _iterations(counters: list[tuple[int, int, int, np.ndarray, np.ndarray]], ra: np.ndarray, rb: np.ndarray,

@@ -39,14 +39,30 @@ _LEA = re.compile(r"^(?:qword ptr |dword ptr )?\[(?P<base>[a-z0-9]+)(?:\s*(?P<si
 
 
 @dataclass(frozen=True)
+class Term:
+    """A value known at every instruction of a loop: ``reg`` (a register the loop never writes, or
+    None for a constant) plus ``add``."""
+
+    reg: str | None
+    add: int
+
+
+@dataclass(frozen=True)
 class Counter:
     """A register that counts a loop's iterations: ``step`` per trip, its value before each
-    instruction of the body being the value at the header plus ``offsets[address]``."""
+    instruction of the body being the value at the header plus ``offsets[address]``.
+
+    ``init``, where known, is its value at the header on entering the loop; ``limit``, where the
+    loop has a single exit and that exit tests the counter for equality with a term, is the value
+    at the header at which the loop leaves: with both, every sample in the loop knows how many
+    times the header runs in its execution, (limit - init) / step + 1, from registers alone."""
 
     reg: str
     width: int  # 64, or 32 where the register is updated through its 32-bit half (compare modulo 2^32)
     step: int
     offsets: dict[int, int]
+    init: Term | None = None
+    limit: Term | None = None
 
 
 @dataclass
@@ -120,8 +136,181 @@ def find_loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
         stepped = _stepped(cfg, members)
         loop.counters = [c for r in GPRS if r in stepped and r != "rsp"
                          for c in [_counter(cfg, h, members, infos, r)] if c is not None]
+        loop.counters = [_with_trip(cfg, loop, c, infos) for c in loop.counters]
         loops.append(loop)
     return loops
+
+
+def _operand(text: str, invariants: tuple[str, ...]) -> tuple[str, Term | None] | None:
+    """A compare's operand: ("reg", its 64-bit name) for a register, ("term", Term) for an
+    immediate; None for anything else (memory)."""
+    t = text.strip()
+    reg = _R64.get(t) or _R32.get(t)
+    if reg:
+        return ("reg", Term(reg, 0) if reg in invariants else None)
+    try:
+        return ("term", Term(None, int(t, 0)))
+    except ValueError:
+        return None
+
+
+def _with_trip(cfg: CFG, loop: Loop, c: Counter, infos: Sequence[InsnInfo]) -> Counter:
+    """``c`` with its init and limit where they can be read off the code (Counter's doc)."""
+    from dataclasses import replace
+
+    return replace(c, init=_init(cfg, loop, c, infos), limit=_limit(cfg, loop, c, infos))
+
+
+def _init(cfg: CFG, loop: Loop, c: Counter, infos: Sequence[InsnInfo]) -> Term | None:
+    """The counter's value on entering the loop: every edge into the header from outside comes
+    from a block that sets it from a constant (``xor r, r``, ``mov r, imm``) or from a register
+    the loop never writes (``mov r, R``, ``lea r, [R + imm]``), possibly moved by constants after."""
+    header = next(b for b in loop.blocks if cfg.blocks[b].start == loop.header)
+    found: set[Term | None] = set()
+    for eid in cfg.blocks[header].preds:
+        src = cfg.edges[eid].src
+        if src < 0 or src in loop.blocks:
+            continue
+        found.add(_init_in(cfg, src, c, loop.invariants, infos))
+        if len(found) > 1:
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
+def _init_in(cfg: CFG, b: int, c: Counter, invariants: tuple[str, ...], infos: Sequence[InsnInfo]) -> Term | None:
+    blk = cfg.blocks[b]
+    extra = 0
+    for k in range(blk.last, blk.first - 1, -1):
+        ins = cfg.insns[k]
+        ops = [o.strip() for o in ins.op_str.split(",")]
+        dest = ops[0] if ops else ""
+        if ins.mnemonic == "call":
+            if c.reg in CALLER_SAVED:
+                return None
+            continue
+        if c.reg not in infos[k].writes:
+            continue
+        if (_R64.get(dest) or _R32.get(dest)) != c.reg:
+            return None  # written some other way (a partial register, xchg, an implicit operand)
+        m = ins.mnemonic
+        if m in ("add", "sub", "inc", "dec", "lea") and len(ops) <= 2:
+            st = _step_text(m, ops, c.reg)
+            if st is not None:
+                extra += st
+                continue
+            if m == "lea":
+                mm = _LEA.match(ops[1])
+                if mm is None:
+                    return None
+                base = _R64.get(mm.group("base")) or _R32.get(mm.group("base"))
+                v = int(mm.group(3), 0) if mm.group(3) else 0
+                v = -v if mm.group("sign") == "-" else v
+                if base is None or base not in invariants or _written_after(cfg, b, k, base, infos):
+                    return None
+                return Term(base, v + extra)
+            return None
+        if m == "xor" and len(ops) == 2 and ops[0] == ops[1]:
+            return Term(None, extra)
+        if m == "mov" and len(ops) == 2:
+            src = ops[1]
+            r = _R64.get(src) or _R32.get(src)
+            if r is not None:
+                if r not in invariants or _written_after(cfg, b, k, r, infos):
+                    return None
+                return Term(r, extra)
+            try:
+                return Term(None, int(src, 0) + extra)
+            except ValueError:
+                return None
+        return None
+    return None
+
+
+def _step_text(m: str, ops: list[str], reg: str) -> int | None:
+    """The constant an add/sub/inc/dec/lea-of-itself moves ``reg`` by, from the text alone."""
+    if m in ("inc", "dec") and len(ops) == 1:
+        return 1 if m == "inc" else -1
+    if m in ("add", "sub") and len(ops) == 2:
+        try:
+            v = int(ops[1], 0)
+        except ValueError:
+            return None
+        return v if m == "add" else -v
+    if m == "lea" and len(ops) == 2:
+        mm = _LEA.match(ops[1])
+        if mm is None:
+            return None
+        base = _R64.get(mm.group("base")) or _R32.get(mm.group("base"))
+        if base != reg:
+            return None
+        v = int(mm.group(3), 0) if mm.group(3) else 0
+        return -v if mm.group("sign") == "-" else v
+    return None
+
+
+def _written_after(cfg: CFG, b: int, k: int, reg: str, infos: Sequence[InsnInfo]) -> bool:
+    """Is ``reg`` written after instruction ``k`` in block ``b`` (a call clobbering it counts)?"""
+    blk = cfg.blocks[b]
+    for j in range(k + 1, blk.last + 1):
+        if cfg.insns[j].mnemonic == "call":
+            if reg in CALLER_SAVED:
+                return True
+            continue
+        if reg in infos[j].writes:
+            return True
+    return False
+
+
+_FLAG_SETTERS = ("cmp", "sub", "add", "inc", "dec", "test", "and", "or", "xor")
+
+
+def _limit(cfg: CFG, loop: Loop, c: Counter, infos: Sequence[InsnInfo]) -> Term | None:
+    """Where a single-exit loop leaves: its exit branch is je/jne on flags a ``cmp`` of the counter
+    with a term set (or a constant step of the counter that sets them, tested against zero); the
+    counter's value at the header when the exit is taken is the term minus the counter's offset
+    at that point."""
+    if len(loop.exits) != 1:
+        return None
+    e = cfg.edges[loop.exits[0]]
+    if e.src < 0:
+        return None
+    blk = cfg.blocks[e.src]
+    jmp = cfg.insns[blk.last]
+    if jmp.mnemonic not in ("je", "jne"):
+        return None
+    # jne back into the loop and out on equality (the usual), or je out on equality
+    leaves_on_equal = (jmp.mnemonic == "je") == (e.kind == "taken")
+    if not leaves_on_equal:
+        return None
+    for k in range(blk.last - 1, blk.first - 1, -1):
+        ins = cfg.insns[k]
+        if "flags" not in infos[k].writes:
+            continue
+        m = ins.mnemonic
+        ops = [o.strip() for o in ins.op_str.split(",")]
+        if m == "cmp" and len(ops) == 2:
+            a, b = _operand(ops[0], loop.invariants), _operand(ops[1], loop.invariants)
+            if a is None or b is None:
+                return None
+            k_cmp = c.offsets.get(ins.address)
+            if k_cmp is None:
+                return None
+            if a == ("reg", None) and (_R64.get(ops[0]) or _R32.get(ops[0])) == c.reg and b[1] is not None:
+                term = b[1]
+            elif b == ("reg", None) and (_R64.get(ops[1]) or _R32.get(ops[1])) == c.reg and a[1] is not None:
+                term = a[1]
+            else:
+                return None
+            return Term(term.reg, term.add - k_cmp)
+        st = _step_text(m, ops, c.reg) if m in ("add", "sub", "inc", "dec") else None
+        dest = ops[0] if ops else ""
+        if st is not None and (_R64.get(dest) or _R32.get(dest)) == c.reg:
+            k_at = c.offsets.get(ins.address)
+            if k_at is None:
+                return None
+            return Term(None, -(k_at + st))  # flags of the new value, tested against zero
+        return None
+    return None
 
 
 def _stepped(cfg: CFG, body: frozenset[int]) -> set[str]:

@@ -128,7 +128,8 @@ def loop_stats(ps: ProfileSet, image_key: str, start: int, end: int) -> dict[int
                 own=int(d["own"][i]), own_period=float(d["own_period"][i]), followed=int(d["followed"][i]),
                 next_own=int(d["next_own"][i]), pairs=int(d["pairs"][i]), iterations=float(d["iterations"][i]),
                 pair_period=float(d["pair_period"][i]), mismatched=int(d["mismatched"][i]),
-                rejected=int(d["rejected"][i]))
+                rejected=int(d["rejected"][i]), trip_samples=int(d["trip_samples"][i]),
+                inv_trip=float(d["inv_trip"][i]))
     return out
 
 

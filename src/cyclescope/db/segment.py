@@ -221,7 +221,7 @@ def write_segment(db: Database, epoch: int, host: str, table: pa.Table, meta: Se
 def read_meta(path: Path) -> SegmentMeta:
     try:
         md = pq.read_metadata(path)
-    except (OSError, pa.ArrowException) as e:
+    except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt segment ({e})") from None
     kv = md.metadata or {}
     raw = kv.get(META_KEY)
@@ -237,7 +237,8 @@ def read_table(path: Path) -> pa.Table:
     """A segment's rows in the current schema (a segment from before weights gets a null weight)."""
     try:
         t = pq.ParquetFile(path).read()
-    except (OSError, pa.ArrowException) as e:
+        t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later
+    except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt segment ({e})") from None
     missing = [f.name for f in SCHEMA if f.name not in t.column_names and f.name != "weight"]
     if missing:

@@ -98,6 +98,7 @@ def _read(path: Path) -> tuple[dict[str, Any], pa.Table]:
         pf = pq.ParquetFile(path)
         meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
         t = pf.read()
+        t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later
     except (OSError, pa.ArrowException, ValueError) as err:
         raise DataError(f"{path}: {err}") from None
     missing = [n for n in ("event", "count", "images", "offsets") if n not in t.column_names]

@@ -62,7 +62,7 @@ def store_kernel_symbols(db: Database, key: str, make: Callable[[], SymbolTable 
             db.ensure(db.symbols_dir)
             write_atomic(final, shared.read_bytes())
             return True
-        except (OSError, pa.ArrowException):
+        except (OSError, pa.ArrowException, ValueError):
             pass
     table = make()
     if table is None:
@@ -86,7 +86,7 @@ def read_symbols(db: Database, key: str) -> SymbolTable | None:
         return None
     try:
         t = pq.ParquetFile(p).read()
-    except (OSError, pa.ArrowException):
+    except (OSError, pa.ArrowException, ValueError):
         return None
     return SymbolTable(
         t.column("start").to_numpy().astype(np.uint64),

@@ -73,7 +73,8 @@ LOOPS = TallyKind(
     keys=(("image", pa.string()), ("header", pa.uint64())),
     sums=(("own", pa.uint64()), ("own_period", pa.float64()), ("followed", pa.uint64()),
           ("next_own", pa.uint64()), ("pairs", pa.uint64()), ("iterations", pa.uint64()),
-          ("pair_period", pa.float64()), ("mismatched", pa.uint64()), ("rejected", pa.uint64())),
+          ("pair_period", pa.float64()), ("mismatched", pa.uint64()), ("rejected", pa.uint64()),
+          ("trip_samples", pa.uint64()), ("inv_trip", pa.float64())),
 )
 
 KINDS = {k.name: k for k in (LOOPS,)}
@@ -153,11 +154,14 @@ def read_tally(path: Path, kind: TallyKind) -> pa.Table:
     """One tally file (DataError when it cannot be read or is not of ``kind``)."""
     try:
         t = pq.read_table(path)
+        t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later in a report
     except (OSError, pa.ArrowException, ValueError) as err:
         raise DataError(f"{path}: {err}") from None
     missing = [n for n in kind.schema.names if n not in t.column_names]
-    if missing:
+    if missing and any(n not in kind.sum_names for n in missing):
         raise DataError(f"{path}: not a cyclescope {kind.name} tally (no {', '.join(missing)} column)")
+    for n in missing:  # a sum added since the file was written: zero
+        t = t.append_column(n, pa.array(np.zeros(t.num_rows), kind.schema.field(n).type))
     return t
 
 

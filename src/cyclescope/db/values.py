@@ -243,7 +243,7 @@ def read_meta(path: Path) -> ValuesMeta:
         md = pq.read_metadata(path)
     except PermissionError:
         raise
-    except (OSError, pa.ArrowException) as e:
+    except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt value file ({e})") from None
     raw = (md.metadata or {}).get(META_KEY)
     if raw is None:
@@ -255,9 +255,10 @@ def read_file(path: Path, images: dict[str, int], kinds: dict[str, int]) -> Hotl
     """One value file as a HotlistSet, its image and kind names interned into ``images``/``kinds``."""
     try:
         t = pq.ParquetFile(path).read()  # not read_table: its dataset machinery costs more than the read
+        t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later
     except PermissionError:
         raise
-    except (OSError, pa.ArrowException) as e:
+    except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt value file ({e})") from None
     missing = [f.name for f in SCHEMA if f.name not in t.column_names]
     if missing:

@@ -49,7 +49,7 @@ class Cache:
         p = self.path(key, name)
         try:
             t = pq.ParquetFile(p).read()  # not read_table: its dataset machinery costs more than the read
-        except (OSError, pa.ArrowException):
+        except (OSError, pa.ArrowException, ValueError):
             self.misses += 1
             return None
         self.hits += 1
