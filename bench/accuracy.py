@@ -55,9 +55,9 @@ def callgrind_counts(p: Program, args: list[str], tmp: Path) -> Any:
     return prof, ob
 
 
-DESIGNS = ("calc", "first", "naive")
-DESIGN_NAMES = {"calc": "calc (loop counters, then the model)", "first": "first design (issue points, DCPI)",
-                "naive": "naive (block samples / instructions, CPI 1)"}
+DESIGNS = ("calc", "dcpi", "first", "naive")
+DESIGN_NAMES = {"calc": "calc (loop counters, then the model)", "dcpi": "calc --estimator dcpi",
+                "first": "first design (issue points, DCPI)", "naive": "naive (block samples / instructions, CPI 1)"}
 
 
 def _acc() -> dict[str, Any]:
@@ -99,7 +99,8 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
         c = calc_target(ps, t, sym, ev, None)
         dt = time.perf_counter() - t0
         out["time"] += dt
-        c1 = calc_target(ps, t, sym, ev, None, evidence=False)
+        c1 = calc_target(ps, t, sym, ev, None, estimator="dcpi", evidence=False)
+        cg = calc_target(ps, t, sym, ev, None, estimator="dcpi")
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
         ecol = c.events.index(ev)
@@ -109,11 +110,13 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
             exact = counts.get(c.cfg.insns[blk.first].address, 0) * runs
             n = blk.last - blk.first + 1
             est = {"calc": (c.freq.block[blk.id] or 0.0) * c.period_cycles,
+                   "dcpi": (cg.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "first": (c1.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "naive": s / n * c.period_cycles}
-            conf = {"calc": c.freq.block_confidence[blk.id], "first": c1.freq.block_confidence[blk.id],
-                    "naive": "low"}
-            method = {"calc": c.freq.block_method[blk.id], "first": c1.freq.block_method[blk.id], "naive": "naive"}
+            conf = {"calc": c.freq.block_confidence[blk.id], "dcpi": cg.freq.block_confidence[blk.id],
+                    "first": c1.freq.block_confidence[blk.id], "naive": "low"}
+            method = {"calc": c.freq.block_method[blk.id], "dcpi": cg.freq.block_method[blk.id],
+                      "first": c1.freq.block_method[blk.id], "naive": "naive"}
             if s > 0:
                 proc["blocks"].append({"start": blk.start, "samples": s, "exact": exact,
                                        **{f"est_{k}": v for k, v in est.items()},
@@ -149,7 +152,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
                         if conf[dname] == "low":
                             a["big_err_low"] += si
         # Edges: exact counts from callgrind's jumps, fall-throughs from executions minus jumps.
-        for dname, cc in (("calc", c), ("first", c1)):
+        for dname, cc in (("calc", c), ("dcpi", cg), ("first", c1)):
             for e in cc.cfg.edges:
                 if e.src < 0 or e.dst < 0 or cc.freq.edge[e.id] is None:
                     continue

@@ -152,7 +152,7 @@ def build_zstd() -> Path:
     out = BIN / "zstd"
     if not out.exists():
         src = fetch("libzstd")
-        sh(f"make -s -C programs zstd CFLAGS='{CFLAGS}' MOREFLAGS='-DZSTD_DISABLE_ASM' HAVE_THREAD=0 HAVE_ZLIB=0 "
+        sh(f"make -s -C programs zstd CFLAGS='{CFLAGS} -DZSTD_DISABLE_ASM' HAVE_THREAD=0 HAVE_ZLIB=0 "
            "HAVE_LZMA=0 HAVE_LZ4=0 >/dev/null", cwd=src)
         shutil.copy(src / "programs" / "zstd", out)
     return out
@@ -163,7 +163,7 @@ def build_lzip() -> Path:
     out = BIN / "lzip"
     if not out.exists():
         src = fetch("lzip")
-        sh(f"./configure -q CXXFLAGS='{CFLAGS}' >/dev/null && make -s >/dev/null", cwd=src)
+        sh(f"./configure CXXFLAGS='{CFLAGS}' >/dev/null && make -s >/dev/null", cwd=src)
         shutil.copy(src / "lzip", out)
     return out
 
@@ -224,7 +224,7 @@ def programs(names: list[str] | None = None) -> tuple[list[Program], Path]:
     if "lua" in want:
         out.append(Program("lua", build_lua(), [str(ROOT / "bench" / "programs" / "workload.lua")], "lua"))
     if "zstd" in want:
-        out.append(Program("zstd", build_zstd(), ["-c", "-6", "--single-thread", "{input}"], "zstd"))
+        out.append(Program("zstd", build_zstd(), ["-c", "-15", "--single-thread", "{input}"], "zstd"))
     if "lzip" in want:
         out.append(Program("lzip", build_lzip(), ["-c", "-3", "{input}"], "lzip"))
     if "sqlite" in want:

@@ -63,6 +63,31 @@ def test_a_counters_start_and_end_give_each_executions_trip_count() -> None:
     assert lp.counters[0].init == Term(None, 0) and lp.counters[0].limit == Term("rdi", -1)
 
 
+# gcc -O2 of: for (long i = 0; i < n; i += 3) s += a[i] * 7;  (cmp rsi, rdx; jg back)
+STRIDE = bytes.fromhex("4885f67e2331d231c00f1f8000000000488b0cd74883c203488d04c84829c84839d67fecc3")
+
+
+def test_a_loop_that_leaves_on_passing_its_bound_gives_its_trip_count() -> None:
+    from cyclescope.analysis.loopcount import _trips
+    from cyclescope.analysis.loops import Term
+
+    (lp,) = loops_of(STRIDE, 0)
+    (c,) = lp.counters
+    assert (c.reg, c.step, c.init, c.limit) == ("rdx", 3, Term(None, 0), Term("rsi", -3, "cross"))
+    t = loop_table(STRIDE, 0, len(STRIDE))
+    spec = t.trips[0]
+    assert spec is not None
+    k = int(np.searchsorted(t.addrs, 0x10))
+    rows = []
+    for n, i in [(300, 0), (300, 297), (301, 300), (2, 0)]:
+        r = [0] * 16
+        r[COL["rsi"]], r[COL["rdx"]] = n, i
+        rows.append(r)
+    got, inv = _trips(spec, np.array(rows, np.uint64), np.full(4, k))
+    # 100, 100, 101 and 1 header runs: i = 0, 3, ... while below n
+    assert got == 4 and inv == pytest.approx(1 / 100 + 1 / 100 + 1 / 101 + 1)
+
+
 def test_samples_say_the_mean_trip_count_per_execution() -> None:
     """Executions of 4 and 12 iterations, sampled in proportion to their iterations (1 sample in the
     short one for every 3 in the long one): the mean per execution is 8, not the samples' 10."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cyclescope.analysis.cfg import CFG, build_cfg
+from cyclescope.analysis.cfg import CFG, Edge, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
 from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estimate_frequencies
@@ -144,7 +144,7 @@ def calc_procedure(
     loops = _loops(cfg, infos) if loop_stats else []
     measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
-    by_trips = _by_trips(cfg, loops, loop_stats or {}, freq, measured)
+    by_trips = _by_trips(cfg, loops, loop_stats or {}, freq, measured, s_cyc)
     if by_trips:  # inner loops: their entries (from the first pass) times their mean trip count
         measured = {**measured, **by_trips}
         freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
@@ -179,8 +179,27 @@ def _loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
     return find_loops(cfg, infos)
 
 
+def _entry_flow(cfg: CFG, e: Edge, freq: Frequencies, s_cyc: np.ndarray) -> float | None:
+    """The flow on edge ``e`` into a loop: the first pass's, or, where it left the edge open, its
+    source's frequency less its other known out-edges when those other ways out were never sampled
+    (the usual guard before a loop: a test of an empty range whose other side never runs)."""
+    if freq.edge[e.id] is not None:
+        return freq.edge[e.id]
+    if e.src < 0 or freq.block[e.src] is None:
+        return None
+    rest = 0.0
+    for o in cfg.out_edges(e.src):
+        if o.id == e.id:
+            continue
+        if freq.edge[o.id] is not None:
+            rest += freq.edge[o.id] or 0.0
+        elif o.dst >= 0 and float(s_cyc[cfg.blocks[o.dst].first : cfg.blocks[o.dst].last + 1].sum()) > 0:
+            return None  # the other way out ran: the split is unknown
+    return max(0.0, (freq.block[e.src] or 0.0) - rest)
+
+
 def _by_trips(cfg: CFG, loops: list[Loop], stats: dict[int, LoopStats], freq: Frequencies,
-              measured: dict[int, Measured]) -> dict[int, Measured]:
+              measured: dict[int, Measured], s_cyc: np.ndarray) -> dict[int, Measured]:
     """Headers of loops whose samples gave their executions' trip counts (their counter's start and
     end in registers) and whose pairs gave no count: the header runs (entries) x (mean trip) times,
     the entries being the flow into the header from outside the loop as the first pass put it."""
@@ -192,13 +211,19 @@ def _by_trips(cfg: CFG, loops: list[Loop], stats: dict[int, LoopStats], freq: Fr
         if st is None or h is None or h in measured or st.mean_trip is None:
             continue
         entries = [e for e in cfg.in_edges(h) if e.src < 0 or e.src not in lp.blocks]
-        flows = [freq.edge[e.id] for e in entries]
+        flows = [_entry_flow(cfg, e, freq, s_cyc) for e in entries]
         if not entries or any(f is None for f in flows):
             continue
+        # The entries must rest on something: a measured count (an outer loop's) or a high-confidence
+        # one. A model's guess at a loop's entry times its trip count is no better than the model.
         srcs = [e.src for e in entries if e.src >= 0]
-        conf = "high" if srcs and all(freq.block_confidence[b] == "high" or freq.block_method[b] in MEASURED
-                                      for b in srcs) and st.trip_samples >= 100 else "medium"
+        if not srcs or not all(freq.block_confidence[b] == "high" or freq.block_method[b] in MEASURED
+                               for b in srcs):
+            continue
         f = sum(x for x in flows if x is not None) * st.mean_trip
+        if f <= 0:
+            continue
+        conf = "high" if st.trip_samples >= 100 else "medium"
         out[h] = Measured(f, conf, "loop-trips", f"{st.mean_trip:,.1f} header runs per entry from "
                                                  f"{st.trip_samples:,} samples' registers")
     return out

@@ -411,7 +411,9 @@ def _repair(cfg: CFG, classes: Classes, fr: Frequencies) -> None:
         x = flow[u][v] / scale
         if kind == "b":
             old = fr.block[i]
-            if old is None or abs(old - x) > 1e-9 * max(1.0, x):
+            # A measured count the repair moved by less than 10% still rests on its measurement.
+            kept = fr.block_method[i] in MEASURED and old is not None and abs(old - x) <= 0.1 * max(old, x)
+            if not kept and (old is None or abs(old - x) > 1e-9 * max(1.0, x)):
                 fr.block_method[i] = "repaired" if old is not None else "propagated"
                 if old is None or abs(old - x) > 0.1 * max(old, x):
                     fr.block_confidence[i] = _down(fr.block_confidence[i])

@@ -78,7 +78,7 @@ class LoopTable:
     # per loop, where a counter's start and end are known (loops.Counter init and limit): (width,
     # step, init column or -1, init constant, limit column or -1, limit constant, the counter's column,
     # its offsets, valid), else None: every sample in the loop then knows its execution's trip count
-    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray] | None] = field(
+    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = field(
         default_factory=list)
 
     @property
@@ -120,7 +120,7 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
             cur = loops[cur].parent
     col = {r: i for i, r in enumerate(GPRS)}
     counters = []
-    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray] | None] = []
+    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = []
     for lp in loops:
         cs = []
         trip = None
@@ -133,7 +133,8 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
             cs.append((col[c.reg], c.width, c.step, offs, valid))
             if trip is None and c.init is not None and c.limit is not None:
                 trip = (c.width, c.step, col[c.init.reg] if c.init.reg else -1, c.init.add,
-                        col[c.limit.reg] if c.limit.reg else -1, c.limit.add, col[c.reg], offs, valid)
+                        col[c.limit.reg] if c.limit.reg else -1, c.limit.add, col[c.reg], offs, valid,
+                        c.limit.how == "cross")
         counters.append(cs)
         trips.append(trip)
     return LoopTable(addrs, inner, depth, anc, np.array([lp.header for lp in loops], np.uint64),
@@ -623,13 +624,13 @@ class LoopCounter:
         return build(LOOPS, cols)
 
 
-def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray], regs: np.ndarray,
+def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool], regs: np.ndarray,
            ix: np.ndarray) -> tuple[int, float]:
     """Samples in a loop whose execution's trip count their registers give, and the sum of 1/trip:
     samples fall on executions in proportion to their iterations, so (samples) / (sum of 1/trip)
     is the mean trip count per execution. A trip count that does not hold the sample's own
     position (a counter outside [init, limit]) is left out."""
-    width, step, icol, iadd, lcol, ladd, ccol, offs, valid = spec
+    width, step, icol, iadd, lcol, ladd, ccol, offs, valid, cross = spec
     ok = (ix >= 0) & valid[np.maximum(ix, 0)]
     if not ok.any():
         return 0, 0.0
@@ -645,8 +646,15 @@ def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray
         span = ((init - limit) & mask).astype(np.float64)
         done = ((init - here) & mask).astype(np.float64)
     s = abs(step)
-    trips = span / s + 1
-    good = (span % s == 0) & (done % s == 0) & (done / s < trips) & (trips >= 1) & (trips < 2.0**40)
+    half = 2.0 ** (width - 1)
+    if cross:
+        # leaves on reaching or passing the limit: a limit behind the start still runs the header once
+        span = np.where(span >= half, 0.0, span)
+        trips = np.ceil(span / s) + 1
+        good = (done % s == 0) & (done / s < trips) & (trips < 2.0**40)
+    else:
+        trips = span / s + 1
+        good = (span % s == 0) & (done % s == 0) & (done / s < trips) & (trips >= 1) & (trips < 2.0**40)
     return int(good.sum()), float(np.sum(1.0 / trips[good]))
 
 

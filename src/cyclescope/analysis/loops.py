@@ -41,10 +41,12 @@ _LEA = re.compile(r"^(?:qword ptr |dword ptr )?\[(?P<base>[a-z0-9]+)(?:\s*(?P<si
 @dataclass(frozen=True)
 class Term:
     """A value known at every instruction of a loop: ``reg`` (a register the loop never writes, or
-    None for a constant) plus ``add``."""
+    None for a constant) plus ``add``. A limit says how the loop leaves at it: on reaching it
+    exactly (``eq``) or on reaching or passing it in the direction of the step (``cross``)."""
 
     reg: str | None
     add: int
+    how: str = "eq"
 
 
 @dataclass(frozen=True)
@@ -264,11 +266,20 @@ def _written_after(cfg: CFG, b: int, k: int, reg: str, infos: Sequence[InsnInfo]
 _FLAG_SETTERS = ("cmp", "sub", "add", "inc", "dec", "test", "and", "or", "xor")
 
 
+# The condition a jcc tests after `cmp A, B`, as (relation of A to B, signed): "eq", "ne", "ge"...
+_JCC = {"je": ("eq", False), "jne": ("ne", False), "jae": ("ge", False), "jb": ("lt", False),
+        "ja": ("gt", False), "jbe": ("le", False), "jge": ("ge", True), "jl": ("lt", True),
+        "jg": ("gt", True), "jle": ("le", True)}
+_NOT = {"eq": "ne", "ne": "eq", "ge": "lt", "lt": "ge", "gt": "le", "le": "gt"}
+_SWAP = {"eq": "eq", "ne": "ne", "ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}
+
+
 def _limit(cfg: CFG, loop: Loop, c: Counter, infos: Sequence[InsnInfo]) -> Term | None:
-    """Where a single-exit loop leaves: its exit branch is je/jne on flags a ``cmp`` of the counter
-    with a term set (or a constant step of the counter that sets them, tested against zero); the
-    counter's value at the header when the exit is taken is the term minus the counter's offset
-    at that point."""
+    """Where a single-exit loop leaves: its exit branch tests flags that a ``cmp`` of the counter
+    with a term set (or a constant step of the counter, tested against zero). The result is the
+    counter's value at the header when the loop leaves, for an equality test (``eq``), or the value
+    it must reach going in the direction of its step (``cross``): then the header runs
+    ceil((limit - init) / step) + 1 times an execution."""
     if len(loop.exits) != 1:
         return None
     e = cfg.edges[loop.exits[0]]
@@ -276,12 +287,10 @@ def _limit(cfg: CFG, loop: Loop, c: Counter, infos: Sequence[InsnInfo]) -> Term 
         return None
     blk = cfg.blocks[e.src]
     jmp = cfg.insns[blk.last]
-    if jmp.mnemonic not in ("je", "jne"):
+    test = _JCC.get(jmp.mnemonic)
+    if test is None:
         return None
-    # jne back into the loop and out on equality (the usual), or je out on equality
-    leaves_on_equal = (jmp.mnemonic == "je") == (e.kind == "taken")
-    if not leaves_on_equal:
-        return None
+    rel = test[0] if e.kind == "taken" else _NOT[test[0]]  # the relation that takes the exit
     for k in range(blk.last - 1, blk.first - 1, -1):
         ins = cfg.insns[k]
         if "flags" not in infos[k].writes:
@@ -296,19 +305,28 @@ def _limit(cfg: CFG, loop: Loop, c: Counter, infos: Sequence[InsnInfo]) -> Term 
             if k_cmp is None:
                 return None
             if a == ("reg", None) and (_R64.get(ops[0]) or _R32.get(ops[0])) == c.reg and b[1] is not None:
-                term = b[1]
+                term, r = b[1], rel
             elif b == ("reg", None) and (_R64.get(ops[1]) or _R32.get(ops[1])) == c.reg and a[1] is not None:
-                term = a[1]
+                term, r = a[1], _SWAP[rel]
             else:
                 return None
-            return Term(term.reg, term.add - k_cmp)
+            limit = term.add - k_cmp
+            # Exit on the counter's reaching the term (equality), or on its crossing it in the
+            # direction it moves; other tests (leaving on an inequality) say nothing of the trip.
+            if r == "eq":
+                return Term(term.reg, limit, "eq")
+            if c.step > 0 and r in ("ge", "gt"):
+                return Term(term.reg, limit + (1 if r == "gt" else 0), "cross")
+            if c.step < 0 and r in ("le", "lt"):
+                return Term(term.reg, limit - (1 if r == "lt" else 0), "cross")
+            return None
         st = _step_text(m, ops, c.reg) if m in ("add", "sub", "inc", "dec") else None
         dest = ops[0] if ops else ""
-        if st is not None and (_R64.get(dest) or _R32.get(dest)) == c.reg:
+        if st is not None and (_R64.get(dest) or _R32.get(dest)) == c.reg and rel == "eq":
             k_at = c.offsets.get(ins.address)
             if k_at is None:
                 return None
-            return Term(None, -(k_at + st))  # flags of the new value, tested against zero
+            return Term(None, -(k_at + st), "eq")  # flags of the new value, tested against zero
         return None
     return None
 

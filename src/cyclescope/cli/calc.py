@@ -27,7 +27,10 @@ ESTIMATOR_HELP = ("how calc sets a stalled class's execution count: dcpi, the cl
                   "rule underestimates; see docs/benchmarks.md)")
 # For sample profiles (export llvm-sample, optimize): across bzip2, gzip, xz, Lua and SQLite, three
 # recordings each, the geometric mean's profiles reached more of instrumented PGO's gain on three
-# and never lost much (docs/benchmarks.md); calc's own reports keep DCPI's rule.
+# and never lost much (docs/benchmarks.md). calc's own reports use it too: with loop counters taking
+# the stall-free loops DCPI's rule got right, the geometric mean's counts were closer to exact ones
+# on ten programs (35.8% of samples within 15% against 28.4%; bench/accuracy.py).
+CALC_ESTIMATOR = "geomean"
 PROFILE_ESTIMATOR = "geomean"
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ def period_cycles(ps: ProfileSet, ev: str) -> float | None:
 
 
 def calc_target(ps: ProfileSet, target: Target, sym: Symbolizer, event: str, mcpu: str | None,
-                estimator: str = "dcpi", evidence: bool = True) -> Calc:
+                estimator: str = CALC_ESTIMATOR, evidence: bool = True) -> Calc:
     """calc of one procedure of the selection; ``evidence=False``: from the samples and the model
     alone (the first design, DCPI's), leaving out loop counters."""
     import numpy as np
@@ -158,8 +161,8 @@ class CalcCommand(Command):
         p.add_argument("--cycles-event", metavar="EVENT",
                        help="the event whose samples measure time (default: cycles, else cpu-clock)")
         p.add_argument("--mcpu", metavar="CPU", help="llvm-mca CPU model (default: this machine's)")
-        p.add_argument("--estimator", choices=ESTIMATORS, default="dcpi",
-                       help=ESTIMATOR_HELP + " (default: dcpi)")
+        p.add_argument("--estimator", choices=ESTIMATORS, default=CALC_ESTIMATOR,
+                       help=ESTIMATOR_HELP + f" (default: {CALC_ESTIMATOR})")
         p.add_argument("--hot", action="store_true", help="only blocks with samples")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
                        help="without a procedure: the N procedures with most samples (default: 20; with --image, "

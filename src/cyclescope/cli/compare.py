@@ -204,7 +204,12 @@ class Diff(Command):
 
         sym = Symbolizer(db)
         target, _ = resolve_target(ps, proc, images, sym)
+        if not ps.event_names:
+            raise NotFoundError("no samples in the selection")
         ev = event or ps.event_names[0]
+        if ev not in ps.events:
+            raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
+                                f"recorded: {', '.join(ps.events)}")
         lst = make_listing(replace_events(ps, ev), target, sym, [], False, [])
         i = lst.events.index(ev)
         key_img = f"{target.info.path} ({(target.info.build_id or target.info.key)[:12]})"
