@@ -65,6 +65,27 @@ def test_a_stalled_instruction_gets_culprits_and_a_lower_confidence() -> None:
     assert c.freq.block_confidence[loop.id] == "low"
 
 
+def test_a_measured_loops_back_branch_is_not_blamed_for_mispredicts() -> None:
+    """The same stalled loop, its count measured by its counter (rdx, pairs of samples a thousand
+    iterations apart): its count is the measured one, and its back branch, which a predictor gets
+    wrong at most once an execution, is no longer a candidate for the stall on every iteration."""
+    from cyclescope.analysis.loopcount import LoopStats
+
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    counts = {0x11A7: np.array([100.0]), 0x11AA: np.array([100.0]), 0x11B8: np.array([100.0]),
+              0x11A0: np.array([3000.0])}
+    stats = {0x11A0: LoopStats(own=3300, own_period=3300 * 1e6, followed=3300, next_own=3299, pairs=3299,
+                               iterations=3299 * 1000.0, pair_period=3299 * 1e6)}
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                       loop_stats=stats, mean_period=1e6)
+    loop = next(b for b in c.cfg.blocks if b.start == 0x11A0)
+    assert c.freq.block_method[loop.id] == "loop-counter" and c.freq.block_confidence[loop.id] == "high"
+    assert c.executions(loop.id) == pytest.approx(3300 * 1000, rel=0.01)
+    k = loop.first
+    assert c.dyn[k] > 10 and c.culprits[k] is not None
+    assert 0x11BB not in c.culprits[k].culprit_addrs.get("p", [])
+
+
 def _block(code: bytes, at: int = 0x1000) -> list[Insn]:
     return disassemble(code, at)
 

@@ -165,7 +165,8 @@ def calc_procedure(
         gain.append(max(0.0, ms[k] - ck))
     statics = static_stalls(cfg, raw, infos)
     event_cols = {e: samples[:, i] for i, e in enumerate(events) if e != cycles_event}
-    culprits = dynamic_culprits(cfg, infos, dyn, freq.block, freq.edge, event_cols)
+    culprits = dynamic_culprits(cfg, infos, dyn, freq.block, freq.edge, event_cols,
+                                steady=_steady_branches(cfg, loops, freq, loop_stats or {}))
     notes = list(cfg.notes) + list(model.notes) + mnotes + list(freq.notes)
     if period_cycles is None:
         notes.append("the core clock was not measured while recording: CPI and frequencies are relative only")
@@ -177,6 +178,28 @@ def _loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
     from cyclescope.analysis.loops import find_loops
 
     return find_loops(cfg, infos)
+
+
+def _steady_branches(cfg: CFG, loops: list[Loop], freq: Frequencies,
+                     stats: dict[int, LoopStats]) -> frozenset[int]:
+    """The branches going back to measured loop headers whose loops run many iterations an entry:
+    a loop counted from pairs of samples runs for periods at a time, one counted from trips says
+    how long it runs."""
+    from cyclescope.analysis.culprits import STEADY_TRIPS
+
+    out: set[int] = set()
+    block_at = {b.start: b.id for b in cfg.blocks}
+    for lp in loops:
+        h = block_at.get(lp.header)
+        st = stats.get(lp.header)
+        if h is None or st is None or freq.block_method[h] not in MEASURED:
+            continue
+        if freq.block_method[h] == "loop-trips" and (st.mean_trip or 0.0) < STEADY_TRIPS:
+            continue
+        for e in cfg.in_edges(h):
+            if e.src >= 0 and e.src in lp.blocks:
+                out.add(cfg.insns[cfg.blocks[e.src].last].address)
+    return frozenset(out)
 
 
 def _entry_flow(cfg: CFG, e: Edge, freq: Frequencies, s_cyc: np.ndarray) -> float | None:
