@@ -294,3 +294,50 @@ def test_tallies_merge_by_addition_and_compaction_skips_a_corrupt_file(tmp_path:
     assert load_tally(db, LOOPS, [ep]).table.to_pydict()["iterations"] == [120]
     m = merge(LOOPS, [_tally("a", 1, 1), _tally("b", 1, 1)])  # type: ignore[list-item]
     assert m.num_rows == 2
+
+
+def test_loop_tables_round_trip_through_the_cache(tmp_path: Path) -> None:
+    from cyclescope.analysis.loopcount import table_arrays, table_from_arrays
+    from cyclescope.images.cache import Cache
+
+    t = loop_table(NESTED, NESTED_AT, NESTED_AT + len(NESTED))
+    cache = Cache(tmp_path)
+    cache.save_arrays("bid", "loops-1470", table_arrays(t))
+    got = table_from_arrays(cache.load_arrays("bid", "loops-1470") or {})
+    assert got is not None
+    assert (got.addrs == t.addrs).all() and (got.inner == t.inner).all() and (got.anc == t.anc).all()
+    assert [list(x) for x in got.invariants] == [list(x) for x in t.invariants]
+    for a, b in zip(got.counters, t.counters, strict=True):
+        assert [(c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in a] == [
+            (c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in b]
+    assert [x[:7] + (x[9],) if x else None for x in got.trips] == [x[:7] + (x[9],) if x else None for x in t.trips]
+    bad = table_arrays(t)
+    bad["version"] = bad["version"] + 1
+    assert table_from_arrays(bad) is None  # another version's table is not used
+
+
+def test_dominators_agree_with_networkx_on_random_graphs() -> None:
+    import random
+
+    import networkx as nx
+
+    from cyclescope.analysis.cfg import ENTRY, Edge
+    from cyclescope.analysis.loops import dominators
+
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 30)
+        edges = [Edge(0, ENTRY, 0, "entry")]
+        for _k in range(rng.randint(n - 1, 3 * n)):
+            edges.append(Edge(len(edges), rng.randrange(n), rng.randrange(n), "jump"))
+
+        class G:
+            pass
+
+        cfg = G()
+        cfg.edges = edges  # type: ignore[attr-defined]
+        g = nx.DiGraph()
+        g.add_node(ENTRY)
+        g.add_edges_from((e.src, e.dst) for e in edges)
+        want = {b: d for b, d in nx.immediate_dominators(g, ENTRY).items() if b >= 0}
+        assert dominators(cfg) == want  # type: ignore[arg-type]

@@ -86,6 +86,68 @@ class LoopTable:
         return not len(self.headers)
 
 
+ANALYSIS_VERSION = 3  # of loop_table's output: cached tables of another version are not used
+
+
+def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
+    """A LoopTable as plain arrays (for the cache: no pickled objects)."""
+    inv_off = np.cumsum([0] + [len(x) for x in t.invariants]).astype(np.int64)
+    crow: list[tuple[int, int, int, int, int]] = []  # loop, column, width, step, start in the flat lists
+    idx_parts: list[np.ndarray] = []
+    off_parts: list[np.ndarray] = []
+    pos = 0
+    counter_at: dict[tuple[int, int], int] = {}
+    for loop, cs in enumerate(t.counters):
+        for col, width, step, offs, valid in cs:
+            where = np.flatnonzero(valid)
+            counter_at[(loop, col)] = len(crow)
+            crow.append((loop, col, width, step, pos))
+            idx_parts.append(where.astype(np.int64))
+            off_parts.append(offs[where].astype(np.int64))
+            pos += len(where)
+    trow = []
+    for loop, tr in enumerate(t.trips):
+        if tr is not None:
+            width, step, icol, iadd, lcol, ladd, ccol, _offs, _valid, cross = tr
+            trow.append((loop, width, step, icol, iadd, lcol, ladd, ccol, int(cross), counter_at[(loop, ccol)]))
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return {
+        "version": np.array([ANALYSIS_VERSION]), "addrs": t.addrs, "inner": t.inner, "depth": t.depth, "anc": t.anc,
+        "headers": t.headers, "inv": cat(list(t.invariants)), "inv_off": inv_off,
+        "crow": np.array(crow, np.int64).reshape(-1, 5), "cidx": cat(idx_parts), "coff": cat(off_parts),
+        "trow": np.array(trow, np.int64).reshape(-1, 10),
+    }
+
+
+def table_from_arrays(a: dict[str, np.ndarray]) -> LoopTable | None:
+    """The LoopTable table_arrays made, or None for another version's."""
+    if int(a["version"][0]) != ANALYSIS_VERSION:
+        return None
+    n_insn, n_loops = len(a["addrs"]), len(a["headers"])
+    if not n_loops:
+        return EMPTY
+    inv_off = a["inv_off"]
+    invariants = [a["inv"][inv_off[i] : inv_off[i + 1]].astype(np.intp) for i in range(n_loops)]
+    counters: list[list[tuple[int, int, int, np.ndarray, np.ndarray]]] = [[] for _ in range(n_loops)]
+    flat: list[tuple[np.ndarray, np.ndarray]] = []
+    crow = a["crow"]
+    for r, (loop, col, width, step, start) in enumerate(crow.tolist()):
+        end = int(crow[r + 1][4]) if r + 1 < len(crow) else len(a["cidx"])
+        offs = np.zeros(n_insn, np.int64)
+        valid = np.zeros(n_insn, bool)
+        idx = a["cidx"][start:end]
+        offs[idx] = a["coff"][start:end]
+        valid[idx] = True
+        counters[loop].append((col, width, step, offs, valid))
+        flat.append((offs, valid))
+    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = [None] * n_loops
+    for loop, width, step, icol, iadd, lcol, ladd, ccol, cross, k in a["trow"].tolist():
+        trips[loop] = (width, step, icol, iadd, lcol, ladd, ccol, flat[k][0], flat[k][1], bool(cross))
+    return LoopTable(a["addrs"], a["inner"], a["depth"], a["anc"], a["headers"], invariants, counters, trips)
+
+
 EMPTY = LoopTable(np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(0, np.int32),
                   np.zeros((0, 1), np.int32), np.zeros(0, np.uint64), [], [])
 
@@ -262,7 +324,34 @@ def _worker_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _worker_analyze(info: Any, start: int) -> tuple[LoopTable, float]:
-    return analyze_procedure(_worker_binary(info), start)
+    table, cpu = analyze_procedure(_worker_binary(info), start)
+    if _cacheable(info):
+        from cyclescope.images.cache import Cache
+
+        Cache().save_arrays(info.key, f"loops-{start:x}", table_arrays(table))
+    return table, cpu
+
+
+def _cacheable(info: Any) -> bool:
+    """An image named by its build-id: what was derived from it once holds for good."""
+    return bool(getattr(info, "build_id", None)) and info.key.split("#")[0] == info.build_id
+
+
+def _cached_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """Procedure bounds from the symbol table the Symbolizer cached for this build-id, if any."""
+    from cyclescope.images.cache import Cache
+
+    t = Cache().load(info.key, "symbols") if _cacheable(info) else None
+    if t is None:
+        return None
+    return (t.column("start").to_numpy().astype(np.uint64), t.column("end").to_numpy().astype(np.uint64))
+
+
+def _cached_table(info: Any, start: int) -> LoopTable | None:
+    from cyclescope.images.cache import Cache
+
+    a = Cache().load_arrays(info.key, f"loops-{start:x}") if _cacheable(info) else None
+    return table_from_arrays(a) if a is not None else None
 
 
 class ImageSource:
@@ -310,11 +399,10 @@ class LoopCounter:
         self._started = time.monotonic()
         self.analyze_after = analyze_after
         self.deferred = 0  # analyses put off by the budget
+        # The worker starts at the first image or procedure the cache does not have (a binary
+        # recorded before needs none: its tables come from the user's cache).
         self._pool: Worker | None = None
-        if background and info_of is not None:
-            from cyclescope.analysis.worker import Worker
-
-            self._pool = Worker()
+        self._background = background and info_of is not None
         self._lock = threading.Lock()
         self._waiting: deque[_Batch] = deque()
         self._waiting_n = 0
@@ -328,12 +416,16 @@ class LoopCounter:
               failed: Any) -> None:
         """``fn(*args)`` here without a worker, else the worker's ``name`` with ``args``; ``land`` gets
         the result (``failed`` when it raised, or the worker is gone)."""
-        if self._pool is None:
+        if not self._background:
             try:
                 land(fn(*args))
             except Exception:  # treated as nothing to analyze
                 land(failed)
             return
+        if self._pool is None:
+            from cyclescope.analysis.worker import Worker
+
+            self._pool = Worker()
         self._pool.call(name, args, lambda ok, got: land(got if ok else failed))
 
     def _ask_bounds(self, img: int) -> None:
@@ -344,10 +436,14 @@ class LoopCounter:
 
         with self._lock:
             self._pending_bounds.add(img)
-        if self._pool is not None and self.info_of is not None:
+        if self.info_of is not None:
             info = self.info_of(img)
             if info.kind != "elf" or info.offsets != "vaddr":
                 land(None)
+                return
+            cached = _cached_bounds(info)
+            if cached is not None:
+                land(cached)
                 return
             self._call(_worker_bounds, "bounds", (info,), land, None)
         else:
@@ -359,8 +455,13 @@ class LoopCounter:
                 self._tables[(img, start)] = got[0]
                 self.analysis_s += got[1]
 
-        if self._pool is not None and self.info_of is not None:
-            self._call(_worker_analyze, "analyze", (self.info_of(img), start), land, (EMPTY, 0.0))
+        if self.info_of is not None:
+            info = self.info_of(img)
+            cached = _cached_table(info, start)
+            if cached is not None:
+                land((cached, 0.0))
+                return
+            self._call(_worker_analyze, "analyze", (info, start), land, (EMPTY, 0.0))
         else:
             self._call(self.source.analyze, "", (img, start), land, (EMPTY, 0.0))
 
@@ -444,9 +545,8 @@ class LoopCounter:
                 if pending and not force:
                     return
                 self._procedures(b)
-            keys = {(int(i), int(s)) for i, s in zip(b.img.tolist(), b.func.tolist(), strict=True) if s >= 0}
             with self._lock:
-                busy = any(k in self._tables and self._tables[k] is None for k in keys)
+                busy = any(self._tables.get(k, 0) is None for k in _proc_keys(b.img, b.func))
             if busy and not force:
                 return
             self._waiting.popleft()
@@ -622,6 +722,16 @@ class LoopCounter:
             v = np.array([r[2][k] for r in rows], np.float64)
             cols[n] = v if n.endswith("period") or n == "inv_trip" else np.rint(v).astype(np.uint64)
         return build(LOOPS, cols)
+
+
+def _proc_keys(img: np.ndarray, func: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (image, procedure start) of samples in a procedure (one sort of packed keys:
+    np.unique over rows is several times slower)."""
+    m = func >= 0
+    if not m.any():
+        return []
+    packed = np.unique((img[m].astype(np.uint64) << np.uint64(48)) | func[m].astype(np.uint64))
+    return [(int(k >> 48), int(k & 0xFFFFFFFFFFFF)) for k in packed.tolist()]
 
 
 def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool], regs: np.ndarray,

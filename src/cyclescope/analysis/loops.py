@@ -82,15 +82,55 @@ class Loop:
 
 
 def dominators(cfg: CFG) -> dict[int, int]:
-    """Immediate dominator of each block reachable from the entry (the entry block maps to itself)."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    g.add_node(ENTRY)
+    """Immediate dominator of each block reachable from the entry (ENTRY for the blocks the
+    procedure's entry leads to). Cooper, Harvey and Kennedy's iterative algorithm over a reverse
+    postorder: a few lines instead of networkx, whose import alone cost the collector's worker
+    0.1 s at every start."""
+    succ: dict[int, list[int]] = {ENTRY: []}
     for e in cfg.edges:
         if e.dst >= 0:
-            g.add_edge(e.src, e.dst)
-    idom = nx.immediate_dominators(g, ENTRY)
+            succ.setdefault(e.src, []).append(e.dst)
+    order: list[int] = []  # postorder, iteratively
+    seen = {ENTRY}
+    stack: list[tuple[int, int]] = [(ENTRY, 0)]
+    while stack:
+        node, i = stack.pop()
+        kids = succ.get(node, [])
+        if i < len(kids):
+            stack.append((node, i + 1))
+            k = kids[i]
+            if k not in seen:
+                seen.add(k)
+                stack.append((k, 0))
+        else:
+            order.append(node)
+    rpo = order[::-1]
+    index = {n: i for i, n in enumerate(rpo)}
+    preds: dict[int, list[int]] = {n: [] for n in rpo}
+    for n in rpo:
+        for k in succ.get(n, []):
+            preds[k].append(n)
+    idom: dict[int, int] = {ENTRY: ENTRY}
+
+    def meet(a: int, b: int) -> int:
+        while a != b:
+            while index[a] > index[b]:
+                a = idom[a]
+            while index[b] > index[a]:
+                b = idom[b]
+        return a
+
+    changed = True
+    while changed:
+        changed = False
+        for n in rpo[1:]:
+            new: int | None = None
+            for p in preds[n]:
+                if p in idom:
+                    new = p if new is None else meet(p, new)
+            if new is not None and idom.get(n) != new:
+                idom[n] = new
+                changed = True
     return {b: d for b, d in idom.items() if b >= 0}
 
 

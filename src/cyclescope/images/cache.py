@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -63,6 +64,37 @@ class Cache:
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_name(f".tmp-{os.getpid()}-{p.name}")
             pq.write_table(table, tmp, compression="zstd")
+            os.replace(tmp, p)
+        except OSError:
+            pass  # a read-only or full disk: work without the cache
+
+    def load_arrays(self, key: str, name: str) -> dict[str, Any] | None:
+        """Arrays saved by save_arrays (an .npz without pickled objects), or None."""
+        if not self.enabled:
+            return None
+        import numpy as np
+
+        p = self.root / _dir_name(key) / f"{name}.npz"
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                out = {k: z[k] for k in z.files}
+        except (OSError, ValueError, KeyError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return out
+
+    def save_arrays(self, key: str, name: str, arrays: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        import numpy as np
+
+        p = self.root / _dir_name(key) / f"{name}.npz"
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".tmp-{os.getpid()}-{p.name}")
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
             os.replace(tmp, p)
         except OSError:
             pass  # a read-only or full disk: work without the cache
