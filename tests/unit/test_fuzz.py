@@ -66,9 +66,18 @@ def options_of(cmd: str) -> list[tuple[str, list[str] | None]]:
     return out
 
 
+_SCRATCH: list[str] = []
+
+
 def run_cli(args: list[str]) -> tuple[int, str]:
+    """``cyclescope ARGS`` in this process, in a scratch directory (a drawn `-o 0.5` writes there,
+    not into the repository): exit code and standard error."""
+    import tempfile
+
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="cs-fuzz-cwd-"))
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.chdir(_SCRATCH[0]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(args)
         except SystemExit as e:  # argparse: usage errors and --help

@@ -310,7 +310,7 @@ def test_loop_tables_round_trip_through_the_cache(tmp_path: Path) -> None:
     for a, b in zip(got.counters, t.counters, strict=True):
         assert [(c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in a] == [
             (c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in b]
-    assert [x[:7] + (x[9],) if x else None for x in got.trips] == [x[:7] + (x[9],) if x else None for x in t.trips]
+    assert [(*x[:7], x[9]) if x else None for x in got.trips] == [(*x[:7], x[9]) if x else None for x in t.trips]
     bad = table_arrays(t)
     bad["version"] = bad["version"] + 1
     assert table_from_arrays(bad) is None  # another version's table is not used

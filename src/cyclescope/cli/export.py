@@ -14,7 +14,7 @@ import numpy as np
 
 from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, open_selection, register
 from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
-from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.errors import DataError, NotFoundError, UsageError
 
 
 def _emit(output: str | None, data: bytes) -> None:
@@ -354,6 +354,8 @@ def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
             prof = parse_callgrind(f.read())
     except OSError as e:
         raise NotFoundError(f"{path}: {e.strerror}") from None
+    except (ValueError, IndexError):
+        raise DataError(f"{path}: not callgrind's output (run valgrind --tool=callgrind --dump-instr=yes)") from None
     ob = prof.object_for(image_path) or prof.object_for(os.path.basename(image_path))
     if ob is None:
         raise NotFoundError(f"{path}: no counts for {image_path} (objects: {', '.join(sorted(prof.counts)) or 'none'}; "
