@@ -425,7 +425,7 @@ class LoopCounter:
         if self._pool is None:
             from cyclescope.analysis.worker import Worker
 
-            self._pool = Worker()
+            self._pool = Worker({"bounds": f"{__name__}:_worker_bounds", "analyze": f"{__name__}:_worker_analyze"})
         self._pool.call(name, args, lambda ok, got: land(got if ok else failed))
 
     def _ask_bounds(self, img: int) -> None:

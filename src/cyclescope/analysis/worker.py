@@ -46,18 +46,25 @@ def _write_frame(f: Any, obj: Any) -> None:
 
 
 # --- the child -----------------------------------------------------------------------------------
-def _functions() -> dict[str, Callable[..., Any]]:
-    from cyclescope.analysis import loopcount
+def _functions(specs: list[str]) -> dict[str, Callable[..., Any]]:
+    """NAME=package.module:function for each function the child serves (its parent says which: the
+    worker knows none of the analyses it runs)."""
+    import importlib
 
-    return {"bounds": loopcount._worker_bounds, "analyze": loopcount._worker_analyze}
+    out = {}
+    for spec in specs:
+        name, _, target = spec.partition("=")
+        module, _, fn = target.partition(":")
+        out[name] = getattr(importlib.import_module(module), fn)
+    return out
 
 
-def serve() -> None:
+def serve(specs: list[str]) -> None:
     """The child's loop: one request at a time, each answered (ok, result) or (False, message)."""
     from cyclescope.collect.session import die_with
 
     die_with(os.getppid())
-    fns = _functions()
+    fns = _functions(specs)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answer stream
     while True:
@@ -80,9 +87,11 @@ class Worker:
 
     MAX_RESTARTS = 3
 
-    def __init__(self) -> None:
+    def __init__(self, functions: dict[str, str]) -> None:
+        """``functions``: the name a call uses -> "package.module:function" the child runs."""
         import queue
 
+        self.functions = functions
         self._lock = threading.Lock()
         self._pending: dict[int, Callable[[bool, Any], None]] = {}
         self._next = 0
@@ -100,8 +109,10 @@ class Worker:
         env = dict(os.environ)
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self._proc = subprocess.Popen([sys.executable, "-m", "cyclescope.analysis.worker"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True, env=env)
+        specs = [f"{k}={v}" for k, v in self.functions.items()]
+        self._proc = subprocess.Popen([sys.executable, "-m", "cyclescope.analysis.worker", *specs],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      close_fds=True, env=env)
         threading.Thread(target=self._read, args=(self._proc,), name="analysis-worker", daemon=True).start()
 
     def _read(self, proc: subprocess.Popen[bytes]) -> None:
@@ -175,4 +186,4 @@ class Worker:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])
