@@ -70,11 +70,11 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     (loop counters where they hold, the model elsewhere), calc without the loop counters (the first
     design), and the naive estimator (a block's samples over its instruction count at one cycle
     per instruction, BOLT's no-LBR rule made absolute)."""
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.cli.calc import calc_target, cycles_event
     from cyclescope.cli.prof import prof_report
     from cyclescope.db.layout import Database
     from cyclescope.db.query import Selection, open_profile
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.listing import Target
 
     d = Database.open(db)

@@ -54,11 +54,11 @@ def simulate(p: Program, args: list[str], tmp: Path) -> Any:
 
 
 def analyze(p: Program, db: Path, prof: Any, ob: str, min_samples: int, rate: float) -> dict[str, Any]:
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.cli.calc import calc_target, cycles_event
     from cyclescope.cli.prof import prof_report
     from cyclescope.db.layout import Database
     from cyclescope.db.query import Selection, open_profile
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.listing import Target
 
     d = Database.open(db)

@@ -40,7 +40,7 @@ import numpy as np
 from common import ROOT, build, machine, save
 
 sys.path.insert(0, str(ROOT / "src"))
-from cyclescope.values.hotlist import N_PER_CALL_SITE, Hotlist
+from cyclescope.db.hotlist import N_PER_CALL_SITE, Hotlist
 
 N = 16
 
@@ -233,9 +233,9 @@ def run_call_sites(length: int, trials: int) -> dict[str, dict[str, float]]:
 
 def exact_streams(exe: Path, argv: list[str], length: int, rate: float, min_len: int) -> dict[str, list[int]]:
     """Value streams per (pc, kind) from exact-mode single-stepping of ``exe``."""
+    from cyclescope.collect.ptrace import traceme
     from cyclescope.values.exact import WALL, ExactTracer
     from cyclescope.values.modules import Addresses, Operands, Results
-    from cyclescope.values.ptrace import traceme
 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

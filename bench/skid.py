@@ -61,11 +61,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="how many runs each recording holds (accuracy.py --runs)")
     args = ap.parse_args()
     from cyclescope.analysis.callgrind import parse_callgrind
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.cli.calc import calc_target, cycles_event
     from cyclescope.cli.prof import prof_report
     from cyclescope.db.layout import Database
     from cyclescope.db.query import Selection, open_profile
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.listing import Target
 
     keep = Path(args.keep)

@@ -79,7 +79,7 @@ def clean_world() -> Iterator[None]:
 def perf_problem() -> str | None:
     """Why real perf_event sampling cannot run here, or None when it can."""
     from cyclescope.collect import kernel
-    from cyclescope.collect.perf_abi import PERF_ATTR_SIZE, EventType, PerfEventAttr, SwId
+    from cyclescope.perf.abi import PERF_ATTR_SIZE, EventType, PerfEventAttr, SwId
 
     a = PerfEventAttr()
     a.type, a.size, a.config, a.sample_period = EventType.SOFTWARE, PERF_ATTR_SIZE, SwId.CPU_CLOCK, 1_000_000

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from cyclescope.collect.perf_abi import RecordType, Sample
+from cyclescope.perf.abi import RecordType, Sample
 
 ST = int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME | Sample.CPU)
 

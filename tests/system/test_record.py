@@ -194,7 +194,7 @@ def test_a_rebuilt_binary_is_not_used_for_symbols(compile_c: Callable[..., Path]
 def test_hardware_events_without_a_pmu_fall_back_with_a_message(compile_c: Callable[..., Path],
                                                                 tmp_path: Path) -> None:
     from cyclescope.collect import kernel
-    from cyclescope.collect.perf_abi import PERF_ATTR_SIZE, EventType, HwId, PerfEventAttr
+    from cyclescope.perf.abi import PERF_ATTR_SIZE, EventType, HwId, PerfEventAttr
 
     a = PerfEventAttr()
     a.type, a.size, a.config, a.sample_period, a.flags = EventType.HARDWARE, PERF_ATTR_SIZE, HwId.CPU_CYCLES, 10**6, 1

@@ -108,14 +108,20 @@ def test_a_client_trickling_bytes_is_cut_off_and_stalls_no_one(served: tuple) ->
     assert all(a and a["ok"] for a in answers)
 
 
-def test_too_many_clients_at_once_are_told_so(served: tuple) -> None:
+def test_too_many_clients_at_once_are_told_so(served: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     db, _srv, _seen = served
+    # Idle clients hold their places until the request deadline: long enough here for a busy machine.
+    monkeypatch.setattr(control, "REQUEST_DEADLINE_S", 30.0)
     idle = []
     for _ in range(control.MAX_CLIENTS):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(str(control.socket_path(db.root)))
         idle.append(s)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until the server has taken every idle client in
+        if sum(t.name == "control-client" for t in threading.enumerate()) >= control.MAX_CLIENTS:
+            break
+        time.sleep(0.02)
     r = raw_exchange(db, b'{"cmd": "status"}\n')
     assert r["ok"] is False and "busy" in r["error"]
     for s in idle:

@@ -13,9 +13,9 @@ from cyclescope.collect.events import (
     parse_event,
     parse_events,
 )
-from cyclescope.collect.perf_abi import EventType, HwId, SwId
 from cyclescope.collect.session import PeriodTimeline
 from cyclescope.errors import UsageError
+from cyclescope.perf.abi import EventType, HwId, SwId
 
 
 def test_parse_names_aliases_modifiers_and_terms() -> None:

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from cyclescope.values.hotlist import (
+from cyclescope.db.hotlist import (
     N_DEFAULT,
     N_PER_CALL_SITE,
     VALUE_DTYPE,
@@ -243,7 +243,7 @@ def test_batches_thinned_by_the_running_p_stay_unbiased_and_count_every_value() 
 
 def test_a_hotlist_thinned_to_nothing_keeps_its_total_and_a_hash_collision_thins_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import cyclescope.values.hotlist as hl
+    import cyclescope.db.hotlist as hl
 
     dt = np.dtype([("uid", "<i4"), ("k", "<i8")])
     run = RunningP(dt)

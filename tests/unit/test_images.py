@@ -148,10 +148,10 @@ def test_resolver_names_images_by_build_id_and_computes_vaddrs(compile_c: Callab
 
 
 def test_archived_symbols_outlive_the_binary(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db import symbols as symstore
     from cyclescope.db.layout import Database
     from cyclescope.images.registry import ImageInfo
-    from cyclescope.images.symbolize import Symbolizer
 
     exe = tmp_path / "prog"
     shutil.copy(compile_c("hotcold"), exe)

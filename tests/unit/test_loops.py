@@ -112,13 +112,13 @@ def test_samples_say_the_mean_trip_count_per_execution() -> None:
 
 @dataclass
 class FakeBinary:
-    """images.code.Binary over one procedure's bytes."""
+    """binaries.code.Binary over one procedure's bytes."""
 
     code_bytes: bytes
     at: int
 
     def procedure(self, start: int):  # type: ignore[no-untyped-def]
-        from cyclescope.images.code import Procedure
+        from cyclescope.binaries.code import Procedure
 
         return Procedure(self.at, self.at + len(self.code_bytes), "f") if start == self.at else None
 
@@ -224,8 +224,8 @@ def test_samples_wait_for_their_binary_and_procedure_in_the_worker(tmp_path: Pat
     try:
         # the loop's header is where the function's code jumps back to: ask the analysis for it
         from cyclescope.analysis.loopcount import analyze_procedure
-        from cyclescope.images.code import open_binary
-        from cyclescope.images.symbolize import Symbolizer
+        from cyclescope.binaries.code import open_binary
+        from cyclescope.binaries.symbolize import Symbolizer
 
         table, _ = analyze_procedure(open_binary(info, Symbolizer(None)), chain)
         header = int(table.headers[0])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cyclescope.collect.records import SAMPLE_DTYPE, RecordDecoder, SampleLayout
 from cyclescope.images.kernel import KernelMap, KernelRange
 from cyclescope.images.maps import Mapper, ProcessState
 from cyclescope.images.registry import Resolved, Unknown
+from cyclescope.perf.records import SAMPLE_DTYPE, RecordDecoder, SampleLayout
 from tests import perfbytes as pb
 
 

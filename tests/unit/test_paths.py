@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from cyclescope.analysis.paths import PathBlock, block_frequencies, edge_outcomes, shape_counts
+from cyclescope.db.hotlist import VALUE_DTYPE, HotlistSet
 from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValueSelection
-from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
 
 # A diamond inside a loop: 0 (entry) -> 1 (header: branch) -> 2 (rare side) or 3 (common side)
 # -> 4 (latch: back to 1, or out). Addresses: block i spans 0x100*i .. 0x100*i + 2 (three insns).

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, RecordType, Sample
-from cyclescope.collect.records import (
+from cyclescope.perf.abi import X86_REGS_USER_MASK, RecordType, Sample
+from cyclescope.perf.records import (
     CommRecord,
     LostRecord,
     MmapRecord,

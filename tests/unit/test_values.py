@@ -16,13 +16,14 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, Sample
-from cyclescope.collect.records import RecordDecoder, SampleLayout
+from cyclescope.db.hotlist import VALUE_DTYPE, HotlistSet
 from cyclescope.db.layout import Database
 from cyclescope.db.values import KEY_DTYPE, NamedHotlists, ValuesMeta, compact_values, load_values, value_files
 from cyclescope.db.values import write_values as write_value_file
 from cyclescope.errors import UsageError
 from cyclescope.images.registry import ImageInfo, ImageTable
+from cyclescope.perf.abi import X86_REGS_USER_MASK, Sample
+from cyclescope.perf.records import RecordDecoder, SampleLayout
 from cyclescope.values.api import (
     BaseModule,
     BatchEmit,
@@ -35,7 +36,6 @@ from cyclescope.values.api import (
     kind_names,
 )
 from cyclescope.values.capture import CodeIndex, ProcCode, ValueCapture, ValueOptions
-from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet
 from cyclescope.values.insn import (
     PERF_COLUMNS,
     ROW_REGS,
@@ -399,7 +399,7 @@ class _Mapper:
 
 
 def _batch(pcs: list[int], rdi: list[int], rsi: list[int], ret_addr: int) -> tuple[np.ndarray, ...]:
-    from cyclescope.collect.records import SAMPLE_DTYPE
+    from cyclescope.perf.records import SAMPLE_DTYPE
 
     n = len(pcs)
     s = np.zeros(n, SAMPLE_DTYPE)

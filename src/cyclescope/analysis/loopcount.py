@@ -278,7 +278,7 @@ class _Batch:
 
 
 def analyze_procedure(binary: object | None, start: int) -> tuple[LoopTable, float]:
-    """The loops of the procedure at ``start`` of ``binary`` (images.code.Binary) and the CPU time
+    """The loops of the procedure at ``start`` of ``binary`` (binaries.code.Binary) and the CPU time
     it took; EMPTY when it cannot be read or analyzed, or is too large."""
     t0 = time.thread_time()
     table = EMPTY
@@ -293,7 +293,7 @@ def analyze_procedure(binary: object | None, start: int) -> tuple[LoopTable, flo
 
 
 class Source(Protocol):
-    """Where procedures come from: their bounds per image, and their loops (images.code)."""
+    """Where procedures come from: their bounds per image, and their loops (binaries.code)."""
 
     def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Start and end of every procedure of the image, sorted (None: nothing to analyze)."""
@@ -306,8 +306,8 @@ _BINARIES: dict[str, object | None] = {}  # in the worker process: binaries by i
 
 
 def _worker_binary(info: Any) -> object | None:
-    from cyclescope.images.code import open_binary
-    from cyclescope.images.symbolize import Symbolizer
+    from cyclescope.binaries.code import open_binary
+    from cyclescope.binaries.symbolize import Symbolizer
 
     if info.key not in _BINARIES:
         if len(_BINARIES) > 256:

@@ -36,8 +36,8 @@ PROFILE_ESTIMATOR = "geomean"
 if TYPE_CHECKING:
     from cyclescope.analysis.calc import Calc
     from cyclescope.analysis.loopcount import LoopStats
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.query import ProfileSet
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.listing import Target
 
 
@@ -171,8 +171,8 @@ class CalcCommand(Command):
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.cli.listing import image_totals, resolve_target
-        from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.calc import calc_table, calc_to_json, summarize
 
         db = open_db(args)

@@ -199,8 +199,8 @@ class Diff(Command):
 
     def _insn_counts(self, ps: ProfileSet, db: Database, proc: str, event: str | None,
                      images: list[str]) -> tuple[str, dict[Key, int]]:
+        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.cli.listing import make_listing, resolve_target
-        from cyclescope.images.symbolize import Symbolizer
 
         sym = Symbolizer(db)
         target, _ = resolve_target(ps, proc, images, sym)

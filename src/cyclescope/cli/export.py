@@ -101,10 +101,10 @@ class Export(Command):
                        help="name frames procedure+offset instead of merging a procedure's instructions")
 
     def run(self, args: argparse.Namespace) -> int:
+        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.db.query import match_images, query_counts
         from cyclescope.db.stacks import load_stacks
         from cyclescope.images.registry import ImageInfo
-        from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.export import Stacks, collapsed, named_stacks, speedscope
 
         db = open_db(args)
@@ -217,11 +217,11 @@ class Export(Command):
 
     @staticmethod
     def _llvm_sample(args: argparse.Namespace, ps: Any, db: Any) -> int:
+        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.cli.calc import cycles_event
         from cyclescope.cli.prof import prof_report
         from cyclescope.images.dwarf import DwarfIndex, dwarf_source
         from cyclescope.images.elf import read_symbols
-        from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.llvm_sample import render
 
         sym = Symbolizer(db)
@@ -269,10 +269,10 @@ class Export(Command):
 
     @staticmethod
     def _bolt_fdata(args: argparse.Namespace, ps: Any, db: Any) -> int:
+        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.cli.calc import cycles_event
         from cyclescope.cli.prof import prof_report
         from cyclescope.images.elf import local_function_files, read_symbols
-        from cyclescope.images.symbolize import Symbolizer
         from cyclescope.report.bolt_fdata import bolt_names, render
 
         sym = Symbolizer(db)

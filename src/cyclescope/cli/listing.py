@@ -22,10 +22,10 @@ from cyclescope.report.render import write_json, write_table
 if TYPE_CHECKING:
     import numpy as np
 
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.query import ProfileSet
     from cyclescope.images.dwarf import DwarfIndex, Scope
     from cyclescope.images.registry import ImageInfo
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.listing import Listing, SourceListing, Target
 
 _RANGE_RE = re.compile(r"^(0x[0-9a-fA-F]+)\s*(?:-\s*(0x[0-9a-fA-F]+)|\+\s*(0x[0-9a-fA-F]+|\d+))$")
@@ -270,7 +270,7 @@ class List(Command):
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.images.symbolize import Symbolizer
+        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.report.listing import listing_table, source_table
 
         if bool(args.procedure) == bool(args.source):

@@ -24,8 +24,8 @@ TERMINAL_LIMIT = 40
 
 
 def prof_report(ps: ProfileSet, by_image: bool) -> ProfReport:
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.query import query_counts
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.report.prof import build_prof, counts_by_image
     from cyclescope.report.summary import summarize
 

@@ -18,10 +18,10 @@ from cyclescope.errors import NotFoundError, UsageError
 from cyclescope.report.render import write_json, write_table
 
 if TYPE_CHECKING:
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
     from cyclescope.db.query import ProfileSet
     from cyclescope.db.values import ValueSelection
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.values.api import ValueModule
 
 
@@ -34,8 +34,8 @@ def add_value_report_options(p: argparse.ArgumentParser) -> None:
 
 def load_selection(args: argparse.Namespace) -> tuple[Database, ProfileSet, ValueSelection, Symbolizer,
                                                        list[ValueModule]]:
+    from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.values import load_values
-    from cyclescope.images.symbolize import Symbolizer
     from cyclescope.values.modules import DEFAULT_MODULES, load_modules
 
     db = open_db(args)
@@ -202,7 +202,7 @@ class Invariants(Command):
         nh = vs.hotlists
         allowed = _image_filter(ps, list(args.image))
         if allowed is not None:
-            from cyclescope.values.hotlist import HotlistSet
+            from cyclescope.db.hotlist import HotlistSet
 
             hl = nh.hl
             keep = np.array([k in allowed for k in nh.images], bool)[hl.keys["image"]]

@@ -93,7 +93,7 @@ def measure_sample_overhead(period_ns: int, seconds: float = 0.05, rounds: int =
     sample taken is the overhead.
     """
     from cyclescope.collect import kernel
-    from cyclescope.collect.perf_abi import PERF_ATTR_SIZE, AttrFlag, EventType, PerfEventAttr, Sample, SwId
+    from cyclescope.perf.abi import PERF_ATTR_SIZE, AttrFlag, EventType, PerfEventAttr, Sample, SwId
 
     ghz = measure_ghz(0.005, 1)
     if ghz is None:

@@ -25,16 +25,7 @@ import numpy as np
 from cyclescope.collect.aggregate import Aggregator, Counts
 from cyclescope.collect.clock import measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer
-from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, RecordType, regs_in_mask
 from cyclescope.collect.processor import Context, Drain, Processor
-from cyclescope.collect.records import (
-    CommRecord,
-    LostRecord,
-    RecordDecoder,
-    SideRecord,
-    TaskRecord,
-    ThrottleRecord,
-)
 from cyclescope.collect.session import CallGraph, Command, Processes, Session, SystemWide
 from cyclescope.collect.stacks import StackAggregator
 from cyclescope.db import symbols as symstore
@@ -53,6 +44,15 @@ from cyclescope.images.kernel import (
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map, read_perf_map
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
+from cyclescope.perf.abi import X86_REGS_USER_MASK, RecordType, regs_in_mask
+from cyclescope.perf.records import (
+    CommRecord,
+    LostRecord,
+    RecordDecoder,
+    SideRecord,
+    TaskRecord,
+    ThrottleRecord,
+)
 
 if TYPE_CHECKING:  # value capture (capstone, unicorn, the modules) is imported only when asked for
     from cyclescope.collect.unwind import DwarfStacks
@@ -454,7 +454,7 @@ class Collector:
 
     @staticmethod
     def _sample_dtype() -> np.dtype:
-        from cyclescope.collect.records import SAMPLE_DTYPE
+        from cyclescope.perf.records import SAMPLE_DTYPE
 
         return SAMPLE_DTYPE
 

@@ -9,7 +9,8 @@ import random
 import re
 from dataclasses import dataclass, replace
 
-from cyclescope.collect.perf_abi import (
+from cyclescope.errors import UsageError
+from cyclescope.perf.abi import (
     HW_CACHE_DTLB,
     HW_CACHE_ITLB,
     HW_CACHE_L1I,
@@ -20,7 +21,6 @@ from cyclescope.collect.perf_abi import (
     SwId,
     hw_cache_config,
 )
-from cyclescope.errors import UsageError
 
 # Hard ceiling per CPU on these VMs: 100 kHz soft-locked a CPU; 20 kHz costs the
 # target about 60%. Above this we refuse unless forced.

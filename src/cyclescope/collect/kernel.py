@@ -15,7 +15,8 @@ import mmap
 import os
 import struct
 
-from cyclescope.collect.perf_abi import (
+from cyclescope.errors import CycleScopeError
+from cyclescope.perf.abi import (
     IOC_DISABLE,
     IOC_ENABLE,
     IOC_ID,
@@ -29,7 +30,6 @@ from cyclescope.collect.perf_abi import (
     PERF_FLAG_FD_CLOEXEC,
     PerfEventAttr,
 )
-from cyclescope.errors import CycleScopeError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long

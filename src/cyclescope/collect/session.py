@@ -36,7 +36,8 @@ from cyclescope.collect.events import (
     nominal_period,
     parse_event,
 )
-from cyclescope.collect.perf_abi import (
+from cyclescope.errors import CycleScopeError, UsageError
+from cyclescope.perf.abi import (
     PERF_ATTR_SIZE,
     X86_REGS_USER_MASK,
     AttrFlag,
@@ -44,8 +45,7 @@ from cyclescope.collect.perf_abi import (
     ReadFormat,
     Sample,
 )
-from cyclescope.collect.records import SampleLayout
-from cyclescope.errors import CycleScopeError, UsageError
+from cyclescope.perf.records import SampleLayout
 
 CLOCK = time.CLOCK_MONOTONIC
 BASE_SAMPLE_TYPE = Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME | Sample.CPU
@@ -433,7 +433,7 @@ class Session:
                 os.read(go_r, 1)
                 os.close(go_r)
                 if self.traceme:
-                    from cyclescope.values.ptrace import traceme
+                    from cyclescope.collect.ptrace import traceme
 
                     traceme()
                 os.execvp(exe, list(argv))

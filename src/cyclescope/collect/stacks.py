@@ -10,12 +10,12 @@ counted per (stack, event) between flushes.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from cyclescope.db.stacks import StackCounts
 
 PERF_CONTEXT_HV = (1 << 64) - 32
 PERF_CONTEXT_KERNEL = (1 << 64) - 128
@@ -45,36 +45,6 @@ def split_chain(chain: tuple[int, ...], sampled_ip: int) -> list[tuple[int, bool
     if not out and sampled_ip:
         out.append((sampled_ip, False, False))
     return out
-
-
-@dataclass
-class StackCounts:
-    """Stacks seen since the last flush: frames as (image index, offset) tuples, leaf first."""
-
-    stacks: dict[tuple[tuple[int, int], ...], int] = field(default_factory=dict)  # stack -> id
-    # (stack id, event, command as a CommTable index or -1) -> samples
-    counts: Counter[tuple[int, int, int]] = field(default_factory=Counter)
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-    def intern(self, stack: tuple[tuple[int, int], ...]) -> int:
-        sid = self.stacks.get(stack)
-        if sid is None:
-            sid = len(self.stacks)
-            self.stacks[stack] = sid
-        return sid
-
-    def rows(self) -> tuple[list[tuple[tuple[int, int], ...]], list[int], list[int], list[int]]:
-        """(stack, event, count, command) columns."""
-        by_id = list(self.stacks)
-        st, ev, n, cm = [], [], [], []
-        for (sid, e, comm), c in self.counts.items():
-            st.append(by_id[sid])
-            ev.append(e)
-            n.append(c)
-            cm.append(comm)
-        return st, ev, n, cm
 
 
 class StackAggregator:

@@ -23,7 +23,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cyclescope.collect.stacks import StackCounts
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
 from cyclescope.errors import DataError
@@ -37,6 +36,37 @@ SCHEMA = pa.schema([
     ("images", pa.list_(pa.dictionary(pa.int32(), pa.string()))),
     ("offsets", pa.list_(pa.uint64())),
 ])
+
+
+@dataclass
+class StackCounts:
+    """Stacks seen since the last flush: frames as (image index, offset) tuples, leaf first."""
+
+    stacks: dict[tuple[tuple[int, int], ...], int] = field(default_factory=dict)  # stack -> id
+    # (stack id, event, command as a CommTable index or -1) -> samples
+    counts: Counter[tuple[int, int, int]] = field(default_factory=Counter)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def intern(self, stack: tuple[tuple[int, int], ...]) -> int:
+        sid = self.stacks.get(stack)
+        if sid is None:
+            sid = len(self.stacks)
+            self.stacks[stack] = sid
+        return sid
+
+    def rows(self) -> tuple[list[tuple[tuple[int, int], ...]], list[int], list[int], list[int]]:
+        """(stack, event, count, command) columns."""
+        by_id = list(self.stacks)
+        st, ev, n, cm = [], [], [], []
+        for (sid, e, comm), c in self.counts.items():
+            st.append(by_id[sid])
+            ev.append(e)
+            n.append(c)
+            cm.append(comm)
+        return st, ev, n, cm
+
 
 
 def stacks_dir(db: Database, epoch: int, host: str) -> Path:

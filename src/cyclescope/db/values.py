@@ -31,9 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cyclescope.db.hotlist import VALUE_DTYPE, HotlistSet, hotlist_sizes, merge_sets, unique_struct
 from cyclescope.db.layout import Database, SegmentRef, fsync_dir, live_segments
 from cyclescope.errors import DataError
-from cyclescope.values.hotlist import VALUE_DTYPE, HotlistSet, hotlist_sizes, merge_sets, unique_struct
 
 META_KEY = b"cyclescope-values"
 _VAL_RE = re.compile(r"^vals-(\d{8,})-(\d{8,})\.parquet$")

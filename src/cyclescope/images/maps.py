@@ -20,11 +20,11 @@ from typing import Protocol
 
 import numpy as np
 
-from cyclescope.collect.perf_abi import MISC_KERNEL, MISC_USER, RecordType
-from cyclescope.collect.records import CommRecord, MmapRecord, SideRecord, TaskRecord
 from cyclescope.images.kernel import KernelMap
 from cyclescope.images.procfs import ProcMapping, read_comm, read_maps
 from cyclescope.images.registry import Resolved, Unknown
+from cyclescope.perf.abi import MISC_KERNEL, MISC_USER, RecordType
+from cyclescope.perf.records import CommRecord, MmapRecord, SideRecord, TaskRecord
 
 NS = 1_000_000_000
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
+from cyclescope.binaries.symbolize import Symbolizer
+from cyclescope.db.hotlist import PER_CALL_SITE
 from cyclescope.db.query import ProfileSet, query_counts
 from cyclescope.db.values import NamedHotlists, ValueSelection, ValuesMeta
 from cyclescope.images.registry import ImageInfo
-from cyclescope.images.symbolize import Symbolizer
 from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
 from cyclescope.report.summary import Summary
 from cyclescope.values.api import FormatContext, Value, ValueModule
-from cyclescope.values.hotlist import PER_CALL_SITE
 from cyclescope.values.insn import REG_VIEWS, InsnDetail, decode
 from cyclescope.values.modules import format_value
 

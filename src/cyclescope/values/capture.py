@@ -38,15 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from cyclescope.collect.perf_abi import MISC_USER
-from cyclescope.db.values import NamedHotlists, ValuesMeta
-from cyclescope.images.disasm import read_code
-from cyclescope.images.elf import ElfInfo, read_load_info
-from cyclescope.images.maps import lookup_user
-from cyclescope.images.registry import ImageTable
-from cyclescope.images.symbolize import Symbolizer
-from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Kinds, Step, StepBatch, ValueModule
-from cyclescope.values.hotlist import (
+from cyclescope.binaries.symbolize import Symbolizer
+from cyclescope.db.hotlist import (
     VALUE_DTYPE,
     HotlistSet,
     RunningP,
@@ -56,6 +49,13 @@ from cyclescope.values.hotlist import (
     reduce_set,
     unique_struct,
 )
+from cyclescope.db.values import NamedHotlists, ValuesMeta
+from cyclescope.images.disasm import read_code
+from cyclescope.images.elf import ElfInfo, read_load_info
+from cyclescope.images.maps import lookup_user
+from cyclescope.images.registry import ImageTable
+from cyclescope.perf.abi import MISC_USER
+from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Kinds, Step, StepBatch, ValueModule
 from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, InsnDetail, decode
 from cyclescope.values.interp import Interpreter
 from cyclescope.values.modules import DEFAULT_MODULES, MAP_CODE, load_modules

@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cyclescope.collect import kernel
-from cyclescope.collect.perf_abi import PERF_ATTR_SIZE, AttrFlag, EventType, PerfEventAttr, SwId
-from cyclescope.collect.records import SAMPLE_DTYPE
-from cyclescope.values import ptrace
+from cyclescope.collect import kernel, ptrace
+from cyclescope.collect.procmem import ProcessMemory
+from cyclescope.perf.abi import PERF_ATTR_SIZE, AttrFlag, EventType, PerfEventAttr, SwId
+from cyclescope.perf.records import SAMPLE_DTYPE
 from cyclescope.values.api import Step
 from cyclescope.values.insn import GP64, PERF_COLUMNS, decode, effective_address
 from cyclescope.values.interp import Interpreter, RunResult
-from cyclescope.values.procmem import ProcessMemory
 
 MISC_USER = 2
 WALL = 0x40000000  # __WALL: wait for the thread whatever its kind

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
-from cyclescope.collect.perf_abi import X86_REGS_USER_MASK, regs_in_mask
+from cyclescope.perf.abi import X86_REGS_USER_MASK, regs_in_mask
 
 # The columns of a decoded user-register row (regs_in_mask order), by 64-bit name.
 _PERF_NAMES = {"AX": "rax", "BX": "rbx", "CX": "rcx", "DX": "rdx", "SI": "rsi", "DI": "rdi", "BP": "rbp",

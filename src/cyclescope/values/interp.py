@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from cyclescope.collect.procmem import ProcessMemory
 from cyclescope.values import stepper
 from cyclescope.values.api import MASK64, Step, StepBatch
 from cyclescope.values.insn import ROW_COL, ROW_REGS, ROW_STRUCT, InsnDetail, decode
-from cyclescope.values.procmem import ProcessMemory
 
 PAGE = 4096
 # Pages one emulator maps before the next call (a run, or a drain's runs) gets a fresh one. unicorn

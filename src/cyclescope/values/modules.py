@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cyclescope.db.hotlist import PER_CALL_SITE
 from cyclescope.errors import UsageError
 from cyclescope.values import DEFAULT_MODULES as _DEFAULT_MODULES
 from cyclescope.values.api import (
@@ -33,7 +34,6 @@ from cyclescope.values.api import (
     Value,
     ValueModule,
 )
-from cyclescope.values.hotlist import PER_CALL_SITE
 from cyclescope.values.insn import REG_VIEWS, ROW_COL, InsnDetail, RegView
 
 if TYPE_CHECKING:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cyclescope.binaries.symbolize import Symbolizer
 from cyclescope.images.disasm import read_code
 from cyclescope.images.elf import ElfInfo, SymbolTable, apply_relative, read_load_info
 from cyclescope.images.registry import ImageInfo
-from cyclescope.images.symbolize import Symbolizer
 
 
 @dataclass(frozen=True)

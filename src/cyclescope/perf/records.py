@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cyclescope.collect.perf_abi import (
+from cyclescope.perf.abi import (
     MISC_COMM_EXEC,
     MISC_CPUMODE_MASK,
     MISC_MMAP_BUILD_ID,
