@@ -14,7 +14,7 @@ import pytest
 from cyclescope.collect.daemon import Collector, CollectorConfig, child_done
 from cyclescope.collect.events import parse_events
 from cyclescope.collect.session import CallGraph, Command, Session
-from cyclescope.collect.stacks import split_chain
+from cyclescope.collect.stacks import StackProcessor, split_chain
 from cyclescope.collect.unwind import DwarfStacks
 from cyclescope.db.layout import Database
 from tests.system.helpers import cs
@@ -55,7 +55,9 @@ def test_unwinder_agrees_with_the_kernels_frame_pointer_walk(tmp_path: Path, mon
     session = Session(parse_events(["cpu-clock"]), Command((str(exe), "8000000")), rate_hz=2000,
                       call_graph=CallGraph("dwarf", 8192, kernel_user=True))
     db = Database.create_or_open(tmp_path / "db")
-    c = Collector(session, db, CollectorConfig(host="test", stacks=session.call_graph, archive="none"))
+    assert session.call_graph is not None
+    stacks = StackProcessor(session.call_graph)
+    c = Collector(session, db, CollectorConfig(host="test", archive="none", processors=[stacks]))
     c.start()
     c.run(until=child_done(session))
     assert len(pairs) > 300
@@ -82,7 +84,7 @@ def test_unwinder_agrees_with_the_kernels_frame_pointer_walk(tmp_path: Path, mon
     n = len(pairs)
     assert agree >= 0.9 * n, (agree, longer, n)
     assert agree + longer >= 0.98 * n, (agree, longer, n)
-    st = c.dwarf.stats if c.dwarf is not None else None
+    st = stacks.dwarf.stats if stacks.dwarf is not None else None
     assert st is not None and st.stops["end"] >= 0.95 * st.samples, st.stops
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cyclescope.cli.record import call_graph_arg
+from cyclescope.cli.sampling import call_graph_arg
 from cyclescope.collect.stacks import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
 from cyclescope.collect.unwind import BP, IP, PENDING, SP, DwarfStacks, Unwinder, user_chain
 from cyclescope.images import cfi

@@ -853,3 +853,6 @@ class LoopCountProcessor:
             return {}
         return {"procedures": len(c._tables), "analysis_s": round(c.analysis_s, 3), "skipped": c.skipped,
                 "deferred": c.deferred}
+
+    def summary(self) -> str | None:
+        return None  # calc reports what the counts covered

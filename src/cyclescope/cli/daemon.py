@@ -8,16 +8,15 @@ import time
 from typing import Any
 
 from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, register
-from cyclescope.cli.record import (
-    VALUE_DRAIN_S,
+from cyclescope.cli.sampling import (
     add_count_options,
     add_sampling_options,
     add_value_options,
-    count_processors,
+    drain_interval,
     list_value_modules,
     make_events,
+    processors,
     value_options,
-    value_summary,
 )
 from cyclescope.collect import control
 from cyclescope.db.layout import Database
@@ -97,16 +96,14 @@ class Daemon(Command):
         if args.flush_interval <= 0:
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
-        processors = count_processors(args)
+        procs = processors(args, vopts)
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
-                          call_graph=args.call_graph, user_regs=any(p.needs_regs for p in processors))
+                          call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))
         db = Database.create_or_open(db_path(args))
         cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
                               new_epoch=args.new_epoch, archive=args.archive, follow_epochs=True,
-                              rerandomize_s=args.redraw / 1000, values=vopts, stacks=args.call_graph,
-                              drain_s=VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0,
-                              processors=processors)
+                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs)
         c = Collector(session, db, cfg)
         c.listen()
         try:
@@ -126,8 +123,8 @@ class Daemon(Command):
         share = 100.0 * totals.unknown / totals.samples if totals.samples else 0.0
         eprint(f"cyclescope daemon: stopped after {time.monotonic() - t0:.1f} s: {fmt_count(totals.samples)} samples, "
                f"lost {fmt_count(lost)}, unknown {share:.2f}%, peak RSS {peak_rss_kib() / 1024:.1f} MiB")
-        if c.values is not None:
-            eprint(f"cyclescope daemon: {value_summary(c)}")
+        for line in c.summaries():
+            eprint(f"cyclescope daemon: {line}")
         return 0
 
 

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cyclescope.cli.base import db_path, eprint, stderr_tty
 from cyclescope.collect.daemon import RunHooks
@@ -22,19 +23,26 @@ from cyclescope.collect.events import EventSpec
 from cyclescope.errors import CycleScopeError
 from cyclescope.values.capture import ValueOptions
 
+if TYPE_CHECKING:
+    from cyclescope.collect.daemon import Collector
+    from cyclescope.values.capture import ValueCapture
+    from cyclescope.values.exact import ExactTracer
+    from cyclescope.values.processor import ValueProcessor
+
 DEFAULT_EXACT_HZ = 1000.0  # each stop costs about (L + 2) x 95 us: 1 kHz slows L=4 by about half
 HAND_OVER_S = 0.5  # drain the rings and hand the stops over to value capture at least this often
 
 
 def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec], rate: float | None,
               vopts: ValueOptions) -> int:
-    from cyclescope.cli.record import _exit_code, progress_printer, summary_line, value_summary
+    from cyclescope.cli.sampling import exit_code, progress_printer, summary_line
     from cyclescope.collect.daemon import Collector, CollectorConfig
     from cyclescope.collect.session import Command as CommandTarget
     from cyclescope.collect.session import Session
     from cyclescope.db.layout import Database
     from cyclescope.images.procfs import hostname
     from cyclescope.values.exact import WALL, ExactTracer
+    from cyclescope.values.processor import ValueProcessor
 
     if os.geteuid() != 0 and not os.access("/proc/self/status", os.R_OK):
         raise CycleScopeError("exact mode needs to trace the command (ptrace)")
@@ -42,12 +50,13 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     if vopts.length < 1:
         raise CycleScopeError("exact mode steps at least one instruction: --interpret L with L >= 1")
     vopts = replace(vopts, exact=True)
+    values = ValueProcessor(vopts)  # fed by the tracer's stops (the session samples no registers)
     session = Session(events, CommandTarget(tuple(cmd)), rate_hz=hz if args.period is None else None,
                       band=args.band, force=args.force, traceme=True)
     db = Database.create_or_open(db_path(args))
     cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                           epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                          rerandomize_s=args.redraw / 1000, values=vopts, drain_s=HAND_OVER_S)
+                          rerandomize_s=args.redraw / 1000, drain_s=HAND_OVER_S, processors=[values])
     show = not args.quiet and stderr_tty()
     start = time.monotonic()
     c = Collector(session, db, cfg, progress=progress_printer(start) if show else None)
@@ -62,14 +71,14 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
             raise CycleScopeError("the command did not start")
         period_ns = int(1e9 / hz)
         tracer = ExactTracer(pid, vopts.length, vopts.stack, period_ns, band=args.band, how=args.exact)
-        assert c.values is not None
-        c.values.pin_owner(pid)
+        assert values.capture is not None
+        values.capture.pin_owner(pid)
         c.install_signals()
         for w in session.warnings:
             eprint(f"cyclescope record: {w}")
         tr = tracer
         c.run(duration_s=args.duration, until=lambda: tr.exited is not None,
-              hooks=_hooks(c, tracer, vopts, wake_r, WALL))
+              hooks=_hooks(c, values, tracer, vopts, wake_r, WALL))
     finally:
         if tracer is not None and tracer.exited is None:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -89,7 +98,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     if not args.quiet:
         eprint(f"cyclescope record: {summary_line(c.totals, elapsed, c.epoch, db_path(args))}")
         eprint(f"cyclescope record: exact mode: {tracer.perf_stops:,} stops, {vopts.length} steps each; "
-               f"{value_summary(c)}")
+               f"{values.summary()}")
         it = tracer.interp
         if tracer.how == "interpret" and it is not None and it.runs:
             stops = ", ".join(f"{k} {100 * v / it.runs:.0f}%" for k, v in it.stops.most_common())
@@ -99,18 +108,15 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
         if s.compared:
             eprint(f"cyclescope record: the interpreter agreed with single-stepping on {s.agree:,} of "
                    f"{s.compared:,} steps ({100 * s.agree / s.compared:.1f}%)")
-    return _exit_code(tracer.exited)
+    return exit_code(tracer.exited)
 
 
-def _hooks(c: object, tracer: object, vopts: ValueOptions, wake_r: int, wall: int) -> RunHooks:
+def _hooks(c: Collector, values: ValueProcessor, tracer: ExactTracer, vopts: ValueOptions, wake_r: int,
+           wall: int) -> RunHooks:
     """The tracer's part of Collector.run's loop: collect the command's stops when SIGCHLD wakes
     it (through the wakeup pipe), hand them over in batches, and the rest at the end."""
-    from cyclescope.collect.daemon import Collector
-    from cyclescope.values.exact import ExactTracer
-
-    assert isinstance(c, Collector) and isinstance(tracer, ExactTracer)
-    assert c.values is not None
-    values = c.values
+    capture = values.capture
+    assert capture is not None
     next_hand = [time.monotonic() + HAND_OVER_S]
 
     def tick(now: float) -> None:
@@ -127,25 +133,21 @@ def _hooks(c: object, tracer: object, vopts: ValueOptions, wake_r: int, wall: in
                 break
             tracer.on_stop(status)
         if tracer.stops and (len(tracer.stops) >= 256 or now >= next_hand[0] or tracer.exited is not None):
-            _hand_over(c, tracer, vopts)
+            _hand_over(c, capture, tracer, vopts)
             next_hand[0] = now + HAND_OVER_S
 
     def finish() -> None:
         if tracer.stops:
-            _hand_over(c, tracer, vopts)
+            _hand_over(c, capture, tracer, vopts)
         c.session.exit_status = tracer.exited
-        values.check.update(tracer.stats.as_dict())
+        capture.check.update(tracer.stats.as_dict())
 
     return RunHooks((wake_r,), tick, finish)
 
 
-def _hand_over(c: object, tracer: object, vopts: ValueOptions) -> None:
-    from cyclescope.collect.daemon import Collector
-    from cyclescope.values.exact import ExactTracer
-
-    assert isinstance(c, Collector) and isinstance(tracer, ExactTracer) and c.values is not None
+def _hand_over(c: Collector, capture: ValueCapture, tracer: ExactTracer, vopts: ValueOptions) -> None:
     c.step()  # the ring's mmap records first: they map the stops' addresses
     samples, regs, stack, slen, stops = tracer.take_batch(vopts.stack)
     mapped = c.mapper.map_batch(samples, [])
-    c.values.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
-    c.values.add_sequences(tracer.pid, [(s.steps, s.reason) for s in stops])
+    capture.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
+    capture.add_sequences(tracer.pid, [(s.steps, s.reason) for s in stops])

@@ -8,7 +8,6 @@ the loop ends; starts a new epoch on command; reaps exited processes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import math
 import os
@@ -18,34 +17,26 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from cyclescope.collect.aggregate import Aggregator, Counts
+from cyclescope.collect.aggregate import Aggregator
 from cyclescope.collect.clock import measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer
+from cyclescope.collect.flusher import Flusher
 from cyclescope.collect.processor import Context, Drain, Processor
-from cyclescope.collect.session import CallGraph, Command, Processes, Session, SystemWide
-from cyclescope.collect.stacks import StackAggregator
-from cyclescope.db import symbols as symstore
-from cyclescope.db.layout import Database, safe_host
-from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, merge_clock, write_segment
+from cyclescope.collect.session import Processes, Session, SystemWide
+from cyclescope.db.layout import Database
+from cyclescope.db.segment import EventMeta, SegmentMeta, merge_clock
 from cyclescope.images.cache import Cache
-from cyclescope.images.elf import SymbolTable, symbols_from_bytes
-from cyclescope.images.kernel import (
-    KernelMap,
-    KernelRange,
-    boot_stamp,
-    kernel_symbols,
-    load_kernel_ranges,
-    read_kallsyms,
-)
+from cyclescope.images.kernel import KernelMap, load_kernel_ranges
 from cyclescope.images.maps import Mapper
-from cyclescope.images.procfs import list_pids, own_vdso, parse_perf_map, read_perf_map
-from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable, Unknown
-from cyclescope.perf.abi import X86_REGS_USER_MASK, RecordType, regs_in_mask
+from cyclescope.images.procfs import list_pids, own_vdso
+from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable
+from cyclescope.perf.abi import X86_REGS_USER_MASK, RecordType, Sample, regs_in_mask
 from cyclescope.perf.records import (
+    SAMPLE_DTYPE,
     CommRecord,
     LostRecord,
     RecordDecoder,
@@ -53,11 +44,6 @@ from cyclescope.perf.records import (
     TaskRecord,
     ThrottleRecord,
 )
-
-if TYPE_CHECKING:  # value capture (capstone, unicorn, the modules) is imported only when asked for
-    from cyclescope.collect.unwind import DwarfStacks
-    from cyclescope.values.capture import ValueCapture, ValueOptions
-
 
 # A ring's wake-up is acted on only when the fullest ring holds at least this share of its size
 # (a quarter: half a watermark). Skipping a wake-up below it leaves the ring at most three
@@ -86,13 +72,8 @@ class CollectorConfig:
     # survive upgrades and deletions: "binaries" (needed by list and calc), "symbols"
     # (enough for prof, a few KB each) or "none".
     archive: str = "binaries"
-    # Value capture (opt-in): registers and stack at each interrupt, hotlists per owner.
-    values: ValueOptions | None = None
-    # Call stacks (PERF_SAMPLE_CALLCHAIN, frame pointers or .eh_frame unwinding of user stack
-    # snapshots): counted per stack, written beside the flat counts.
-    stacks: CallGraph | None = None
-    # What else is computed from each drain's samples (loop-iteration counts), each writing its
-    # own tally at every flush.
+    # What else is computed from each drain's samples (loop-iteration counts, call stacks, values
+    # at the interrupt), each writing its own files at every flush.
     processors: list[Processor] = field(default_factory=list)
 
 
@@ -147,19 +128,8 @@ class Collector:
         if vdso:
             self.resolver.set_vdso(vdso)
         self.decoder = RecordDecoder(session.layout)
-        self.values: ValueCapture | None = None
-        if config.values is not None:
-            from cyclescope.values.capture import ValueCapture
-
-            self.values = ValueCapture(config.values, self.mapper, self.table)
-        self.value_files: list[str] = []
-        self._values_since = time.time()
-        self.stacks: StackAggregator | None = StackAggregator() if config.stacks else None
-        self.dwarf: DwarfStacks | None = None
-        if config.stacks is not None and config.stacks.mode == "dwarf":
-            from cyclescope.collect.unwind import DwarfStacks, TableLoader
-
-            self.dwarf = DwarfStacks(TableLoader(self.table, Cache(), vdso))
+        self._chains = bool(session.layout.sample_type & Sample.CALLCHAIN)
+        self.flusher = Flusher(db, config.host, self.table, self.mapper, ranges, vdso, config.archive)
         self.agg = Aggregator()
         self.totals = RunTotals()
         self.epoch = 0
@@ -168,19 +138,15 @@ class Collector:
         self._flush_requested = False
         self._epoch_requested: str | None = None
         self._last_counters: dict[int, tuple[int, int, int]] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compact")
-        self._compacting: concurrent.futures.Future[Any] | None = None
         self.control: ControlServer | None = None
         self.started = time.time()
-        self._symbols_written: set[str] = set()
-        self._archived: set[str] = set()
         self._clock = 0.0
         self._overhead: dict[int, float] = {}
         # Rings whose event hung up (its task exited with no children left): drained once more by
         # the wake-up that reported it, never polled again (poll would report it at once forever).
         self._hung_up: set[int] = set()
         self.processors = list(config.processors)
-        self.tally_files: list[str] = []
+        self.files: list[str] = []  # what the processors wrote
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -206,7 +172,8 @@ class Collector:
         cols = {r.name.lower(): k for k, r in enumerate(regs_in_mask(self.session.layout.regs_user_mask
                                                                       or X86_REGS_USER_MASK))}
         cols = {("r" + n if len(n) == 2 and not n[1].isdigit() else n): k for n, k in cols.items()}
-        ctx = Context(self.table, not isinstance(self.session.target, SystemWide), time_event, cols)
+        ctx = Context(self.table, self.mapper, tuple(s.label for s in self.session.events),
+                      not isinstance(self.session.target, SystemWide), time_event, cols, self.vdso_bytes)
         for p in self.processors:
             p.bind(ctx)
         self.session.start()
@@ -290,14 +257,6 @@ class Collector:
             self.step()
             for p in self.processors:
                 p.finish()
-            if self.dwarf is not None:
-                # Unwind tables still loading: wait for them (a walk may meet a new image on its
-                # way, so repeat while that brings progress), then unwind what is left regardless.
-                give_up = time.monotonic() + 120.0
-                while self.dwarf.waiting and self.dwarf.loader.pending() and time.monotonic() < give_up:
-                    self.dwarf.loader.wait(timeout=give_up - time.monotonic())
-                    self._unwind(None, None, [])
-                self._unwind(None, None, [], force=True)
             self.flush()
         finally:
             self.close()
@@ -338,14 +297,9 @@ class Collector:
         return ring and (hup or self.session.fullest() >= WAKE_MIN_FILL)
 
     def close(self) -> None:
-        if self._compacting is not None:
-            with contextlib.suppress(Exception):
-                self._compacting.result()
-        self._pool.shutdown(wait=True)
+        self.flusher.close()
         for p in self.processors:
             p.close()
-        if self.dwarf is not None:
-            self.dwarf.loader.close()
         self.session.close()
         if self.control is not None:
             self.control.close()
@@ -365,7 +319,7 @@ class Collector:
             if not raw:
                 continue
             batch = self.decoder.decode(raw)
-            if self.stacks is not None:
+            if self._chains:
                 ex = batch.samples["extra"].tolist()
                 chains.extend(batch.extras[e].callchain if e >= 0 else None for e in ex)
             if len(batch.regs):
@@ -396,13 +350,12 @@ class Collector:
                     p.forget(rec.pid, rec.tid)
                 if rec.pid == rec.tid:
                     self.session.forget_pid(rec.pid)
-                    if self.values is not None:
-                        self.values.forget(rec.pid)
-            elif isinstance(rec, CommRecord) and rec.exec and self.values is not None:
-                self.values.forget(rec.pid)
+            elif isinstance(rec, CommRecord) and rec.exec:
+                for p in self.processors:
+                    p.forget(rec.pid, rec.pid)
         if not samples_list:
             if side:
-                self.mapper.map_batch(np.zeros(0, dtype=self._sample_dtype()), side)
+                self.mapper.map_batch(np.zeros(0, dtype=SAMPLE_DTYPE), side)
             return 0
         samples = np.concatenate(samples_list) if len(samples_list) > 1 else samples_list[0]
         ev = self.session.event_index(samples["id"])
@@ -418,45 +371,18 @@ class Collector:
             stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
             slen = np.concatenate(len_parts) if len(len_parts) > 1 else len_parts[0]
         if self.processors:
-            drain = Drain(samples, ev, periods, mapped.image, mapped.offset, regs)
+            if chains and not keep.all():
+                chains = [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
+            drain = Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, slen,
+                          chains if self._chains else None)
             for p in self.processors:
                 p.process(drain)
-        if self.stacks is not None and chains:
-            kept = chains if keep.all() else [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
-            if self.dwarf is not None:
-                self._unwind(samples, ev, kept, mapped.comm, regs, stack, slen)
-            else:
-                self.stacks.add(self.mapper, samples["pid"].astype(np.int64), samples["ip"], ev, kept,
-                                mapped.comm.tolist())
-        if self.values is not None and regs is not None and stack is not None and slen is not None:
-            self.values.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
         n = len(samples)
         self.totals.samples += n
         unk = mapped.image == 0
         if unk.any():
             self.totals.unknown += int(unk.sum())
         return n
-
-    def _unwind(self, samples: np.ndarray | None, ev: np.ndarray | None, chains: list[tuple[int, ...] | None],
-                comm: np.ndarray | None = None, regs: np.ndarray | None = None, stack: np.ndarray | None = None,
-                slen: np.ndarray | None = None, force: bool = False) -> None:
-        """Unwind user stack snapshots into callchains and count them (--call-graph dwarf)."""
-        assert self.dwarf is not None and self.stacks is not None
-        if samples is None or ev is None or comm is None:
-            out = self.dwarf.chains(self.mapper, [], [], [], [], [], [], None, None, None, force=force)
-        else:
-            rows = samples["regs"].tolist() if regs is not None else [-1] * len(samples)
-            out = self.dwarf.chains(self.mapper, samples["pid"].tolist(), samples["ip"].tolist(), ev.tolist(),
-                                    comm.tolist(), chains, rows, regs, stack, slen, force=force)
-        if out.pids:
-            self.stacks.add(self.mapper, np.array(out.pids, np.int64), np.array(out.ips, np.uint64),
-                            np.array(out.events, np.int64), out.chains, out.comms)
-
-    @staticmethod
-    def _sample_dtype() -> np.dtype:
-        from cyclescope.perf.records import SAMPLE_DTYPE
-
-        return SAMPLE_DTYPE
 
     def _note_lost(self, rec: LostRecord) -> None:
         idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
@@ -472,8 +398,6 @@ class Collector:
     # --- flushing ---------------------------------------------------------------------
     def flush(self) -> FlushResult:
         t0 = time.monotonic()
-        if self.dwarf is not None and self.dwarf.waiting:
-            self._unwind(None, None, [])  # stacks whose tables arrived since the last drain
         counts = self.agg.take()
         meta = self._flush_meta
         self._flush_meta = self._fresh_meta()
@@ -498,22 +422,10 @@ class Collector:
         path = None
         epoch = self.epoch
         if len(counts) or any(e.lost for e in meta.events.values()) or meta.lost_records:
-            self._describe(counts, meta)
-            table = build_table(
-                self.table.keys(), counts.image, counts.offset, [s.label for s in self.session.events],
-                counts.event, self.mapper.comms.names, counts.comm, counts.count, counts.weight,
-            )
-            path = str(write_segment(self.db, epoch, self.cfg.host, table, meta))
+            path = self.flusher.write(epoch, counts, meta, [s.label for s in self.session.events])
             self.totals.flushes += 1
-            self._store_symbols(counts)
-            if self.cfg.archive != "none":
-                self._archive(counts)
-        if self.values is not None:
-            self._flush_values(epoch)
-        if self.stacks is not None:
-            self._flush_stacks(epoch)
         for p in self.processors:
-            self.tally_files += [str(x) for x in p.flush(self.db, epoch, self.cfg.host)]
+            self.files += [str(x) for x in p.flush(self.db, epoch, self.cfg.host)]
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
         for k, v in meta.unknown.items():
@@ -527,106 +439,12 @@ class Collector:
         if newest is not None and newest > self.epoch:
             old = self.epoch
             self.epoch = newest
-            self._compact_async(old, min_segments=2)
+            self.flusher.compact(old)
         else:
             live = len(self.db.segments(self.epoch, self.cfg.host))
             if live >= self.cfg.compact_after:
-                self._compact_async(self.epoch, min_segments=2)
+                self.flusher.compact(self.epoch)
         return FlushResult(epoch, path, counts.total, len(counts), time.monotonic() - t0)
-
-    def _describe(self, counts: Counts, meta: SegmentMeta) -> None:
-        used = np.unique(counts.image).tolist()
-        for i in used:
-            info = self.table[i]
-            meta.images[info.key] = info.to_json()
-        unk = counts.image == 0
-        if unk.any():
-            for reason in Unknown:
-                n = int(counts.count[unk & (counts.offset == reason.value)].sum())
-                if n:
-                    meta.unknown[reason.name.lower()] = n
-        by_comm = np.bincount(counts.comm, weights=counts.count.astype(np.float64))
-        top = np.argsort(by_comm)[::-1][:200]
-        meta.processes = {self.mapper.comms.names[i]: int(by_comm[i]) for i in top.tolist() if by_comm[i] > 0}
-
-    def _flush_stacks(self, epoch: int) -> None:
-        from cyclescope.db.stacks import write_stacks
-
-        assert self.stacks is not None
-        sc = self.stacks.take()
-        if not len(sc):
-            return
-        used = {i for st in sc.stacks for i, _ in st}
-        images = {self.table[i].key: self.table[i].to_json() for i in used if i > 0}
-        write_stacks(self.db, epoch, self.cfg.host, sc, self.table.keys(),
-                     [s.label for s in self.session.events], images, self.mapper.comms.names)
-
-    def _flush_values(self, epoch: int) -> None:
-        from cyclescope.db.values import write_values
-
-        assert self.values is not None
-        now = time.time()
-        for _uid, (hotlists, vmeta) in self.values.take(self._values_since, now).items():
-            if not len(hotlists.hl) and not vmeta.samples:
-                continue
-            path = write_values(self.db, epoch, self.cfg.host, hotlists, vmeta)
-            self.value_files.append(str(path))  # compacted with the segments (`db compact`, in a child)
-        self._values_since = now
-
-    def _store_symbols(self, counts: Counts) -> None:
-        """Kernel, module, vdso and JIT symbols go into the database (their sources are transient)."""
-        for i in np.unique(counts.image).tolist():
-            info = self.table[i]
-            if info.kind in ("kernel", "module"):
-                if info.key in self._symbols_written or symstore.has_symbols(self.db, info.key):
-                    self._symbols_written.add(info.key)
-                    continue
-                for r in self.kernel_ranges:
-                    if r.key == info.key:
-                        def make(r: KernelRange = r) -> SymbolTable | None:
-                            text = read_kallsyms()
-                            return kernel_symbols(text, r) if text else None
-
-                        shared = symstore.shared_kernel_symbols(Cache().root, boot_stamp(), info.key)
-                        symstore.store_kernel_symbols(self.db, info.key, make, shared)
-                self._symbols_written.add(info.key)
-            elif info.kind == "vdso" and self.vdso_bytes and info.key not in self._symbols_written:
-                symstore.write_binary(self.db, info.key, self.vdso_bytes)
-                if not symstore.has_symbols(self.db, info.key):
-                    with contextlib.suppress(Exception):
-                        symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso_bytes, "[vdso]"))
-                self._symbols_written.add(info.key)
-            elif info.kind == "jit":
-                parts = info.key.split(":")  # jit:PID:MTIME:OWNER
-                owner = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
-                text = read_perf_map(info.path, owner)
-                if text is None:
-                    continue
-                entries = parse_perf_map(text)
-                symstore.write_symbols(self.db, info.key, SymbolTable.build(entries))
-
-    def _archive(self, counts: Counts) -> None:
-        todo = []
-        for i in np.unique(counts.image).tolist():
-            info = self.table[i]
-            if info.kind == "elf" and info.build_id and info.key == info.build_id and info.key not in self._archived:
-                self._archived.add(info.key)
-                todo.append((info.key, info.path, info.build_id))
-        if not todo:
-            return
-        if self.cfg.archive == "binaries":
-            self._pool.submit(lambda: [symstore.archive_binary(self.db, *t) for t in todo])
-        else:
-            self._pool.submit(lambda: [symstore.archive_symbols(self.db, *t) for t in todo])
-
-    def _compact_async(self, epoch: int, min_segments: int) -> None:
-        """Compact in a child process: merging segments briefly needs hundreds of MiB, which a
-        long-running daemon would otherwise keep (allocators rarely give memory back)."""
-        if self._compacting is not None and not self._compacting.done():
-            return
-        cmd = [sys.executable, "-m", "cyclescope", "db", "compact", "--db", str(self.db.root), "--epoch", str(epoch),
-               "--host", safe_host(self.cfg.host)]
-        self._compacting = self._pool.submit(_run_quietly, cmd)
 
     # --- control socket ------------------------------------------------------------------
     def listen(self) -> None:
@@ -668,26 +486,15 @@ class Collector:
             "unknown": self.totals.unknown, "pending_rows": len(self.agg), "processes": len(self.mapper.procs),
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
-            "values": self._value_status(),
             **{p.name: p.status() for p in self.processors},
         }
 
-    def _value_status(self) -> dict[str, Any] | None:
-        v = self.values
-        if v is None:
-            return None
-        interp = v.interp
-        return {"hotlist_rows_pending": v._pending_rows, "skipped": dict(v.skipped),
-                "interpreted": interp.runs if interp else 0, "stops": dict(interp.stops) if interp else {}}
+    def processor(self, name: str) -> Processor | None:
+        return next((p for p in self.processors if p.name == name), None)
 
-
-def _run_quietly(cmd: list[str]) -> int:
-    import subprocess
-
-    try:
-        return subprocess.run(cmd, capture_output=True, timeout=3600).returncode
-    except (OSError, subprocess.TimeoutExpired):
-        return -1
+    def summaries(self) -> list[str]:
+        """The processors' lines for the end of a run."""
+        return [line for p in self.processors if (line := p.summary()) is not None]
 
 
 def rss_kib() -> int:
@@ -735,10 +542,6 @@ def child_done(session: Session) -> Callable[[], bool]:
 
 def processes_gone(pids: tuple[int, ...]) -> Callable[[], bool]:
     return lambda: not any(os.path.exists(f"/proc/{p}") for p in pids)
-
-
-def describe_target(target: SystemWide | Processes | Command) -> str:
-    return target.describe()
 
 
 def eprint(*a: object) -> None:

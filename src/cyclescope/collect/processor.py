@@ -1,8 +1,10 @@
 """What the collection loop hands to the processors it is given, and what it asks of them.
 
 The loop drains, decodes, maps and counts flat samples; anything more that is computed from the
-samples of a drain (loop-iteration counts from consecutive samples: analysis/loopcount.py) is a
-processor passed in by the front end, so that collect does not import the analyses.
+samples of a drain is a processor passed in by the front end: loop-iteration counts from
+consecutive samples (analysis/loopcount.py), values at the interrupt (values/processor.py), call
+stacks (collect/stacks.py). So collect imports neither the analyses nor value capture, and the
+collector does not grow with each thing computed from samples.
 """
 
 from __future__ import annotations
@@ -15,19 +17,28 @@ import numpy as np
 
 if TYPE_CHECKING:
     from cyclescope.db.layout import Database
+    from cyclescope.images.maps import Mapper
     from cyclescope.images.registry import ImageTable
 
 
 @dataclass(frozen=True)
 class Drain:
-    """One drain's samples after mapping: parallel arrays, one row per sample."""
+    """One drain's samples after mapping, one row per sample (the samples of events the session
+    does not know are left out)."""
 
-    samples: np.ndarray  # records.SAMPLE_DTYPE: pid, tid, time, cpu, cpumode, regs (row in ``regs`` or -1)...
+    samples: np.ndarray  # records.SAMPLE_DTYPE: pid, tid, time, cpu, cpumode, ip, regs (row in ``regs`` or -1)...
     event: np.ndarray  # event index (Session.events)
     period: np.ndarray  # float64: the period in force for each sample, in its event's units
     image: np.ndarray  # image index (ImageTable)
     offset: np.ndarray  # uint64 offset in the image
-    regs: np.ndarray | None  # uint64 [rows, registers]: the user registers, perf's order (regs_columns)
+    comm: np.ndarray  # the command when the sample was taken (Mapper.comms index)
+    regs: np.ndarray | None = None  # uint64 [rows, registers]: the user registers, perf's order (regs_columns)
+    stack: np.ndarray | None = None  # uint8 [rows, bytes]: the user stack snapshots, rows as regs
+    stack_len: np.ndarray | None = None  # the bytes of each snapshot that hold stack
+    chains: list[tuple[int, ...] | None] | None = None  # callchains (PERF_SAMPLE_CALLCHAIN), if sampled
+
+    def __len__(self) -> int:
+        return len(self.samples)
 
 
 @dataclass(frozen=True)
@@ -35,20 +46,25 @@ class Context:
     """What a processor learns when the collector starts."""
 
     table: ImageTable
+    mapper: Mapper  # addresses to (image, offset), per process; the commands' names
+    events: tuple[str, ...]  # the sampled events' labels, by index
     per_task: bool  # events follow tasks (their periods are the task's CPU time), not CPUs
     time_event: int  # index of the event whose samples measure time (cycles or a clock), or -1
     regs_columns: dict[str, int]  # register name (rax, ..., r15) -> column of Drain.regs
+    vdso: bytes | None = None  # the vDSO's image (the same in every process)
 
 
 class Processor(Protocol):
-    name: str
+    name: str  # its key in the daemon's status
     needs_regs: bool  # the session must sample the user registers
 
     def bind(self, ctx: Context) -> None: ...
 
     def process(self, drain: Drain) -> None: ...
 
-    def forget(self, pid: int, tid: int) -> None: ...
+    def forget(self, pid: int, tid: int) -> None:
+        """Thread ``tid`` of process ``pid`` exited, or exec'd (then tid == pid): what was
+        learnt of it no longer holds."""
 
     def finish(self) -> None:
         """The run is ending: complete what waits (before the last flush)."""
@@ -58,3 +74,6 @@ class Processor(Protocol):
     def close(self) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def summary(self) -> str | None:
+        """One line for the end of a run (None: nothing to say)."""

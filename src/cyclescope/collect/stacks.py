@@ -10,12 +10,21 @@ counted per (stack, event) between flushes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cyclescope.db.stacks import StackCounts
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from cyclescope.collect.processor import Context, Drain
+    from cyclescope.collect.session import CallGraph
+    from cyclescope.collect.unwind import DwarfStacks
+    from cyclescope.db.layout import Database
 
 PERF_CONTEXT_HV = (1 << 64) - 32
 PERF_CONTEXT_KERNEL = (1 << 64) - 128
@@ -86,3 +95,110 @@ class StackAggregator:
     def take(self) -> StackCounts:
         out, self.cur = self.cur, StackCounts()
         return out
+
+
+# At the end of a run, how long to wait for unwind tables still loading before the samples that
+# need them are unwound as far as the tables at hand go.
+FINISH_WAIT_S = 120.0
+
+
+class StackProcessor:
+    """Call stacks as one of the collector's processors (collect/processor.py): the drains'
+    callchains (frame pointers, walked by the kernel) or user stack snapshots (unwound here with
+    the binaries' .eh_frame: collect/unwind.py) go in; stack counts come out at every flush."""
+
+    name = "stacks"
+    needs_regs = False  # --call-graph dwarf asks the session for registers and stack itself
+
+    def __init__(self, call_graph: CallGraph) -> None:
+        self.call_graph = call_graph
+        self.agg = StackAggregator()
+        self.dwarf: DwarfStacks | None = None
+        self._ctx: Context | None = None
+
+    def bind(self, ctx: Context) -> None:
+        self._ctx = ctx
+        if self.call_graph.mode == "dwarf":
+            from cyclescope.collect.unwind import DwarfStacks, TableLoader
+            from cyclescope.images.cache import Cache
+
+            self.dwarf = DwarfStacks(TableLoader(ctx.table, Cache(), ctx.vdso))
+
+    def process(self, d: Drain) -> None:
+        if self._ctx is None or d.chains is None or not len(d):
+            return
+        if self.dwarf is None:
+            self.agg.add(self._ctx.mapper, d.samples["pid"].astype(np.int64), d.samples["ip"], d.event, d.chains,
+                         d.comm.tolist())
+            return
+        rows = d.samples["regs"].tolist() if d.regs is not None else [-1] * len(d)
+        self._unwound(self.dwarf.chains(self._ctx.mapper, d.samples["pid"].tolist(), d.samples["ip"].tolist(),
+                                        d.event.tolist(), d.comm.tolist(), d.chains, rows, d.regs, d.stack,
+                                        d.stack_len))
+
+    def _unwind_waiting(self, force: bool = False) -> None:
+        """Unwind the samples held back for tables that have arrived since (all of them: force)."""
+        assert self.dwarf is not None and self._ctx is not None
+        self._unwound(self.dwarf.chains(self._ctx.mapper, [], [], [], [], [], [], None, None, None, force=force))
+
+    def _unwound(self, out: Any) -> None:
+        if out.pids and self._ctx is not None:
+            self.agg.add(self._ctx.mapper, np.array(out.pids, np.int64), np.array(out.ips, np.uint64),
+                         np.array(out.events, np.int64), out.chains, out.comms)
+
+    def forget(self, pid: int, tid: int) -> None:
+        pass  # stacks are mapped when they are counted
+
+    def finish(self) -> None:
+        if self.dwarf is None:
+            return
+        # Tables still loading: wait for them (a walk may meet a new image on its way, so repeat
+        # while that brings progress), then unwind what is left regardless.
+        give_up = time.monotonic() + FINISH_WAIT_S
+        while self.dwarf.waiting and self.dwarf.loader.pending() and time.monotonic() < give_up:
+            self.dwarf.loader.wait(timeout=give_up - time.monotonic())
+            self._unwind_waiting()
+        self._unwind_waiting(force=True)
+
+    def flush(self, db: Database, epoch: int, host: str) -> list[Path]:
+        from cyclescope.db.stacks import write_stacks
+
+        if self._ctx is None:
+            return []
+        if self.dwarf is not None and self.dwarf.waiting:
+            self._unwind_waiting()  # stacks whose tables arrived since the last drain
+        sc = self.agg.take()
+        if not len(sc):
+            return []
+        table = self._ctx.table
+        used = {i for st in sc.stacks for i, _ in st}
+        images = {table[i].key: table[i].to_json() for i in used if i > 0}
+        return [write_stacks(db, epoch, host, sc, table.keys(), list(self._ctx.events), images,
+                             self._ctx.mapper.comms.names)]
+
+    def close(self) -> None:
+        if self.dwarf is not None:
+            self.dwarf.loader.close()
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.call_graph.mode, "samples": self.agg.samples}
+        if self.dwarf is not None:
+            st = self.dwarf.stats
+            out.update(unwound=st.samples, waiting=len(self.dwarf.waiting), no_tables=len(self.dwarf.loader.failed))
+        return out
+
+    def summary(self) -> str | None:
+        """One line on --call-graph dwarf: stacks unwound, mean depth, why walks stopped."""
+        if self.dwarf is None:
+            return None
+        st = self.dwarf.stats
+        if not st.samples:
+            return "unwound no user stacks"
+        stops = ", ".join(f"{k} {100 * v / st.samples:.1f}%" for k, v in st.stops.most_common())
+        line = (f"unwound {st.samples:,} user stacks, {st.frames / st.samples:.1f} frames on average; "
+                f"stopped at: {stops}")
+        if st.truncated_loading:
+            line += f"; {st.truncated_loading:,} cut short while unwind tables loaded"
+        if self.dwarf.loader.failed:
+            line += f"; no unwind tables for {len(self.dwarf.loader.failed)} images"
+        return line

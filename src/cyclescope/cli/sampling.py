@@ -1,0 +1,243 @@
+"""What `record`, `daemon` and exact mode share: the sampling, value and count options, the
+processors they ask for, the run's progress and summary lines, and the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from cyclescope.cli.base import finite_float
+from cyclescope.collect.events import DEFAULT_BAND, KNOWN_EVENTS, SAFE_MAX_RATE_HZ, EventSpec, parse_events
+from cyclescope.errors import UsageError
+from cyclescope.report.render import fmt_count
+
+if TYPE_CHECKING:
+    from cyclescope.collect.daemon import Collector, RunTotals
+    from cyclescope.collect.processor import Processor
+    from cyclescope.collect.session import CallGraph
+    from cyclescope.values.capture import ValueOptions
+
+# With interpretation, drain often: the interpreter reads the process's memory when it runs, and
+# the closer that is to the interrupt, the fewer values have changed since. Capture at the interrupt
+# alone needs nothing but the sample, and drains like plain sampling (fewer, larger batches).
+# 0.15 s: at 5 kHz half a ring of value samples (about 800 bytes each) fills in about 0.13 s, so
+# the rings' watermark sets the pace and the timer bounds how stale memory gets at lower rates;
+# each drain has a fixed cost of a few ms (grouping by PC, hotlist building), and 0.1 s cost a
+# third more drains for 0.02-0.05 s less staleness.
+VALUE_DRAIN_S = 0.15
+
+
+def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-e", "--event", action="append", default=[], metavar="EVENTS",
+                   help="events to sample, comma-separated (default: cpu-clock). NAME:u / NAME:k for user or "
+                        "kernel only, NAME/period=N/ for a fixed period. Known: " + ", ".join(KNOWN_EVENTS))
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument("-F", "--freq", type=finite_float, default=None, metavar="HZ",
+                      help=f"samples per second per CPU (default: {default_hz:g}; refused above "
+                           f"{SAFE_MAX_RATE_HZ:,} without --force)")
+    rate.add_argument("-c", "--period", type=int, default=None, metavar="N",
+                      help="events (nanoseconds for clock events) between samples, for every event")
+    g.add_argument("--band", type=finite_float, default=DEFAULT_BAND, metavar="F",
+                   help="randomize each period uniformly in [P*(1-F), P] (default: 1/16, as DCPI); 0: fixed")
+    g.add_argument("--redraw", type=finite_float, default=200.0, metavar="MS",
+                   help="draw a new random period every MS milliseconds (default: 200)")
+    g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
+    g.add_argument("-g", "--call-graph", type=call_graph_arg, default=None, metavar="fp|dwarf[,SIZE]",
+                   help="record call stacks, counted in the database for `export`: 'fp' has the kernel walk "
+                        "frame pointers (code built with -fno-omit-frame-pointer); 'dwarf' copies SIZE bytes "
+                        "of user stack per sample (default: 8192) and unwinds them with the binaries' "
+                        ".eh_frame (any code with unwind tables: most distribution binaries)")
+
+
+def call_graph_arg(text: str) -> CallGraph:
+    """argparse type of --call-graph: fp, dwarf or dwarf,SIZE (as perf record's)."""
+    from cyclescope.collect.session import MAX_USER_STACK, CallGraph
+
+    mode, _, size = text.partition(",")
+    if mode == "fp" and not size:
+        return CallGraph("fp")
+    if mode == "dwarf":
+        if not size:
+            return CallGraph("dwarf")
+        try:
+            n = int(size, 0)
+        except ValueError:
+            n = -1
+        if n <= 0 or n % 8 or n > MAX_USER_STACK:
+            raise argparse.ArgumentTypeError(
+                f"dwarf stack size must be a positive multiple of 8 up to {MAX_USER_STACK}: {size}")
+        return CallGraph("dwarf", n)
+    raise argparse.ArgumentTypeError(f"expected fp, dwarf or dwarf,SIZE: {text}")
+
+
+def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
+    from cyclescope.values import DEFAULT_MODULES
+
+    g = p.add_argument_group("value sampling (opt-in: values are the sampled programs' data)")
+    g.add_argument("--values", nargs="?", const=",".join(DEFAULT_MODULES), default=None, metavar="MODULES",
+                   help="capture values at each interrupt into per-instruction hotlists; MODULES is a "
+                        f"comma-separated list (default: {','.join(DEFAULT_MODULES)}; entry points of the "
+                        "'cyclescope.values' group or package.module:Class; 'list' shows them)")
+    g.add_argument("--interpret", type=int, default=4, metavar="L",
+                   help="interpret the next L instructions after a sample (default: 4; 0: only the "
+                        "interrupt's registers)")
+    g.add_argument("--interpret-every", type=int, default=2, metavar="K",
+                   help="interpret one value sample in K (default: 2)")
+    g.add_argument("--interpret-budget", type=finite_float, default=0.5, metavar="SHARE",
+                   help="most of one CPU interpretation may use (default: 0.5); samples past it are "
+                        "captured but not interpreted, and counted, so that PC samples are never lost to "
+                        "it; 0: no limit")
+    g.add_argument("--value-stack", type=int, default=512, metavar="BYTES",
+                   help="bytes of user stack copied at each interrupt (default: 512)")
+    g.add_argument("--values-users", metavar="USER[,USER]",
+                   help="capture values only from processes of these users (names or uids)")
+    g.add_argument("--values-commands", metavar="COMM[,COMM]",
+                   help="capture values only from processes with these command names")
+    if exact:
+        g.add_argument("--exact", nargs="?", const="step", choices=("step", "interpret"), metavar="HOW",
+                       help="exact mode (with a command only): stop the thread at each sample and run the next "
+                            "L instructions from its exact state: 'step' (the default) single-steps them with "
+                            "ptrace (about 95 us a step: for targeted capture and ground truth), 'interpret' "
+                            "interprets them while the thread is stopped (memory as the thread sees it; much "
+                            "cheaper, stops at what the interpreter cannot run)")
+
+
+def value_options(args: argparse.Namespace) -> ValueOptions | None:
+    """The ValueOptions the value flags ask for (None without --values)."""
+    if args.values is None:
+        for flag in ("values_users", "values_commands"):
+            if getattr(args, flag, None):
+                raise UsageError(f"--{flag.replace('_', '-')} needs --values")
+        if getattr(args, "exact", False):
+            raise UsageError("--exact needs --values")
+        return None
+    if args.interpret < 0 or args.interpret > 1024:
+        raise UsageError("--interpret must be between 0 and 1024")
+    if args.interpret_every < 1:
+        raise UsageError("--interpret-every must be at least 1")
+    if not 0 <= args.interpret_budget <= 1:
+        raise UsageError("--interpret-budget must be a share of one CPU between 0 (no limit) and 1")
+    if args.value_stack < 0 or args.value_stack % 8 or args.value_stack > 16384:
+        raise UsageError("--value-stack must be a multiple of 8 between 0 and 16384")
+    from cyclescope.values.capture import ValueOptions
+    from cyclescope.values.modules import load_modules
+
+    names = tuple(x.strip() for x in args.values.split(",") if x.strip())
+    load_modules(names)  # unknown names fail here, with the list of known ones
+    users = None
+    if args.values_users:
+        import pwd
+
+        uids = set()
+        for u in args.values_users.split(","):
+            u = u.strip()
+            if u.isdigit():
+                uids.add(int(u))
+            else:
+                try:
+                    uids.add(pwd.getpwnam(u).pw_uid)
+                except KeyError:
+                    raise UsageError(f"--values-users: no user '{u}'") from None
+        users = frozenset(uids)
+    commands = frozenset(c.strip() for c in args.values_commands.split(",")) if args.values_commands else None
+    return ValueOptions(modules=names, length=args.interpret, every=args.interpret_every, stack=args.value_stack,
+                        users=users, commands=commands, budget=args.interpret_budget)
+
+
+def add_count_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("execution counts (what calc rests on; on by default)")
+    g.add_argument("--no-loop-counts", action="store_true",
+                   help="do not count loop iterations between samples (the user registers are then not "
+                        "sampled; calc falls back to its model where loops had counts)")
+
+
+def processors(args: argparse.Namespace, vopts: ValueOptions | None) -> list[Processor]:
+    """What the collector computes from each drain besides the flat counts (collect/processor.py),
+    as the options ask: loop counts (calc's evidence; on unless --no-loop-counts), call stacks
+    (--call-graph), values (--values)."""
+    out: list[Processor] = []
+    if not getattr(args, "no_loop_counts", False):
+        from cyclescope.analysis.loopcount import LoopCountProcessor
+
+        out.append(LoopCountProcessor())
+    if getattr(args, "call_graph", None) is not None:
+        from cyclescope.collect.stacks import StackProcessor
+
+        out.append(StackProcessor(args.call_graph))
+    if vopts is not None:
+        from cyclescope.values.processor import ValueProcessor
+
+        out.append(ValueProcessor(vopts))
+    return out
+
+
+def drain_interval(vopts: ValueOptions | None) -> float:
+    """Seconds between drains on the timer: short with interpretation (VALUE_DRAIN_S), else 1."""
+    return VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0
+
+
+def list_value_modules() -> int:
+    from cyclescope.values.modules import available, load_module
+
+    for name, where in sorted(available().items()):
+        try:
+            desc = load_module(name).description
+        except UsageError as e:
+            desc = f"(does not load: {e})"
+        print(f"{name:<10} {desc}  [{where}]")
+    return 0
+
+
+def make_events(args: argparse.Namespace) -> tuple[list[EventSpec], float | None]:
+    events = parse_events(args.event or ["cpu-clock"])
+    if args.period is not None:
+        if args.period <= 0:
+            raise UsageError("--period must be positive")
+        events = [replace(e, period=args.period) for e in events]
+    if args.freq is not None and args.freq <= 0:
+        raise UsageError("--freq must be positive")
+    if args.freq is not None and args.freq > 1e6 and not args.force:
+        raise UsageError(f"--freq {args.freq:g}: above the safe ceiling of {SAFE_MAX_RATE_HZ:,} samples/s per CPU "
+                         "(pass --force to try anyway)")
+    if not 0 <= args.band < 1:
+        raise UsageError("--band must be at least 0 and below 1 (periods are drawn from [P*(1-F), P])")
+    if args.redraw <= 0:
+        raise UsageError("--redraw must be positive")
+    return events, args.freq
+
+
+def summary_line(totals: RunTotals, elapsed: float, epoch: int, db: str) -> str:
+    lost = totals.lost_records + totals.lost_samples
+    share = 100.0 * totals.unknown / totals.samples if totals.samples else 0.0
+    evs = ", ".join(f"{k} {fmt_count(v)}" for k, v in totals.per_event.items()) or "no samples"
+    return (f"{fmt_count(totals.samples)} samples ({evs}) in {elapsed:.1f} s; lost {fmt_count(lost)}; "
+            f"unknown {share:.2f}%; written to epoch {epoch} of {db}")
+
+
+def progress_printer(start: float) -> Callable[[Collector], None]:
+    def show(c: Collector) -> None:
+        t = c.totals
+        lost = t.lost_records + t.lost_samples
+        sys.stderr.write(f"\rrecording: {time.monotonic() - start:6.1f} s, {fmt_count(t.samples)} samples, "
+                         f"{fmt_count(lost)} lost ")
+        sys.stderr.flush()
+
+    return show
+
+
+def exit_code(status: int | None) -> int:
+    if status is None:
+        return 0
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return 0
+
+

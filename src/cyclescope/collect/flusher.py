@@ -1,0 +1,135 @@
+"""What a flush writes besides the processors' files: the flat counts as a segment with its
+metadata, the symbols of images whose sources do not last (kernel, modules, vDSO, JIT maps), the
+profiled binaries archived by build-id; and compaction of an epoch's segments, in a child process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import sys
+from typing import Any
+
+import numpy as np
+
+from cyclescope.collect.aggregate import Counts
+from cyclescope.db import symbols as symstore
+from cyclescope.db.layout import Database, safe_host
+from cyclescope.db.segment import SegmentMeta, build_table, write_segment
+from cyclescope.images.cache import Cache
+from cyclescope.images.elf import SymbolTable, symbols_from_bytes
+from cyclescope.images.kernel import KernelRange, boot_stamp, kernel_symbols, read_kallsyms
+from cyclescope.images.maps import Mapper
+from cyclescope.images.procfs import parse_perf_map, read_perf_map
+from cyclescope.images.registry import ImageTable, Unknown
+
+
+class Flusher:
+    def __init__(self, db: Database, host: str, table: ImageTable, mapper: Mapper,
+                 kernel_ranges: list[KernelRange], vdso: bytes | None, archive: str) -> None:
+        self.db = db
+        self.host = host
+        self.table = table
+        self.mapper = mapper
+        self.kernel_ranges = kernel_ranges
+        self.vdso = vdso
+        self.archive = archive  # "binaries", "symbols" or "none"
+        self._symbols_written: set[str] = set()
+        self._archived: set[str] = set()
+        # One worker: archiving and compaction run beside the drain loop, one job at a time.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compact")
+        self._compacting: concurrent.futures.Future[Any] | None = None
+
+    def write(self, epoch: int, counts: Counts, meta: SegmentMeta, events: list[str]) -> str:
+        """One segment of ``counts`` (described in ``meta``) into ``epoch``; the symbols and binaries
+        its images need follow."""
+        self._describe(counts, meta)
+        table = build_table(self.table.keys(), counts.image, counts.offset, events, counts.event,
+                            self.mapper.comms.names, counts.comm, counts.count, counts.weight)
+        path = str(write_segment(self.db, epoch, self.host, table, meta))
+        self._store_symbols(counts)
+        if self.archive != "none":
+            self._archive(counts)
+        return path
+
+    def _describe(self, counts: Counts, meta: SegmentMeta) -> None:
+        for i in np.unique(counts.image).tolist():
+            info = self.table[i]
+            meta.images[info.key] = info.to_json()
+        unk = counts.image == 0
+        if unk.any():
+            for reason in Unknown:
+                n = int(counts.count[unk & (counts.offset == reason.value)].sum())
+                if n:
+                    meta.unknown[reason.name.lower()] = n
+        by_comm = np.bincount(counts.comm, weights=counts.count.astype(np.float64))
+        top = np.argsort(by_comm)[::-1][:200]
+        meta.processes = {self.mapper.comms.names[i]: int(by_comm[i]) for i in top.tolist() if by_comm[i] > 0}
+
+    def _store_symbols(self, counts: Counts) -> None:
+        """Kernel, module, vdso and JIT symbols go into the database (their sources are transient)."""
+        for i in np.unique(counts.image).tolist():
+            info = self.table[i]
+            if info.kind in ("kernel", "module"):
+                if info.key in self._symbols_written or symstore.has_symbols(self.db, info.key):
+                    self._symbols_written.add(info.key)
+                    continue
+                for r in self.kernel_ranges:
+                    if r.key == info.key:
+                        def make(r: KernelRange = r) -> SymbolTable | None:
+                            text = read_kallsyms()
+                            return kernel_symbols(text, r) if text else None
+
+                        shared = symstore.shared_kernel_symbols(Cache().root, boot_stamp(), info.key)
+                        symstore.store_kernel_symbols(self.db, info.key, make, shared)
+                self._symbols_written.add(info.key)
+            elif info.kind == "vdso" and self.vdso and info.key not in self._symbols_written:
+                symstore.write_binary(self.db, info.key, self.vdso)
+                if not symstore.has_symbols(self.db, info.key):
+                    with contextlib.suppress(Exception):
+                        symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso, "[vdso]"))
+                self._symbols_written.add(info.key)
+            elif info.kind == "jit":
+                parts = info.key.split(":")  # jit:PID:MTIME:OWNER
+                owner = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
+                text = read_perf_map(info.path, owner)
+                if text is None:
+                    continue
+                symstore.write_symbols(self.db, info.key, SymbolTable.build(parse_perf_map(text)))
+
+    def _archive(self, counts: Counts) -> None:
+        todo = []
+        for i in np.unique(counts.image).tolist():
+            info = self.table[i]
+            if info.kind == "elf" and info.build_id and info.key == info.build_id and info.key not in self._archived:
+                self._archived.add(info.key)
+                todo.append((info.key, info.path, info.build_id))
+        if not todo:
+            return
+        keep = symstore.archive_binary if self.archive == "binaries" else symstore.archive_symbols
+        self._pool.submit(lambda: [keep(self.db, *t) for t in todo])
+
+    def compact(self, epoch: int) -> None:
+        """Compact ``epoch``'s segments of this host in a child process (unless one is at work):
+        merging segments briefly needs hundreds of MiB, which a long-running daemon would
+        otherwise keep (allocators rarely give memory back)."""
+        if self._compacting is not None and not self._compacting.done():
+            return
+        cmd = [sys.executable, "-m", "cyclescope", "db", "compact", "--db", str(self.db.root), "--epoch", str(epoch),
+               "--host", safe_host(self.host)]
+        self._compacting = self._pool.submit(_run_quietly, cmd)
+
+    def close(self) -> None:
+        """Wait for the archiving and compaction under way."""
+        if self._compacting is not None:
+            with contextlib.suppress(Exception):
+                self._compacting.result()
+        self._pool.shutdown(wait=True)
+
+
+def _run_quietly(cmd: list[str]) -> int:
+    import subprocess
+
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=3600).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return -1
