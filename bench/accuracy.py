@@ -70,18 +70,18 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     (loop counters where they hold, the model elsewhere), calc without the loop counters (the first
     design), and the naive estimator (a block's samples over its instruction count at one cycle
     per instruction, BOLT's no-LBR rule made absolute)."""
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.cli.calc import calc_target, cycles_event
-    from cyclescope.cli.prof import prof_report
+    from cyclescope.app.calc import calc_target, cycles_event
+    from cyclescope.app.prof import prof_report
+    from cyclescope.app.profile import open_profile
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection, open_profile
+    from cyclescope.db.query import Selection
     from cyclescope.report.listing import Target
 
     d = Database.open(db)
-    ps = open_profile(d, Selection(epochs="all", images=(p.image,)))
-    sym = Symbolizer(d)
-    ev = cycles_event(ps, None)
-    rep = prof_report(ps, False)
+    profile = open_profile(d, Selection(epochs="all", images=(p.image,)))
+    ps, sym = profile.ps, profile.sym
+    ev = cycles_event(profile, None)
+    rep = prof_report(profile)
     i = rep.events.index(ev)
     counts = prof.counts[ob]
     jumps = prof.jumps[ob]
@@ -96,11 +96,11 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
         k = table.names.index(row.procedure)
         t = Target(info, row.procedure, int(table.starts[k]), int(table.ends[k]))
         t0 = time.perf_counter()
-        c = calc_target(ps, t, sym, ev, None)
+        c = calc_target(profile, t, ev, None)
         dt = time.perf_counter() - t0
         out["time"] += dt
-        c1 = calc_target(ps, t, sym, ev, None, estimator="dcpi", evidence=False)
-        cg = calc_target(ps, t, sym, ev, None, estimator="dcpi")
+        c1 = calc_target(profile, t, ev, None, estimator="dcpi", evidence=False)
+        cg = calc_target(profile, t, ev, None, estimator="dcpi")
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
         ecol = c.events.index(ev)

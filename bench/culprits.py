@@ -54,18 +54,18 @@ def simulate(p: Program, args: list[str], tmp: Path) -> Any:
 
 
 def analyze(p: Program, db: Path, prof: Any, ob: str, min_samples: int, rate: float) -> dict[str, Any]:
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.cli.calc import calc_target, cycles_event
-    from cyclescope.cli.prof import prof_report
+    from cyclescope.app.calc import calc_target, cycles_event
+    from cyclescope.app.prof import prof_report
+    from cyclescope.app.profile import open_profile
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection, open_profile
+    from cyclescope.db.query import Selection
     from cyclescope.report.listing import Target
 
     d = Database.open(db)
-    ps = open_profile(d, Selection(epochs="all", images=(p.image,)))
-    sym = Symbolizer(d)
-    ev = cycles_event(ps, None)
-    rep = prof_report(ps, False)
+    profile = open_profile(d, Selection(epochs="all", images=(p.image,)))
+    ps, sym = profile.ps, profile.sym
+    ev = cycles_event(profile, None)
+    rep = prof_report(profile)
     i = rep.events.index(ev)
     execs = prof.counts[ob]
     d1 = defaultdict(int)
@@ -87,7 +87,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, min_samples: int, rate: fl
         table = sym.table(info)
         k = table.names.index(row.procedure)
         t = Target(info, row.procedure, int(table.starts[k]), int(table.ends[k]))
-        c = calc_target(ps, t, sym, ev, None)
+        c = calc_target(profile, t, ev, None)
         if c.period_cycles is None:
             continue
         blamed: dict[str, dict[int, float]] = {"d": defaultdict(float), "p": defaultdict(float)}

@@ -61,11 +61,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="how many runs each recording holds (accuracy.py --runs)")
     args = ap.parse_args()
     from cyclescope.analysis.callgrind import parse_callgrind
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.cli.calc import calc_target, cycles_event
-    from cyclescope.cli.prof import prof_report
+    from cyclescope.app.calc import calc_target, cycles_event
+    from cyclescope.app.prof import prof_report
+    from cyclescope.app.profile import open_profile
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection, open_profile
+    from cyclescope.db.query import Selection
     from cyclescope.report.listing import Target
 
     keep = Path(args.keep)
@@ -80,10 +80,10 @@ def main() -> None:
         counts = cg.counts[ob] if ob else {}
         db = Database.open(keep / f"{p.name}.db")
         runs = args.runs
-        ps = open_profile(db, Selection(epochs="all", images=(p.image,)))
-        sym = Symbolizer(db)
-        ev = cycles_event(ps, None)
-        rep = prof_report(ps, False)
+        profile = open_profile(db, Selection(epochs="all", images=(p.image,)))
+        ps, sym = profile.ps, profile.sym
+        ev = cycles_event(profile, None)
+        rep = prof_report(profile)
         ei = rep.events.index(ev)
         for row in rep.rows:
             if row.counts[ei] < 100 or row.start is None:
@@ -91,7 +91,7 @@ def main() -> None:
             info = ps.images[row.image_key]
             table = sym.table(info)
             k = table.names.index(row.procedure)
-            c = calc_target(ps, Target(info, row.procedure, int(table.starts[k]), int(table.ends[k])), sym, ev, None)
+            c = calc_target(profile, Target(info, row.procedure, int(table.starts[k]), int(table.ends[k])), ev, None)
             assert c.period_cycles
             runs_e = counts
             for blk in c.cfg.blocks:

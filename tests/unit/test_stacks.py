@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cyclescope.collect.stacks import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER, StackAggregator, split_chain
+from cyclescope.collect.stacks import StackAggregator, split_chain
 from cyclescope.db.layout import Database
 from cyclescope.db.stacks import compact_stacks, load_stacks, stacks_dir, write_stacks
 from cyclescope.errors import DataError
+from cyclescope.perf.abi import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
 from cyclescope.report.export import SPEEDSCOPE_SCHEMA, collapsed, named_stacks, speedscope
 
 

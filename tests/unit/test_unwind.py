@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from cyclescope.cli.sampling import call_graph_arg
-from cyclescope.collect.stacks import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
 from cyclescope.collect.unwind import BP, IP, PENDING, SP, DwarfStacks, Unwinder, user_chain
 from cyclescope.images import cfi
 from cyclescope.images.cfi import CFA_EXPR, CFA_REG, SAVED_AT, SAVED_NONE, CfiTable, Row
+from cyclescope.perf.abi import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 from cyclescope.errors import DataError
 
 if TYPE_CHECKING:
+    from cyclescope.app.profile import Profile
     from cyclescope.db.layout import Database
     from cyclescope.db.query import ProfileSet, Selection
 
@@ -100,6 +101,19 @@ def open_selection(args: argparse.Namespace, db: Database | None = None, sel: Se
         raise DataError(f"{what + ': ' if what else ''}no readable segment in the selection "
                         f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
     return ps
+
+
+def open_profile(args: argparse.Namespace, db: Database | None = None, sel: Selection | None = None,
+                 what: str | None = None) -> Profile:
+    """The selection opened for analysis (app.profile.Profile), its warnings said on stderr as
+    open_selection's, and those of later loads too (loop counts, values)."""
+    from cyclescope.app.profile import Profile
+    from cyclescope.binaries.symbolize import Symbolizer
+
+    db = db or open_db(args)
+    ps = open_selection(args, db, sel, what)
+    name = getattr(args, "_command", None) or "cyclescope"
+    return Profile(ps, Symbolizer(db), lambda w: eprint(f"cyclescope {name}: {what + ': ' if what else ''}{w}"))
 
 
 def add_output_options(p: argparse.ArgumentParser) -> None:

@@ -7,13 +7,13 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_output_options, default_db, eprint, finite_float, open_selection, register
+from cyclescope.cli.base import Command, add_output_options, default_db, eprint, finite_float, open_profile, register
 from cyclescope.errors import DataError, NotFoundError, UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
 if TYPE_CHECKING:
-    from cyclescope.db.layout import Database
-    from cyclescope.db.query import ProfileSet, Selection
+    from cyclescope.app.profile import Profile
+    from cyclescope.db.query import Selection
     from cyclescope.report.compare import Key
 
 
@@ -26,23 +26,20 @@ def _filters(p: argparse.ArgumentParser) -> None:
     g.add_argument("--images", action="store_true", help="compare images instead of procedures")
 
 
-def set_counts(ps: ProfileSet, event: str | None, by_image: bool) -> tuple[str, dict[Key, int]]:
-    from cyclescope.cli.prof import prof_report
+def set_counts(p: Profile, event: str | None, by_image: bool) -> tuple[str, dict[Key, int]]:
+    """One set's samples of ``event`` (default: its first) per procedure or image."""
+    from cyclescope.app.prof import prof_report
 
+    ps = p.ps
     if not ps.segments:
         return event or "", {}
     ev = event or ps.event_names[0]
     if ev not in ps.events:
         raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
                             f"recorded: {', '.join(ps.events)}")
-    rep = prof_report(replace_events(ps, ev), by_image)
+    rep = prof_report(p.with_event(ev), by_image)
     i = rep.events.index(ev)
     return ev, {(r.procedure, r.image): r.counts[i] for r in rep.rows if r.counts[i]}
-
-
-def replace_events(ps: ProfileSet, ev: str) -> ProfileSet:
-    ps.selection = replace(ps.selection, events=(ev,))
-    return ps
 
 
 @register
@@ -104,7 +101,7 @@ class Stats(Command):
         names = []
         for name, db, sel in sets:
             try:
-                ev, counts = set_counts(open_selection(args, db, sel, what=name), event, args.images)
+                ev, counts = set_counts(open_profile(args, db, sel, what=name), event, args.images)
             except DataError as e:  # a set with nothing readable: say so, compare the others
                 eprint(f"cyclescope stats: leaving out {name}: {e}")
                 continue
@@ -178,16 +175,16 @@ class Diff(Command):
             db = Database.open(dbp)
             sel = Selection(epochs=epochs, hosts=(host,) if host else (), processes=tuple(args.process),
                             images=tuple(args.image))
-            sides.append((spec, db, open_selection(args, db, sel, what=spec)))
+            sides.append((spec, open_profile(args, db, sel, what=spec)))
         event = args.event
         if args.procedure:
-            (_, adb, aps), (_, bdb, bps) = sides
-            event, a = self._insn_counts(aps, adb, args.procedure, event, args.image)
-            _, b = self._insn_counts(bps, bdb, args.procedure, event, args.image)
+            (_, pa), (_, pb) = sides
+            event, a = self._insn_counts(pa, args.procedure, event, args.image)
+            _, b = self._insn_counts(pb, args.procedure, event, args.image)
             unit = "instruction"
         else:
-            event, a = set_counts(sides[0][2], event, args.images)
-            _, b = set_counts(sides[1][2], event, args.images)
+            event, a = set_counts(sides[0][1], event, args.images)
+            _, b = set_counts(sides[1][1], event, args.images)
             unit = "image" if args.images else "procedure"
         rep = build_diff(event or "?", sides[0][0], sides[1][0], a, b, args.alpha, args.min_change / 100, unit)
         if args.json:
@@ -197,20 +194,18 @@ class Diff(Command):
         write_table(diff_table(rep, limit or None, all_rows=args.all))
         return 0
 
-    def _insn_counts(self, ps: ProfileSet, db: Database, proc: str, event: str | None,
-                     images: list[str]) -> tuple[str, dict[Key, int]]:
-        from cyclescope.binaries.symbolize import Symbolizer
-        from cyclescope.cli.listing import make_listing, resolve_target
+    def _insn_counts(self, p: Profile, proc: str, event: str | None, images: list[str]) -> tuple[str, dict[Key, int]]:
+        from cyclescope.app.procedures import make_listing, resolve_target
 
-        sym = Symbolizer(db)
-        target, _ = resolve_target(ps, proc, images, sym)
+        target, _ = resolve_target(p, proc, images)
+        ps = p.ps
         if not ps.event_names:
             raise NotFoundError("no samples in the selection")
         ev = event or ps.event_names[0]
         if ev not in ps.events:
             raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
                                 f"recorded: {', '.join(ps.events)}")
-        lst = make_listing(replace_events(ps, ev), target, sym, [], False, [])
+        lst = make_listing(p.with_event(ev), target, [], False, [])
         i = lst.events.index(ev)
         key_img = f"{target.info.path} ({(target.info.build_id or target.info.key)[:12]})"
         return ev, {(f"{r.address:x} {r.text}", key_img): r.counts[i] for r in lst.rows

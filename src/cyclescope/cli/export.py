@@ -8,13 +8,16 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, open_selection, register
-from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
+from cyclescope.app.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
+from cyclescope.cli.base import Command, add_selection_options, eprint, open_db, open_profile, register
 from cyclescope.errors import DataError, NotFoundError, UsageError
+
+if TYPE_CHECKING:
+    from cyclescope.app.profile import Profile
 
 
 def _emit(output: str | None, data: bytes) -> None:
@@ -101,18 +104,18 @@ class Export(Command):
                        help="name frames procedure+offset instead of merging a procedure's instructions")
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.binaries.symbolize import Symbolizer
         from cyclescope.db.query import match_images, query_counts
         from cyclescope.db.stacks import load_stacks
         from cyclescope.images.registry import ImageInfo
         from cyclescope.report.export import Stacks, collapsed, named_stacks, speedscope
 
         db = open_db(args)
-        ps = open_selection(args, db)
+        prof = open_profile(args, db)
+        ps = prof.ps
         if args.format == "llvm-sample":
-            return self._llvm_sample(args, ps, db)
+            return self._llvm_sample(args, prof)
         if args.format == "bolt-fdata":
-            return self._bolt_fdata(args, ps, db)
+            return self._bolt_fdata(args, prof)
         images = set(match_images(ps, list(args.image))) if args.image else None
         if args.image and not images:
             raise NotFoundError(f"no image matching {', '.join(args.image)} in the selection")
@@ -131,7 +134,7 @@ class Export(Command):
             for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
                                        t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
                 stacks[(ev, ((img, int(off)),))] += int(c)
-        sym = Symbolizer(db)
+        sym = prof.sym
         names: dict[tuple[str, int], str] = {}
 
         def name(f: tuple[str, int]) -> str:
@@ -216,18 +219,17 @@ class Export(Command):
                      period)
 
     @staticmethod
-    def _llvm_sample(args: argparse.Namespace, ps: Any, db: Any) -> int:
-        from cyclescope.binaries.symbolize import Symbolizer
-        from cyclescope.cli.calc import cycles_event
-        from cyclescope.cli.prof import prof_report
+    def _llvm_sample(args: argparse.Namespace, prof: Profile) -> int:
+        from cyclescope.app.calc import cycles_event
+        from cyclescope.app.counts import branch_outcomes, calc_counts, one_binary, sample_counts
+        from cyclescope.app.prof import prof_report
         from cyclescope.images.dwarf import DwarfIndex, dwarf_source
         from cyclescope.images.elf import read_symbols
         from cyclescope.report.llvm_sample import render
 
-        sym = Symbolizer(db)
-        ev = cycles_event(ps, getattr(args, "event", None) and args.event[0])
-        rep = prof_report(ps, False)
-        _, info, b = _one_binary(args, ps, rep, sym)
+        ev = cycles_event(prof, getattr(args, "event", None) and args.event[0])
+        rep = prof_report(prof)
+        _, info, b = one_binary(prof, rep, list(args.image), args.format)
         assert b.path is not None
         dpath = dwarf_source(b.path, info.key)
         if dpath is None:
@@ -239,12 +241,12 @@ class Export(Command):
             counts = _callgrind_counts(args.callgrind, info.path)
             per_fn, heads, source = _by_function(raw, counts), None, f"exact counts from {args.callgrind}"
         elif args.counts == "samples":
-            counts = _sample_counts(ps, sym, info, ev)
+            counts = sample_counts(prof, info, ev)
             per_fn, heads, source = _by_function(raw, counts), {}, f"{ev} samples per instruction"
         else:
-            edges = None if args.no_edges else _edges(args, ps, sym, info)
+            edges = None if args.no_edges else branch_outcomes(prof, info, args.edges_from)
             kept: list[tuple[str, int, int]] = []
-            per_fn, heads, skipped = _calc_counts(ps, sym, info, ev, rep, args.estimator, edges, kept)
+            per_fn, heads, skipped = calc_counts(prof, info, ev, rep, args.estimator, edges, kept)
             for msg in skipped:
                 eprint(f"cyclescope export: skipped {msg}")
             source = f"execution counts estimated by calc from {ev} samples, {args.estimator} estimator"
@@ -268,19 +270,18 @@ class Export(Command):
         return 0
 
     @staticmethod
-    def _bolt_fdata(args: argparse.Namespace, ps: Any, db: Any) -> int:
-        from cyclescope.binaries.symbolize import Symbolizer
-        from cyclescope.cli.calc import cycles_event
-        from cyclescope.cli.prof import prof_report
+    def _bolt_fdata(args: argparse.Namespace, prof: Profile) -> int:
+        from cyclescope.app.calc import cycles_event
+        from cyclescope.app.counts import event_counts, one_binary
+        from cyclescope.app.prof import prof_report
         from cyclescope.images.elf import local_function_files, read_symbols
         from cyclescope.report.bolt_fdata import bolt_names, render
 
-        sym = Symbolizer(db)
-        ev = cycles_event(ps, getattr(args, "event", None) and args.event[0])
-        key, info, b = _one_binary(args, ps, prof_report(ps, False), sym)
+        ev = cycles_event(prof, getattr(args, "event", None) and args.event[0])
+        key, info, b = one_binary(prof, prof_report(prof), list(args.image), args.format)
         assert b.path is not None
         raw = read_symbols(b.path, demangle=False)  # BOLT knows functions by their linkage names
-        offs, counts = _event_counts(ps, key, ev)
+        offs, counts = event_counts(prof, key, ev)
         names = bolt_names(raw.starts, raw.names, local_function_files(b.path))
         res = render([ev], offs, counts, raw.starts, raw.ends, names)
         if not res.samples:
@@ -289,28 +290,6 @@ class Export(Command):
         note = f"; {res.outside} samples outside every function symbol left out" if res.outside else ""
         eprint(f"cyclescope export: {res.samples:,} {ev} samples in {res.functions:,} functions of {info.path}{note}")
         return 0
-
-
-def _one_binary(args: argparse.Namespace, ps: Any, rep: Any, sym: Any) -> tuple[str, Any, Any]:
-    """The one ELF image a per-binary export describes: --image, or the one with the most samples;
-    its key, ImageInfo and the binary found on disk or in the archive."""
-    from cyclescope.db.query import match_images
-
-    if args.image:
-        keys = set(match_images(ps, list(args.image)))
-    else:
-        elf_rows = [r for r in rep.rows if r.image_key in ps.images and ps.images[r.image_key].kind == "elf"]
-        keys = {elf_rows[0].image_key} if elf_rows else set()
-    if not keys:
-        raise NotFoundError("no executable image with samples in the selection (give --image)")
-    if len(keys) > 1:
-        raise UsageError(f"{args.format} describes one binary: --image matches " + ", ".join(sorted(keys)))
-    (key,) = keys
-    info = ps.images[key]
-    b = sym.binary(info)
-    if b.path is None:
-        raise NotFoundError(b.problem or f"{info.path}: the binary is not available")
-    return key, info, b
 
 
 def _by_function(raw: Any, counts: dict[int, int]) -> dict[int, dict[int, int]]:
@@ -323,25 +302,6 @@ def _by_function(raw: Any, counts: dict[int, int]) -> dict[int, dict[int, int]]:
     for a, i in zip(addrs.tolist(), idx.tolist(), strict=True):
         if i >= 0:
             out.setdefault(int(raw.starts[i]), {})[a] = counts[a]
-    return out
-
-
-def _event_counts(ps: Any, key: str, ev: str) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and sample counts of event ``ev`` in the image ``key``, over the selection."""
-    from cyclescope.db.query import query_counts
-
-    t = query_counts(ps, images=[key])
-    sel = np.array(t.column("event").to_pylist(), dtype=object) == ev
-    return (np.array(t.column("offset").to_pylist(), np.uint64)[sel],
-            np.array(t.column("count").to_pylist(), np.int64)[sel])
-
-
-def _sample_counts(ps: Any, sym: Any, info: Any, ev: str) -> dict[int, int]:
-    """Samples of ``ev`` per instruction (ELF address) of the image ``info``."""
-    offs, cnt = _event_counts(ps, info.key, ev)
-    out: dict[int, int] = {}
-    for a, c in zip(sym.offsets_to_vaddr(info, offs).tolist(), cnt.tolist(), strict=True):
-        out[int(a)] = out.get(int(a), 0) + int(c)
     return out
 
 
@@ -361,77 +321,6 @@ def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
         raise NotFoundError(f"{path}: no counts for {image_path} (objects: {', '.join(sorted(prof.counts)) or 'none'}; "
                             "run valgrind --tool=callgrind --dump-instr=yes)")
     return dict(prof.counts[ob])
-
-
-def _edges(args: argparse.Namespace, ps: Any, sym: Any, info: Any) -> dict[int, dict[int, float]] | None:
-    """Branch (ELF address) -> outcomes observed on sampled paths, from --edges-from or the
-    selection's own value files; None when there are none (an error when --edges-from was given)."""
-    from cyclescope.analysis.paths import edge_outcomes
-    from cyclescope.db.layout import Database
-    from cyclescope.db.values import load_values
-
-    if args.edges_from:
-        db = Database.open(args.edges_from)
-        vs = load_values(db, db.epochs(), rng=np.random.default_rng(0))
-    else:
-        vs = load_values(ps.db, ps.epochs, rng=np.random.default_rng(0))  # merging thins at random: same every time
-    obs = edge_outcomes(vs, info.key)
-    if not obs:
-        if args.edges_from:
-            raise NotFoundError(f"{args.edges_from}: no branch outcomes of {info.path} (record them with "
-                                "`record --values edges --exact interpret --interpret 32 -- CMD`)")
-        return None
-    offs = sorted({o for o in obs} | {t for d in obs.values() for t in d})
-    va = dict(zip(offs, sym.offsets_to_vaddr(info, np.array(offs, np.uint64)).tolist(), strict=True))
-    return {int(va[o]): {int(va[t]): n for t, n in d.items()} for o, d in obs.items()}
-
-
-def _calc_counts(ps: Any, sym: Any, info: Any, ev: str, rep: Any, estimator: str = "dcpi",
-                 edges: dict[int, dict[int, float]] | None = None, kept: list[tuple[str, int, int]] | None = None
-                 ) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
-    """calc's execution estimates per instruction, for each function with samples (shaped by the
-    branch outcomes ``edges`` where given: analysis/paths.py); entry counts. For each function with
-    outcomes, ``kept`` gets (name, calc's count that stayed calc's, calc's count)."""
-    from cyclescope.analysis.paths import PathBlock, observed, shape_counts
-    from cyclescope.cli.calc import calc_target
-    from cyclescope.errors import CycleScopeError
-    from cyclescope.report.listing import Target
-
-    table = sym.table(info)
-    col = rep.events.index(ev)
-    per_fn: dict[int, dict[int, int]] = {}
-    heads: dict[int, int] = {}
-    skipped: list[str] = []
-    for r in rep.rows:
-        if r.image_key != info.key or r.start is None or r.counts[col] <= 0 or r.procedure not in table.names:
-            continue
-        k = table.names.index(r.procedure)
-        start, end = int(table.starts[k]), int(table.ends[k])
-        try:
-            c = calc_target(ps, Target(info, r.procedure, start, end), sym, ev, None, estimator)
-        except CycleScopeError as e:
-            skipped.append(f"{r.procedure}: {e}")
-            continue
-        got: dict[int, int] = {}
-        for idx, ins in enumerate(c.cfg.insns):
-            bi = c.cfg.block_of[idx]
-            execs = c.executions(bi) if bi >= 0 else None
-            if execs is not None and round(execs) > 0:
-                got[ins.address] = round(execs)
-        if edges:
-            blocks = [PathBlock([c.cfg.insns[i].address for i in range(b.first, b.last + 1)],
-                                [c.cfg.edges[e].dst if c.cfg.edges[e].dst >= 0 else -1 for e in b.succs],
-                                [c.freq.edge[e] for e in b.succs]) for b in c.cfg.blocks]
-            shaped = shape_counts(blocks, got, edges)
-            if kept is not None and got and observed(blocks, edges):
-                kept.append((r.procedure, shaped.kept, sum(got.values())))
-            got = shaped.counts
-        if got:
-            per_fn[start] = got
-            entry = c.cfg.block_of[0] if c.cfg.insns else -1
-            head = c.executions(entry) if entry >= 0 else None
-            heads[start] = round(head) if head else 0
-    return per_fn, heads, skipped
 
 
 def _profile_of(path: str, dw: Any, raw: Any, start: int, counts: dict[int, int],

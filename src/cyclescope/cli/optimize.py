@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from cyclescope.app.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
 from cyclescope.cli.base import Command, eprint, finite_float, register
-from cyclescope.cli.calc import ESTIMATOR_HELP, ESTIMATORS, PROFILE_ESTIMATOR
 from cyclescope.errors import CycleScopeError, UsageError
 
 PROFILE_FLAGS = "-fdebug-info-for-profiling"

@@ -4,38 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import (
-    Command,
-    add_output_options,
-    add_selection_options,
-    open_selection,
-    register,
-)
+from cyclescope.app.prof import prof_report
+from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_profile, register
 from cyclescope.errors import UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
-if TYPE_CHECKING:
-    from cyclescope.db.query import ProfileSet
-    from cyclescope.report.prof import ProfReport
-
 TERMINAL_LIMIT = 40
-
-
-def prof_report(ps: ProfileSet, by_image: bool) -> ProfReport:
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.db.query import query_counts
-    from cyclescope.report.prof import build_prof, counts_by_image
-    from cyclescope.report.summary import summarize
-
-    counts = query_counts(ps)
-    per_image = counts_by_image(counts)
-    sym = Symbolizer(ps.db)
-    rep = build_prof(ps.event_names, per_image, ps.images, sym.table, sym.offsets_to_vaddr, by_image=by_image)
-    rep.summary = summarize(ps, dict(zip(rep.events, rep.totals, strict=True)))
-    rep.problems = {k: v for k, v in sym.problems.items()}
-    return rep
 
 
 @register
@@ -66,8 +41,7 @@ class Prof(Command):
             raise UsageError("--limit must be 0 or more")
         from cyclescope.report.prof import prof_table
 
-        ps = open_selection(args)
-        rep = prof_report(ps, args.images)
+        rep = prof_report(open_profile(args), args.images)
         if args.json:
             write_json(rep.to_json())
             return 0

@@ -5,21 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import (
-    Command,
-    add_output_options,
-    add_selection_options,
-    finite_float,
-    open_db,
-    open_selection,
-    register,
-)
+from cyclescope.cli.base import Command, add_output_options, add_selection_options, finite_float, open_profile, register
 from cyclescope.errors import NotFoundError, UsageError
 from cyclescope.report.render import write_json, write_table
 
 if TYPE_CHECKING:
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.db.layout import Database
+    from cyclescope.app.profile import Profile
     from cyclescope.db.query import ProfileSet
     from cyclescope.db.values import ValueSelection
     from cyclescope.values.api import ValueModule
@@ -32,28 +23,13 @@ def add_value_report_options(p: argparse.ArgumentParser) -> None:
                    help="only values of processes owned by UID (root reads everyone's; others their own)")
 
 
-def load_selection(args: argparse.Namespace) -> tuple[Database, ProfileSet, ValueSelection, Symbolizer,
-                                                       list[ValueModule]]:
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.db.values import load_values
-    from cyclescope.values.modules import DEFAULT_MODULES, load_modules
+def load_selection(args: argparse.Namespace) -> tuple[Profile, ValueSelection, list[ValueModule]]:
+    """The selection, its value hotlists (--uid's) and the modules that format them (--modules)."""
+    from cyclescope.app.values import open_values
 
-    db = open_db(args)
-    ps = open_selection(args, db)
-    hosts = list(args.host) if args.host else None
-    vs = load_values(db, ps.epochs, hosts, uid=args.uid)
-    if not vs.files:
-        hint = ""
-        if vs.unreadable:
-            hint = f" ({vs.unreadable} value file(s) of other users are not readable by you)"
-        raise NotFoundError(f"no value samples in epoch(s) {','.join(map(str, ps.epochs))}{hint}; record with "
-                            "--values to capture them")
-    names = args.modules.split(",") if args.modules else list(vs.meta.modules if vs.meta else DEFAULT_MODULES)
-    try:
-        modules = load_modules(names)
-    except UsageError:
-        modules = load_modules(DEFAULT_MODULES)  # a module that is gone: format with the built-ins
-    return db, ps, vs, Symbolizer(db), modules
+    p = open_profile(args)
+    vs, modules = open_values(p, args.uid, args.modules.split(",") if args.modules else None)
+    return p, vs, modules
 
 
 def _image_filter(ps: ProfileSet, patterns: list[str]) -> set[str] | None:
@@ -108,7 +84,8 @@ class Values(Command):
 
         if args.top < 1:
             raise UsageError("--top must be at least 1")
-        _db, ps, vs, sym, modules = load_selection(args)
+        p, vs, modules = load_selection(args)
+        ps, sym = p.ps, p.sym
         nh = vs.hotlists
         hl = nh.hl
         namer = Namer(ps, sym, nh.images)
@@ -121,9 +98,9 @@ class Values(Command):
             keep &= img_ok[hl.keys["image"]]
         title = "cyclescope values: "
         if args.procedure:
-            from cyclescope.cli.listing import resolve_target
+            from cyclescope.app.procedures import resolve_target
 
-            target, _ = resolve_target(ps, args.procedure, list(args.image), sym)
+            target, _ = resolve_target(p, args.procedure, list(args.image))
             img = nh.images.index(target.info.key) if target.info.key in nh.images else -1
             keep &= (hl.keys["image"] == img) & (hl.keys["offset"] >= target.start) & (hl.keys["offset"] < target.end)
             title += f"{target.name} in {target.info.path}"
@@ -198,7 +175,8 @@ class Invariants(Command):
             raise UsageError("--min-prob must be in (0, 1]")
         if not 0 <= args.min_share <= 100:
             raise UsageError("--min-share is a percentage")
-        _db, ps, vs, sym, modules = load_selection(args)
+        p, vs, modules = load_selection(args)
+        ps, sym = p.ps, p.sym
         nh = vs.hotlists
         allowed = _image_filter(ps, list(args.image))
         if allowed is not None:
@@ -224,20 +202,3 @@ class Invariants(Command):
         else:
             write_table(invariants_table(rep))
         return 0
-
-
-def value_columns_for_listing(args: argparse.Namespace, ps: ProfileSet, sym: Symbolizer, image_key: str,
-                              start: int, end: int) -> tuple[list[str], dict[int, list[str]], list[str]]:
-    """`list --values`: (columns, per-address cells, notes)."""
-    from cyclescope.db.values import load_values
-    from cyclescope.report.values import Namer, listing_values, selection_notes
-    from cyclescope.values.modules import DEFAULT_MODULES, load_modules
-
-    hosts = list(args.host) if args.host else None
-    vs = load_values(ps.db, ps.epochs, hosts)
-    if not vs.files:
-        return [], {}, ["no value samples in this selection (record with --values)", *selection_notes(vs)]
-    modules = load_modules(list(vs.meta.modules if vs.meta else DEFAULT_MODULES))
-    namer = Namer(ps, sym, vs.hotlists.images)
-    cols, cells = listing_values(vs.hotlists, modules, namer, image_key, start, end, args.value_kind or None)
-    return cols, cells, selection_notes(vs)

@@ -288,7 +288,7 @@ class Session:
         a.sample_regs_user = self.layout.regs_user_mask
         a.sample_stack_user = self.layout.stack_user
         if self.layout.sample_type & Sample.CALLCHAIN:
-            from cyclescope.collect.stacks import MAX_DEPTH
+            from cyclescope.perf.abi import MAX_DEPTH
 
             a.sample_max_stack = MAX_DEPTH
         a.read_format = int(ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cyclescope.db.stacks import StackCounts
+from cyclescope.perf.abi import PERF_CONTEXT_HV, PERF_CONTEXT_KERNEL, PERF_CONTEXT_MAX
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -26,12 +27,6 @@ if TYPE_CHECKING:
     from cyclescope.collect.unwind import DwarfStacks
     from cyclescope.db.layout import Database
 
-PERF_CONTEXT_HV = (1 << 64) - 32
-PERF_CONTEXT_KERNEL = (1 << 64) - 128
-PERF_CONTEXT_USER = (1 << 64) - 512
-PERF_CONTEXT_GUEST = (1 << 64) - 2048
-PERF_CONTEXT_MAX = (1 << 64) - 4095
-MAX_DEPTH = 127  # attr.sample_max_stack
 
 
 def split_chain(chain: tuple[int, ...], sampled_ip: int) -> list[tuple[int, bool, bool]]:

@@ -26,10 +26,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from cyclescope.collect.stacks import MAX_DEPTH, PERF_CONTEXT_USER
 from cyclescope.errors import DataError
 from cyclescope.images import cfi
-from cyclescope.perf.abi import X86_REGS_USER_MASK, X86Reg, regs_in_mask
+from cyclescope.perf.abi import MAX_DEPTH, PERF_CONTEXT_USER, X86_REGS_USER_MASK, X86Reg, regs_in_mask
 
 COLUMN = {r: i for i, r in enumerate(regs_in_mask(X86_REGS_USER_MASK))}
 IP, SP, BP = COLUMN[X86Reg.IP], COLUMN[X86Reg.SP], COLUMN[X86Reg.BP]

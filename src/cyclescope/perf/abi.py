@@ -287,3 +287,12 @@ SAMPLE_REGS_ABI_64 = 2
 def regs_in_mask(mask: int) -> list[X86Reg]:
     """Registers in the order the kernel writes them: ascending bit number."""
     return [r for r in X86Reg if mask & (1 << r)]
+
+
+# Callchain context markers (enum perf_callchain_context): each starts the frames of one context.
+PERF_CONTEXT_HV = (1 << 64) - 32
+PERF_CONTEXT_KERNEL = (1 << 64) - 128
+PERF_CONTEXT_USER = (1 << 64) - 512
+PERF_CONTEXT_GUEST = (1 << 64) - 2048
+PERF_CONTEXT_MAX = (1 << 64) - 4095
+MAX_DEPTH = 127  # the frames asked of a callchain (attr.sample_max_stack)

@@ -1,0 +1,113 @@
+"""A selection of the database opened for analysis: its flat counts and their metadata (db.query's
+ProfileSet), the symbols and code of its images (binaries.Symbolizer), and on demand the loop
+counters' tallies and the value hotlists of the same epochs and hosts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from cyclescope.errors import DataError
+
+if TYPE_CHECKING:
+    from cyclescope.analysis.loopcount import LoopStats
+    from cyclescope.binaries.symbolize import Symbolizer
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import ProfileSet, Selection
+    from cyclescope.db.values import ValueSelection
+    from cyclescope.images.registry import ImageInfo
+
+
+def _ignore(_: str) -> None:
+    pass
+
+
+@dataclass
+class Profile:
+    ps: ProfileSet
+    sym: Symbolizer
+    warn: Callable[[str], None] = _ignore  # what goes wrong on the way without stopping it, one line each
+    _values: dict[int | None, ValueSelection] = field(default_factory=dict, repr=False)
+
+    @property
+    def db(self) -> Database:
+        return self.ps.db
+
+    @property
+    def images(self) -> dict[str, ImageInfo]:
+        return self.ps.images
+
+    @property
+    def event_names(self) -> list[str]:
+        return self.ps.event_names
+
+    def with_event(self, event: str) -> Profile:
+        """The same selection narrowed to one event (its counts are queried again)."""
+        from cyclescope.db.query import ProfileSet
+
+        ps = ProfileSet(**{**vars(self.ps), "selection": replace(self.ps.selection, events=(event,)), "memo": {}})
+        return Profile(ps, self.sym, self.warn)
+
+    def image_totals(self) -> dict[str, int]:
+        """Samples per image key, every event together."""
+        from cyclescope.db.query import query_counts
+
+        t = query_counts(self.ps)
+        out: dict[str, int] = {}
+        for img, c in zip(t.column("image").to_pylist(), t.column("count").to_pylist(), strict=True):
+            out[img] = out.get(img, 0) + int(c)
+        return out
+
+    def loop_stats(self, image_key: str, start: int, end: int) -> dict[int, LoopStats]:
+        """The loop counters' tallies of the selection for the loops headed in [start, end)."""
+        from cyclescope.analysis.loopcount import LoopStats
+        from cyclescope.db.tallies import LOOPS, load_tally
+
+        ps = self.ps
+        memo = ps.memo.get((False, ("loops", image_key)))
+        if memo is None:
+            sel = load_tally(ps.db, LOOPS, ps.epochs, ps.hosts or None, {image_key})
+            for c in sel.corrupt:
+                if f"skipping {c}" not in ps.warnings:
+                    ps.warnings.append(f"skipping {c}")
+                    self.warn(f"skipping {c} (loop counts from it are left out)")
+            memo = sel.table
+            ps.memo[(False, ("loops", image_key))] = memo
+        d = memo.to_pydict()
+        out = {}
+        for i, h in enumerate(d["header"]):
+            if start <= h < end:
+                out[int(h)] = LoopStats(
+                    own=int(d["own"][i]), own_period=float(d["own_period"][i]), followed=int(d["followed"][i]),
+                    next_own=int(d["next_own"][i]), pairs=int(d["pairs"][i]),
+                    iterations=float(d["iterations"][i]), pair_period=float(d["pair_period"][i]),
+                    mismatched=int(d["mismatched"][i]), rejected=int(d["rejected"][i]),
+                    trip_samples=int(d["trip_samples"][i]), inv_trip=float(d["inv_trip"][i]))
+        return out
+
+    def values(self, uid: int | None = None) -> ValueSelection:
+        """The value hotlists of the selection's epochs and hosts (of ``uid``'s processes only, if
+        given) that this user may read."""
+        vs = self._values.get(uid)
+        if vs is None:
+            from cyclescope.db.values import load_values
+
+            hosts = list(self.ps.selection.hosts) or None
+            vs = self._values[uid] = load_values(self.db, self.ps.epochs, hosts, uid=uid)
+        return vs
+
+
+def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ignore) -> Profile:
+    """The selection's profile, its warnings given to ``warn`` (corrupt segments left out, epochs a
+    range named that do not exist); DataError when every segment it covers is unreadable."""
+    from cyclescope.binaries.symbolize import Symbolizer
+    from cyclescope.db.query import open_profile as open_set
+
+    ps = open_set(db, sel)
+    for w in ps.warnings:
+        warn(w)
+    if not ps.segments and any(w.startswith("skipping") for w in ps.warnings):
+        raise DataError(f"no readable segment in the selection "
+                        f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
+    return Profile(ps, Symbolizer(db), warn)
