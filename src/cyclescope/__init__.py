@@ -1,3 +1,33 @@
 """cyclescope: a continuous, system-wide sampling profiler for Linux."""
 
+from __future__ import annotations
+
+import os
+import sys
+
 __version__ = "0.1.0"
+
+# OpenBLAS and OpenMP start a thread per CPU when numpy is imported, and those threads spin: about
+# 0.1 s of CPU at every start of a cyclescope process on these machines (a third of `record`'s
+# fixed cost), for linear algebra cyclescope does not do on large matrices.
+_BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def import_numpy_single_threaded() -> None:
+    """Import numpy with one BLAS thread, unless the user chose a number. The variables are set for
+    the import only: the commands cyclescope runs (`record -- CMD`) do not inherit them."""
+    if "numpy" in sys.modules:
+        return
+    saved = {k: os.environ.get(k) for k in _BLAS_THREADS}
+    for k in _BLAS_THREADS:
+        os.environ.setdefault(k, "1")
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass  # said where it is needed
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -186,4 +186,7 @@ class Worker:
 
 
 if __name__ == "__main__":
+    from cyclescope import import_numpy_single_threaded
+
+    import_numpy_single_threaded()
     serve(sys.argv[1:])

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
-from cyclescope import __version__
+from cyclescope import __version__, import_numpy_single_threaded
 from cyclescope.cli import base
 from cyclescope.errors import CycleScopeError
 
@@ -31,7 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "optimize": ("optimize", "profile a training run, rebuild with its sample profile (clang), measure the speedup"),
     "db": ("db", "inspect or compact the profile database"),
 }
-
+# Commands that only talk to the daemon: they need no numpy.
+CONTROL_COMMANDS = frozenset({"flush", "epoch", "status"})
 
 INTERNAL_ERROR = 70  # EX_SOFTWARE: the fuzz tests fail on it
 
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     name = args._command
+    if name not in CONTROL_COMMANDS:
+        import_numpy_single_threaded()
     try:
         return int(cmd.run(args))
     except CycleScopeError as e:

@@ -22,6 +22,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ADDS_PER_ITERATION = 16
@@ -132,20 +133,36 @@ def measure_sample_overhead(period_ns: int, seconds: float = 0.05, rounds: int =
         kernel.close_fd(fd)
 
 
-def sample_overhead(period_ns: int, cache_dir: Path | None) -> float | None:
-    """measure_sample_overhead, remembered per boot and period in ``cache_dir`` (it costs ~0.5 s)."""
+def _per_boot(cache_dir: Path | None, name: str, measure: Callable[[], float | None]) -> float | None:
+    """``measure()``, remembered in ``cache_dir`` until the machine reboots (None is not kept)."""
     boot = ""
     with contextlib.suppress(OSError):
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    f = cache_dir / f"overhead-{boot}-{period_ns}.json" if cache_dir is not None and boot else None
+    f = cache_dir / f"{name}-{boot}.json" if cache_dir is not None and boot else None
     if f is not None:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            return float(json.loads(f.read_text())["ns"])
-    ns = measure_sample_overhead(period_ns)
-    if ns is not None and f is not None:
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            return float(json.loads(f.read_text())["value"])
+    value = measure()
+    if value is not None and f is not None:
         with contextlib.suppress(OSError):
             f.parent.mkdir(parents=True, exist_ok=True)
             tmp = f.with_name(f".tmp-{os.getpid()}-{f.name}")
-            tmp.write_text(json.dumps({"ns": ns, "period_ns": period_ns}))
+            tmp.write_text(json.dumps({"value": value}))
             os.replace(tmp, f)
-    return ns
+    return value
+
+
+def sample_overhead(period_ns: int, cache_dir: Path | None) -> float | None:
+    """measure_sample_overhead, remembered per boot and period in ``cache_dir`` (it costs ~0.5 s)."""
+    return _per_boot(cache_dir, f"overhead-{period_ns}", lambda: measure_sample_overhead(period_ns))
+
+
+def boot_clock(cache_dir: Path | None) -> float | None:
+    """measure_ghz at full length (four runs, ~30 ms), once per boot: each run starts from it, and
+    each flush adds a short measurement (``measure_ghz(FLUSH_CLOCK_S, 2)``)."""
+    return _per_boot(cache_dir, "clock", measure_ghz)
+
+
+# A flush's clock measurement: two runs of 4 ms (the best of them; a run is disturbed by at most a
+# timer interrupt or two of ~20 us, under 1%).
+FLUSH_CLOCK_S = 0.004

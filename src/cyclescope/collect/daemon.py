@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from cyclescope.collect.aggregate import Aggregator
-from cyclescope.collect.clock import measure_ghz, sample_overhead
+from cyclescope.collect.clock import FLUSH_CLOCK_S, boot_clock, measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer
 from cyclescope.collect.flusher import Flusher
 from cyclescope.collect.processor import Context, Drain, Processor
@@ -162,7 +162,7 @@ class Collector:
             self.epoch = self.db.ensure_epoch()
         else:
             self.epoch = latest
-        self._clock = measure_ghz() or 0.0
+        self._clock = boot_clock(Cache().root) or 0.0
         for i, spec in enumerate(self.session.events):
             if spec.time_based:  # before the target runs: a quiet machine
                 ns = sample_overhead(int(self.session.randomizers[i].mean), Cache().root)
@@ -402,7 +402,7 @@ class Collector:
         meta = self._flush_meta
         self._flush_meta = self._fresh_meta()
         meta.end_time = time.time()
-        now_clock = measure_ghz() or 0.0
+        now_clock = measure_ghz(FLUSH_CLOCK_S, 2) or 0.0
         meta.clock_ghz = merge_clock(self._clock, 1, now_clock, 1)
         self._clock = now_clock or self._clock
         self.session.read_counters()
