@@ -29,6 +29,7 @@ import numpy as np
 
 from cyclescope.analysis.cfg import CFG, ENTRY, EXIT
 from cyclescope.analysis.equivalence import Classes, cyclic_blocks
+from cyclescope.analysis.estimators import ESTIMATORS  # how a stalled class's F is set; see estimate_class
 from cyclescope.analysis.schedule import ProcedureModel
 from cyclescope.images.disasm import InsnInfo
 
@@ -44,7 +45,6 @@ SHAPE_EXCESS = 0.2  # a block whose samples exceed the model's shape by less tha
 MIN_BLOCK_M = 1.5  # cycles of (skidded) model a block needs for its ratio to mean anything
 MIN_BLOCK_POINTS = 3  # instructions carrying model cycles: with fewer, any shape "fits"
 MIN_BLOCK_SAMPLES = 20
-ESTIMATORS = ("dcpi", "geomean")  # how a stalled class's F is set; see estimate_class
 TINY_CLASS_M = 0.5  # model cycles: an acyclic class resting on less gets no issue-point estimate
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cyclescope.analysis.estimators import ESTIMATORS as ESTIMATORS  # for the command lines' options
 from cyclescope.errors import NotFoundError
 
 if TYPE_CHECKING:
@@ -11,8 +12,6 @@ if TYPE_CHECKING:
     from cyclescope.app.profile import Profile
     from cyclescope.report.listing import Target
 
-# analysis.frequency.ESTIMATORS, here so that the command line does not import numpy and capstone to parse options
-ESTIMATORS = ("dcpi", "geomean")
 ESTIMATOR_HELP = ("how calc sets a stalled class's execution count: dcpi, the cluster of the smallest "
                   "sample/model-cycle ratios (DCPI's rule), or geomean, the geometric mean of that and the "
                   "class's sum-of-samples ratio, its upper bound (higher on pointer-chasing code, where DCPI's "

@@ -18,10 +18,10 @@ DEFAULT_DB = "cyclescope.db"
 
 
 class Command:
-    """A subcommand: a name, help, its options, and run() returning an exit code."""
+    """A subcommand: a name, its options, and run() returning an exit code. Its one-line help is
+    cli/main.py's COMMANDS (listed without importing the command's module)."""
 
     name: ClassVar[str]
-    help: ClassVar[str]
     description: ClassVar[str] = ""
     epilog: ClassVar[str] = ""
 

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 @register
 class CalcCommand(Command):
     name = "calc"
-    help = "instruction frequency, CPI and stall culprits of a procedure, from samples alone (dcpicalc)"
     description = (
         "Estimates how many times each basic block ran and how many cycles each instruction spent per\n"
         "execution, from nothing but CYCLES (or cpu-clock) samples and the binary: CFG, frequency\n"

@@ -45,7 +45,6 @@ def set_counts(p: Profile, event: str | None, by_image: bool) -> tuple[str, dict
 @register
 class Stats(Command):
     name = "stats"
-    help = "statistics per procedure across sample sets (epochs, hosts or databases): DCPI's dcpistats"
     description = (
         "Per procedure across several sample sets: range% ((max-min)/sum), sum, sum%, N, mean, std-dev,\n"
         "min, max, sorted by range%: the procedures whose time varies most between runs come first\n"
@@ -134,7 +133,6 @@ def parse_set(spec: str, default: str) -> tuple[str, str, str | None]:
 @register
 class Diff(Command):
     name = "diff"
-    help = "procedures (or instructions) whose share of samples changed significantly between two sets"
     description = (
         "Compare two sample sets A and B, each '[DB:]EPOCHS[@HOST]' (default: the two latest epochs).\n"
         "Shares are normalized by each set's total; a change is flagged when a two-proportion z-test\n"

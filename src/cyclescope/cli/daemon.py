@@ -56,7 +56,6 @@ def parse_cpus(text: str | None) -> tuple[int, ...]:
 @register
 class Daemon(Command):
     name = "daemon"
-    help = "profile the whole system continuously into the database"
     description = (
         "Sample every CPU (every process and the kernel) until stopped, merging counts into the\n"
         "database every --flush-interval seconds. Control it with 'cyclescope flush', 'cyclescope\n"
@@ -141,7 +140,6 @@ def _need_daemon(args: argparse.Namespace, cmd: str, **kw: Any) -> dict[str, Any
 @register
 class Flush(Command):
     name = "flush"
-    help = "make the running daemon merge its samples into the database now"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_db_option(p)
@@ -157,7 +155,6 @@ class Flush(Command):
 @register
 class Epoch(Command):
     name = "epoch"
-    help = "start a new epoch (the daemon flushes into the old one first)"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_db_option(p)
@@ -192,7 +189,6 @@ class Epoch(Command):
 @register
 class Status(Command):
     name = "status"
-    help = "show what the running daemon is doing"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_db_option(p)

@@ -27,7 +27,6 @@ def _size(n: int) -> str:
 @register
 class Db(Command):
     name = "db"
-    help = "inspect or compact the profile database"
     description = (
         "inspect: epochs, hosts, segments, samples and sizes (--verbose: each segment's metadata).\n"
         "compact: merge each epoch's segments, stack files, tallies and value files per host (the daemon also\n"

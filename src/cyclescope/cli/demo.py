@@ -35,7 +35,6 @@ def build_demo(outdir: Path) -> Path:
 @register
 class Demo(Command):
     name = "demo"
-    help = "build and profile the bundled demo workload, then show where its cycles went"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--db", metavar="PATH", default=DEMO_DB, help=f"database to record into (default: ./{DEMO_DB})")

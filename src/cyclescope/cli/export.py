@@ -8,7 +8,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,7 +17,16 @@ from cyclescope.cli.base import Command, add_selection_options, eprint, open_db,
 from cyclescope.errors import DataError, NotFoundError, UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from cyclescope.app.profile import Profile
+    from cyclescope.binaries.symbolize import Symbolizer
+    from cyclescope.db.query import ProfileSet
+    from cyclescope.images.dwarf import DwarfIndex
+    from cyclescope.images.elf import SymbolTable
+    from cyclescope.images.registry import ImageInfo
+    from cyclescope.report.export import Stacks
+    from cyclescope.report.llvm_sample import FunctionProfile
 
 
 def _emit(output: str | None, data: bytes) -> None:
@@ -47,7 +56,6 @@ FORMATS = ("collapsed", "speedscope", "pprof", "llvm-sample", "bolt-fdata")
 @register
 class Export(Command):
     name = "export"
-    help = "call stacks or the flat profile as collapsed, speedscope, pprof; llvm-sample for clang"
     description = (
         "Call stacks recorded with `record -g fp` (or `daemon -g fp`), symbolized, in a format other tools\n"
         "read: 'collapsed' (Brendan Gregg's folded stacks, for flamegraph.pl and many viewers),\n"
@@ -107,7 +115,7 @@ class Export(Command):
         from cyclescope.db.query import match_images, query_counts
         from cyclescope.db.stacks import load_stacks
         from cyclescope.images.registry import ImageInfo
-        from cyclescope.report.export import Stacks, collapsed, named_stacks, speedscope
+        from cyclescope.report.export import collapsed, named_stacks, speedscope
 
         db = open_db(args)
         prof = open_profile(args, db)
@@ -179,8 +187,8 @@ class Export(Command):
         return 0
 
     @staticmethod
-    def _pprof(ps: Any, stacks: Counter[Any], events: list[str], infos: dict[str, Any], sym: Any,
-               name: Any) -> bytes:
+    def _pprof(ps: ProfileSet, stacks: Stacks, events: list[str], infos: dict[str, ImageInfo], sym: Symbolizer,
+               name: Callable[[tuple[str, int]], str]) -> bytes:
         """Function, source file and line per frame (DWARF where the binary has it), then the profile."""
         from cyclescope.images.dwarf import DwarfIndex, dwarf_source
         from cyclescope.report.export import pprof
@@ -292,7 +300,7 @@ class Export(Command):
         return 0
 
 
-def _by_function(raw: Any, counts: dict[int, int]) -> dict[int, dict[int, int]]:
+def _by_function(raw: SymbolTable, counts: dict[int, int]) -> dict[int, dict[int, int]]:
     """Instruction counts (ELF address -> count) grouped by the function symbol containing them."""
     out: dict[int, dict[int, int]] = {}
     if not counts or not len(raw):
@@ -323,8 +331,8 @@ def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
     return dict(prof.counts[ob])
 
 
-def _profile_of(path: str, dw: Any, raw: Any, start: int, counts: dict[int, int],
-                heads: dict[int, int] | None) -> Any:
+def _profile_of(path: str, dw: DwarfIndex, raw: SymbolTable, start: int, counts: dict[int, int],
+                heads: dict[int, int] | None) -> FunctionProfile | None:
     """The profile of the function at ``start`` from its instructions' counts (None without source lines).
     ``heads``: entry counts by function, or None to take the entry instruction's own count."""
     from cyclescope.images.disasm import disassemble, read_code

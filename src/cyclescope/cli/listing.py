@@ -12,7 +12,6 @@ from cyclescope.report.render import write_json, write_table
 @register
 class List(Command):
     name = "list"
-    help = "a procedure's instructions with samples and source lines (or a source file's lines)"
     description = (
         "Annotated disassembly of a procedure (or an address range) with the samples of every event per\n"
         "instruction and the source lines and inlined calls from DWARF interleaved: DCPI's dcpilist.\n"

@@ -61,7 +61,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         importlib.import_module(f"cyclescope.cli.{module}")
         cls = base.REGISTRY[name]
-        sp = sub.add_parser(name, help=cls.help, description=cls.description or cls.help, epilog=cls.epilog,
+        sp = sub.add_parser(name, help=help_, description=cls.description or help_, epilog=cls.epilog,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd = cls()
         cmd.add_arguments(sp)

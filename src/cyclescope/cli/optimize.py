@@ -69,7 +69,6 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 @register
 class Optimize(Command):
     name = "optimize"
-    help = "profile a training run, rebuild with its sample profile (clang), measure the speedup"
     description = (
         "The closed loop (Morph): build the program with BUILD ({out} = the binary to write, {flags} =\n"
         "extra compiler flags), run the training command under cyclescope, turn the samples into an LLVM\n"

@@ -16,7 +16,6 @@ TERMINAL_LIMIT = 40
 @register
 class Prof(Command):
     name = "prof"
-    help = "samples per procedure (or per image): where have all the cycles gone?"
     description = (
         "Samples per procedure, sorted by the first event, with one column per event: DCPI's\n"
         "dcpiprof. Every report states lost samples and the share that could not be attributed."

@@ -30,7 +30,6 @@ DEFAULT_RECORD_HZ = 5000.0
 @register
 class Record(Command):
     name = "record"
-    help = "sample a command, running processes, or the whole system into the database"
     description = (
         "Sample a command and its children, running processes (-p), or every CPU (-a), and store the\n"
         "samples as counts per (image, offset, event) in a new epoch of the database."

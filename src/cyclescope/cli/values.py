@@ -46,7 +46,6 @@ def _image_filter(ps: ProfileSet, patterns: list[str]) -> set[str] | None:
 @register
 class Values(Command):
     name = "values"
-    help = "hotlists of the values instructions saw, per instruction (value sampling)"
     description = (
         "The most frequent values each sampled instruction read, addressed, loaded or produced, from\n"
         "value sampling (record or daemon with --values): one row per instruction and kind of value,\n"
@@ -134,7 +133,6 @@ class Values(Command):
 @register
 class Invariants(Command):
     name = "invariants"
-    help = "hot instructions whose values are (nearly) always the same: specialization candidates"
     description = (
         "Instructions in hot procedures whose operand, result, loaded value or address is dominated by\n"
         "one value (per call site when the call context was captured), with the source line and an\n"

@@ -67,7 +67,7 @@ def reduce_keys(k1: np.ndarray, k2: np.ndarray, counts: np.ndarray) -> tuple[np.
 
 
 class Aggregator:
-    def __init__(self, reduce_at: int = 1 << 20) -> None:
+    def __init__(self, reduce_at: int = 1 << 18) -> None:  # 8 MiB of pending rows
         self._k1: list[np.ndarray] = []
         self._k2: list[np.ndarray] = []
         self._c: list[np.ndarray] = []

@@ -426,6 +426,8 @@ class Collector:
             self.totals.flushes += 1
         for p in self.processors:
             self.files += [str(x) for x in p.flush(self.db, epoch, self.cfg.host)]
+        if self.cfg.follow_epochs:  # a daemon: it runs on, and its peak should not stay
+            self.flusher.give_back_memory()
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
         for k, v in meta.unknown.items():

@@ -10,17 +10,21 @@ import sys
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from cyclescope.collect.aggregate import Counts
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database, safe_host
-from cyclescope.db.segment import SegmentMeta, build_table, write_segment
+from cyclescope.db.segment import Chunks, SegmentMeta, build_table, write_segment
 from cyclescope.images.cache import Cache
 from cyclescope.images.elf import SymbolTable, symbols_from_bytes
 from cyclescope.images.kernel import KernelRange, boot_stamp, kernel_symbols, read_kallsyms
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import parse_perf_map, read_perf_map
 from cyclescope.images.registry import ImageTable, Unknown
+
+# Rows of a segment built and written at a time: 8 MiB of Arrow columns.
+CHUNK_ROWS = 1 << 18
 
 
 class Flusher:
@@ -43,9 +47,16 @@ class Flusher:
         """One segment of ``counts`` (described in ``meta``) into ``epoch``; the symbols and binaries
         its images need follow."""
         self._describe(counts, meta)
-        table = build_table(self.table.keys(), counts.image, counts.offset, events, counts.event,
-                            self.mapper.comms.names, counts.comm, counts.count, counts.weight)
-        path = str(write_segment(self.db, epoch, self.host, table, meta))
+        keys, comms = self.table.keys(), self.mapper.comms.names
+
+        def part(lo: int, hi: int) -> pa.Table:
+            w = counts.weight[lo:hi] if counts.weight is not None else None
+            return build_table(keys, counts.image[lo:hi], counts.offset[lo:hi], events, counts.event[lo:hi], comms,
+                               counts.comm[lo:hi], counts.count[lo:hi], w)
+
+        n = len(counts)
+        parts = Chunks(n, (part(lo, lo + CHUNK_ROWS) for lo in range(0, max(n, 1), CHUNK_ROWS)))
+        path = str(write_segment(self.db, epoch, self.host, parts, meta))
         self._store_symbols(counts)
         if self.archive != "none":
             self._archive(counts)
@@ -117,6 +128,18 @@ class Flusher:
         cmd = [sys.executable, "-m", "cyclescope", "db", "compact", "--db", str(self.db.root), "--epoch", str(epoch),
                "--host", safe_host(self.host)]
         self._compacting = self._pool.submit(_run_quietly, cmd)
+
+    @staticmethod
+    def give_back_memory() -> None:
+        """Return what a flush freed to the system: Arrow's pool (mimalloc) keeps freed memory for
+        reuse, and glibc keeps freed heap once large numpy arrays have raised its mmap threshold;
+        a daemon would otherwise hold its largest flush's memory for good."""
+        with contextlib.suppress(Exception):
+            pa.default_memory_pool().release_unused()
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     def close(self) -> None:
         """Wait for the archiving and compaction under way."""

@@ -21,7 +21,6 @@ from cyclescope.perf.abi import (
     IOC_ENABLE,
     IOC_ID,
     IOC_PERIOD,
-    IOC_RESET,
     IOC_SET_OUTPUT,
     MMAP_PAGE_DATA_HEAD,
     MMAP_PAGE_DATA_OFFSET,
@@ -90,10 +89,6 @@ def ioctl_enable(fd: int) -> None:
 
 def ioctl_disable(fd: int) -> None:
     fcntl.ioctl(fd, IOC_DISABLE, 0)
-
-
-def ioctl_reset(fd: int) -> None:
-    fcntl.ioctl(fd, IOC_RESET, 0)
 
 
 def ioctl_period(fd: int, period: int) -> None:

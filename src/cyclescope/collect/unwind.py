@@ -23,12 +23,20 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from cyclescope.errors import DataError
 from cyclescope.images import cfi
 from cyclescope.perf.abi import MAX_DEPTH, PERF_CONTEXT_USER, X86_REGS_USER_MASK, X86Reg, regs_in_mask
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from cyclescope.images.cache import Cache
+    from cyclescope.images.maps import Mapper, ProcessState
+    from cyclescope.images.registry import ImageTable
 
 COLUMN = {r: i for i, r in enumerate(regs_in_mask(X86_REGS_USER_MASK))}
 IP, SP, BP = COLUMN[X86Reg.IP], COLUMN[X86Reg.SP], COLUMN[X86Reg.BP]
@@ -60,12 +68,12 @@ class Unwinder:
     """Walks user stack snapshots. tables(image, pid) gives an image's CfiTable, None (it has
     none), or PENDING (still loading); pid is a process that maps it."""
 
-    def __init__(self, tables: Any, max_depth: int = MAX_DEPTH) -> None:
+    def __init__(self, tables: Callable[[int, int], object], max_depth: int = MAX_DEPTH) -> None:
         self.tables = tables
         self.max_depth = max_depth
         self.stats = UnwindStats()
 
-    def unwind(self, proc: Any, regs: list[int], stack: bytes,
+    def unwind(self, proc: ProcessState, regs: list[int], stack: bytes,
                loading_stops: bool = False) -> tuple[list[int], str] | None:
         """User frames, leaf first (the PC, then return addresses), and why the walk stopped; None
         when an image's table is still loading (or, with loading_stops, a stop there). proc is the
@@ -92,15 +100,16 @@ class Unwinder:
             if i < 0 or pc >= ends[i] or images[i] <= 0:
                 reason = "no-mapping"
                 break
-            table = self.tables(images[i], pid)
-            if table is PENDING:
+            got = self.tables(images[i], pid)
+            if got is PENDING:
                 if not loading_stops:
                     return None
                 reason = "loading"
                 break
+            table = cast("cfi.CfiTable | None", got)
             # A return address points after its call: look up the call itself.
             row = table.lookup(pc - biases[i] - (0 if first else 1)) if table is not None else None
-            if row is None:
+            if row is None or table is None:
                 reason = "no-cfi"
                 break
             if row.cfa_kind == cfi.CFA_REG:
@@ -152,7 +161,7 @@ class Unwinder:
 class TableLoader:
     """CFI tables per image index, loaded on a worker thread through the per-user cache."""
 
-    def __init__(self, images: Any, cache: Any | None = None, vdso: bytes | None = None) -> None:
+    def __init__(self, images: ImageTable, cache: Cache | None = None, vdso: bytes | None = None) -> None:
         self.images = images  # ImageTable: index -> ImageInfo
         self.cache = cache
         self.vdso = vdso
@@ -228,7 +237,7 @@ def user_chain(kernel_chain: tuple[int, ...], user_frames: list[int]) -> tuple[i
 @dataclass
 class _Waiting:
     pid: int
-    proc: Any
+    proc: ProcessState | None
     ip: int
     event: int
     comm: int
@@ -276,9 +285,9 @@ class DwarfStacks:
         st.stops[reason] += 1
         return user_chain(w.kernel_chain, frames)
 
-    def chains(self, mapper: Any, pids: list[int], ips: list[int], events: list[int], comms: list[int],
-               kernel_chains: list[tuple[int, ...] | None], regs_rows: list[int], regs: Any, stack: Any,
-               slen: Any, force: bool = False) -> Unwound:
+    def chains(self, mapper: Mapper, pids: list[int], ips: list[int], events: list[int], comms: list[int],
+               kernel_chains: list[tuple[int, ...] | None], regs_rows: list[int], regs: np.ndarray | None,
+               stack: np.ndarray | None, slen: np.ndarray | None, force: bool = False) -> Unwound:
         """The samples unwound now: the waiting ones whose tables arrived, then this batch's (per
         sample: pid, ip, event index, command, and the chain in user_chain's form). force: unwind
         everything (the end of a run)."""
@@ -286,7 +295,7 @@ class DwarfStacks:
         todo = self.waiting
         self.waiting = []
         for pid, ip, ev, cm, kc, r in zip(pids, ips, events, comms, kernel_chains, regs_rows, strict=True):
-            if r >= 0:
+            if r >= 0 and regs is not None and stack is not None and slen is not None:
                 n = int(slen[r])
                 w = _Waiting(pid, mapper.procs.get(pid), ip, ev, cm, kc or (), regs[r].tolist(),
                              stack[r, :n].tobytes())

@@ -19,7 +19,7 @@ import pyarrow as pa
 from cyclescope.db.layout import Database, SegmentRef
 from cyclescope.db.segment import EventMeta, SegmentMeta, read_meta
 from cyclescope.errors import DataError, NotFoundError, UsageError
-from cyclescope.images.registry import UNKNOWN_KEY, ImageInfo
+from cyclescope.images.registry import ImageInfo
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,3 @@ def _empty_counts(by_process: bool) -> pa.Table:
         fields.append(("process", pa.string()))
     fields += [("raw", pa.uint64()), ("count", pa.uint64())]
     return pa.schema(fields).empty_table()
-
-
-def is_unknown(key: str) -> bool:
-    return key == UNKNOWN_KEY

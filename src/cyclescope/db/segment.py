@@ -9,6 +9,7 @@ periods, losses, time range) is JSON under the Parquet key ``cyclescope``.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cyclescope.db.layout import Database, SegmentRef, fsync_file
+from cyclescope.db.layout import Database, fsync_file
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope"
@@ -189,21 +190,34 @@ def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, ev
     )
 
 
-def write_parquet(table: pa.Table, path: Path, meta: SegmentMeta) -> None:
-    meta.rows = table.num_rows
+@dataclass
+class Chunks:
+    """A table too large to build whole, built a part at a time as it is written (a daemon's
+    flush: its memory peaks at one part, not at the whole)."""
+
+    rows: int
+    parts: Iterable[pa.Table]
+
+
+def write_parquet(table: pa.Table | Chunks, path: Path, meta: SegmentMeta) -> None:
+    if isinstance(table, Chunks):
+        meta.rows, parts, schema = table.rows, table.parts, SCHEMA
+    else:
+        meta.rows, parts, schema = table.num_rows, [table], table.schema
     # replace_schema_metadata, not cast: cast imports pyarrow.compute (0.1 s of start-up).
-    table = table.replace_schema_metadata({META_KEY: meta.to_json()})
-    schema = table.schema
+    md = {META_KEY: meta.to_json()}
+    schema = schema.with_metadata(md)
     with pq.ParquetWriter(
         path, schema, compression="zstd", compression_level=6, use_dictionary=["image", "event", "process"],
         column_encoding={"offset": "DELTA_BINARY_PACKED", "count": "DELTA_BINARY_PACKED"},
         write_statistics=["image", "event", "process"], data_page_size=1 << 20,
     ) as w:
-        w.write_table(table, row_group_size=1 << 20)
+        for part in parts:
+            w.write_table(part.replace_schema_metadata(md), row_group_size=1 << 20)
     fsync_file(path)
 
 
-def write_segment(db: Database, epoch: int, host: str, table: pa.Table, meta: SegmentMeta) -> Path:
+def write_segment(db: Database, epoch: int, host: str, table: pa.Table | Chunks, meta: SegmentMeta) -> Path:
     """Write one flush as a new segment, atomically; returns its path."""
     with db.host_lock(epoch, host) as d:
         seq = db.next_seq(epoch, host)
@@ -249,7 +263,3 @@ def read_table(path: Path) -> pa.Table:
         return t.select(SCHEMA.names).cast(SCHEMA)
     except (pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt segment ({e})") from None
-
-
-def segment_ref_meta(ref: SegmentRef) -> SegmentMeta:
-    return read_meta(ref.path)

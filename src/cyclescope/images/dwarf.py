@@ -163,13 +163,6 @@ class DwarfIndex:
             self._file.close()
             self._file = None
 
-    @property
-    def has_dwarf(self) -> bool:
-        try:
-            return self.cu_ranges()[0].size > 0
-        except DataError:
-            return False
-
     # --- which CU holds an address --------------------------------------------------------
     def cu_ranges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(starts, ends, cu offsets), sorted by start."""

@@ -121,11 +121,6 @@ class InsnDetail:
         return f"{self.mnemonic} {self.op_str}".rstrip()
 
     @property
-    def transfers(self) -> bool:
-        """Control may leave the fall-through path."""
-        return self.kind not in ("other", "syscall")
-
-    @property
     def next_address(self) -> int:
         return self.address + self.size
 
