@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -45,12 +46,15 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--rate", type=int, default=5000)
     ap.add_argument("--flush-interval", type=float, default=60.0)
+    ap.add_argument("--daemon-args", default="", help="more options for the daemon, e.g. --no-loop-counts")
+    ap.add_argument("--name", default="soak", help="bench/out/NAME.json (default: soak)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cs-soak-"))
     db = tmp / "db"
     loop = "while :; do for f in " + " ".join(map(str, SOURCES)) + "; do gcc -O2 -c \"$f\" -o /dev/null; done; done"
     daemon = subprocess.Popen(cyclescope_cmd("daemon", "--db", str(db), "-F", str(args.rate), "--flush-interval",
-                                             str(args.flush_interval)), stderr=subprocess.PIPE, text=True)
+                                             str(args.flush_interval), *shlex.split(args.daemon_args)),
+                              stderr=subprocess.PIPE, text=True)
     time.sleep(3)
     loops = [subprocess.Popen(["sh", "-c", loop], start_new_session=True) for _ in range(os.cpu_count() or 1)]
     t0 = time.monotonic()
@@ -90,7 +94,7 @@ def main() -> None:
     print(f"unknown {100 * out['unknown_share']:.3f}% {out['unknown_reasons']}, lost records "
           f"{out['lost_records']}, lost samples {out['lost_samples']}, peak RSS {out['peak_rss_kib'] / 1024:.1f} MiB, "
           f"database {out['db_bytes'] / 1e6:.1f} MB")
-    print(f"raw data: {save('soak', out)}")
+    print(f"raw data: {save(args.name, out)}")
     shutil.rmtree(tmp, ignore_errors=True)
 
 

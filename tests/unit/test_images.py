@@ -163,3 +163,28 @@ def test_archived_symbols_outlive_the_binary(compile_c: Callable[..., Path], tmp
     sym = Symbolizer(db)
     assert "hot" in sym.table(info).names and info.key not in sym.problems
     assert not symstore.archive_symbols(db, "other", str(exe), "other")  # the file is gone
+
+
+def test_a_daemon_archives_symbols_in_a_child(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    """`python -m cyclescope.db.symbols DB KEY PATH BUILD_ID...` (what the flusher runs): the
+    matching binary's symbols are kept; a triple whose build-id does not match is skipped, and the
+    others still go in."""
+    import subprocess
+    import sys
+
+    from cyclescope.db import symbols as symstore
+    from cyclescope.db.layout import Database
+
+    exe = tmp_path / "prog"
+    shutil.copy(compile_c("hotcold"), exe)
+    bid = read_elf_info(str(exe)).build_id or ""
+    db = Database.create_or_open(tmp_path / "db")
+    wrong = "0" * 40
+    r = subprocess.run([sys.executable, "-m", "cyclescope.db.symbols", str(db.root), wrong, str(exe), wrong,
+                        bid, str(exe), bid], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert symstore.has_symbols(db, bid) and not symstore.has_symbols(db, wrong)
+    assert "hot" in (symstore.read_symbols(db, bid) or symstore.SymbolTable.build([])).names
+    bad = subprocess.run([sys.executable, "-m", "cyclescope.db.symbols", str(db.root), bid], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr

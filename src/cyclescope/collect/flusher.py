@@ -116,8 +116,14 @@ class Flusher:
                 todo.append((info.key, info.path, info.build_id))
         if not todo:
             return
-        keep = symstore.archive_binary if self.archive == "binaries" else symstore.archive_symbols
-        self._pool.submit(lambda: [keep(self.db, *t) for t in todo])
+        if self.archive == "binaries":  # a copy of each file: nothing parsed but its ELF header
+            self._pool.submit(lambda: [symstore.archive_binary(self.db, *t) for t in todo])
+        else:  # symbol tables: parsed in a child, whose memory goes back to the system when it exits
+            for lo in range(0, len(todo), 100):
+                cmd = [sys.executable, "-m", "cyclescope.db.symbols", str(self.db.root)]
+                for key, path, build_id in todo[lo : lo + 100]:
+                    cmd += [key, path, build_id or ""]
+                self._pool.submit(_run_quietly, cmd)
 
     def compact(self, epoch: int) -> None:
         """Compact ``epoch``'s segments of this host in a child process (unless one is at work):
@@ -150,9 +156,13 @@ class Flusher:
 
 
 def _run_quietly(cmd: list[str]) -> int:
+    """A child of ours (compaction, archiving), its output dropped; numpy's BLAS single-threaded
+    in it (see cyclescope.import_numpy_single_threaded)."""
+    import os
     import subprocess
 
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     try:
-        return subprocess.run(cmd, capture_output=True, timeout=3600).returncode
+        return subprocess.run(cmd, capture_output=True, timeout=3600, env=env).returncode
     except (OSError, subprocess.TimeoutExpired):
         return -1
