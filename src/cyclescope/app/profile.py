@@ -1,6 +1,7 @@
 """A selection of the database opened for analysis: its flat counts and their metadata (db.query's
 ProfileSet), the symbols and code of its images (binaries.Symbolizer), and on demand the loop
-counters' tallies and the value hotlists of the same epochs and hosts."""
+counters' tallies, the value hotlists and the call stacks of the same epochs and hosts: one type
+for the three kinds of data a front end shows."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
     from cyclescope.db.query import ProfileSet, Selection
+    from cyclescope.db.stacks import StackSelection
     from cyclescope.db.values import ValueSelection
     from cyclescope.images.registry import ImageInfo
 
@@ -96,6 +98,15 @@ class Profile:
             hosts = list(self.ps.selection.hosts) or None
             vs = self._values[uid] = load_values(self.db, self.ps.epochs, hosts, uid=uid)
         return vs
+
+
+    def stacks(self, images: set[str] | None = None) -> StackSelection:
+        """The call stacks of the selection's epochs, hosts and processes (of stacks whose leaf is
+        in ``images``, if given), summed."""
+        from cyclescope.db.stacks import load_stacks
+
+        sel = self.ps.selection
+        return load_stacks(self.db, self.ps.epochs, list(sel.hosts) or None, images, set(sel.processes) or None)
 
 
 def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ignore) -> Profile:

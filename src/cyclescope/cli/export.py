@@ -113,7 +113,6 @@ class Export(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.query import match_images, query_counts
-        from cyclescope.db.stacks import load_stacks
         from cyclescope.images.registry import ImageInfo
         from cyclescope.report.export import collapsed, named_stacks, speedscope
 
@@ -127,7 +126,7 @@ class Export(Command):
         images = set(match_images(ps, list(args.image))) if args.image else None
         if args.image and not images:
             raise NotFoundError(f"no image matching {', '.join(args.image)} in the selection")
-        sel = load_stacks(db, ps.epochs, list(args.host) or None, images, set(args.process) or None)
+        sel = prof.stacks(images)
         for c in sel.corrupt:
             eprint(f"cyclescope export: skipped {c}")
         infos = dict(ps.images)

@@ -72,6 +72,8 @@ class CollectorConfig:
     # survive upgrades and deletions: "binaries" (needed by list and calc), "symbols"
     # (enough for prof, a few KB each) or "none".
     archive: str = "binaries"
+    # A long-running process (the daemon): each flush gives freed memory back to the system.
+    lean_memory: bool = False
     # What else is computed from each drain's samples (loop-iteration counts, call stacks, values
     # at the interrupt), each writing its own files at every flush.
     processors: list[Processor] = field(default_factory=list)
@@ -426,7 +428,7 @@ class Collector:
             self.totals.flushes += 1
         for p in self.processors:
             self.files += [str(x) for x in p.flush(self.db, epoch, self.cfg.host)]
-        if self.cfg.follow_epochs:  # a daemon: it runs on, and its peak should not stay
+        if self.cfg.lean_memory:
             self.flusher.give_back_memory()
         for e in meta.events.values():
             self.totals.per_event[e.name] = self.totals.per_event.get(e.name, 0) + e.samples
