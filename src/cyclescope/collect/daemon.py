@@ -309,7 +309,41 @@ class Collector:
 
     # --- one drain ---------------------------------------------------------------------
     def step(self) -> int:
-        chunks = self.session.drain()
+        """One drain: decode the rings, act on the side records, map and count the samples, hand
+        them to the processors. Returns how many samples it took."""
+        samples, side, regs, stack, slen, chains = self._decode(self.session.drain())
+        self._side_records(side)
+        if samples is None:
+            if side:
+                self.mapper.map_batch(np.zeros(0, dtype=SAMPLE_DTYPE), side)
+            return 0
+        ev = self.session.event_index(samples["id"])
+        keep = ev >= 0
+        if not keep.all():
+            samples, ev = samples[keep], ev[keep]
+            if chains:
+                chains = [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
+        periods = self.session.account(ev, samples)
+        mapped = self.mapper.map_batch(samples, side)
+        self.agg.add(mapped.image, mapped.offset, ev, mapped.comm, weight=periods)
+        if self.processors:
+            drain = Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, slen,
+                          chains if self._chains else None)
+            for p in self.processors:
+                p.process(drain)
+        n = len(samples)
+        self.totals.samples += n
+        unk = mapped.image == 0
+        if unk.any():
+            self.totals.unknown += int(unk.sum())
+        return n
+
+    def _decode(self, chunks: list[bytes]) -> tuple[np.ndarray | None, list[SideRecord], np.ndarray | None,
+                                                    np.ndarray | None, np.ndarray | None,
+                                                    list[tuple[int, ...] | None]]:
+        """The rings' bytes as one array of samples (None: no sample), the side records, the user
+        registers, stack snapshots and their lengths (rows as the samples' "regs" column says; None
+        when no sample has them), and each sample's callchain (if the session samples them)."""
         samples_list = []
         side: list[SideRecord] = []
         regs_parts: list[np.ndarray] = []
@@ -337,6 +371,15 @@ class Collector:
             if batch.malformed:
                 self.totals.malformed += batch.malformed
                 self._flush_meta.malformed += batch.malformed
+
+        def joined(parts: list[np.ndarray]) -> np.ndarray | None:
+            return (np.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else None
+
+        return joined(samples_list), side, joined(regs_parts), joined(stack_parts), joined(len_parts), chains
+
+    def _side_records(self, side: list[SideRecord]) -> None:
+        """Losses, throttling, forks, exits and execs (mmaps and comms go to the mapper with the
+        samples they precede)."""
         for rec in side:
             if isinstance(rec, LostRecord):
                 self._note_lost(rec)
@@ -355,36 +398,6 @@ class Collector:
             elif isinstance(rec, CommRecord) and rec.exec:
                 for p in self.processors:
                     p.forget(rec.pid, rec.pid)
-        if not samples_list:
-            if side:
-                self.mapper.map_batch(np.zeros(0, dtype=SAMPLE_DTYPE), side)
-            return 0
-        samples = np.concatenate(samples_list) if len(samples_list) > 1 else samples_list[0]
-        ev = self.session.event_index(samples["id"])
-        keep = ev >= 0
-        if not keep.all():
-            samples, ev = samples[keep], ev[keep]
-        periods = self.session.account(ev, samples)
-        mapped = self.mapper.map_batch(samples, side)
-        self.agg.add(mapped.image, mapped.offset, ev, mapped.comm, weight=periods)
-        regs = stack = slen = None
-        if regs_parts:
-            regs = np.concatenate(regs_parts) if len(regs_parts) > 1 else regs_parts[0]
-            stack = np.concatenate(stack_parts) if len(stack_parts) > 1 else stack_parts[0]
-            slen = np.concatenate(len_parts) if len(len_parts) > 1 else len_parts[0]
-        if self.processors:
-            if chains and not keep.all():
-                chains = [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
-            drain = Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, slen,
-                          chains if self._chains else None)
-            for p in self.processors:
-                p.process(drain)
-        n = len(samples)
-        self.totals.samples += n
-        unk = mapped.image == 0
-        if unk.any():
-            self.totals.unknown += int(unk.sum())
-        return n
 
     def _note_lost(self, rec: LostRecord) -> None:
         idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
