@@ -341,3 +341,32 @@ def test_dominators_agree_with_networkx_on_random_graphs() -> None:
         g.add_edges_from((e.src, e.dst) for e in edges)
         want = {b: d for b, d in nx.immediate_dominators(g, ENTRY).items() if b >= 0}
         assert dominators(cfg) == want  # type: ignore[arg-type]
+
+
+def test_loop_tables_past_their_budget_go_least_recently_used_first() -> None:
+    """A daemon keeps at most max_table_bytes of loop tables: the least recently used goes, and a
+    procedure sampled again is analyzed again (from the cache, in a real run) and counts on."""
+
+    class TwoImages(FakeSource):
+        def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
+            return super().bounds(1)
+
+    lc = LoopCounter(TwoImages(FakeBinary(CHAIN, CHAIN_AT)), lambda i: f"img{i}", True, background=False,
+                     analyze_after=1)
+    lc.max_table_bytes = 1  # room for one table: the newest always stays
+
+    def add_in(img: int, tid: int, rows: list[tuple[int, int]]) -> None:
+        lc.add(np.full(len(rows), tid), np.array([t for t, _ in rows], np.uint64), np.zeros(len(rows), np.int64),
+               np.full(len(rows), img, np.int64), np.full(len(rows), 0x1350, np.uint64),
+               np.full(len(rows), 1000.0), np.array([regs(v) for _, v in rows], np.uint64))
+
+    add_in(1, 7, [(1, 0), (2, 10)])
+    assert set(lc._tables) == {(1, CHAIN_AT)} and lc.evicted == 0
+    add_in(2, 8, [(1, 0), (2, 10)])
+    assert set(lc._tables) == {(2, CHAIN_AT)} and lc.evicted == 1
+    add_in(1, 7, [(3, 20), (4, 30)])
+    assert set(lc._tables) == {(1, CHAIN_AT)} and lc.evicted == 2
+    assert lc._held_bytes == next(iter(lc._held.values()))
+    lc.finish()
+    t = lc.take().to_pydict()
+    assert sorted(t["image"]) == ["img1", "img2"] and sum(t["pairs"]) >= 3, t

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,6 +58,11 @@ MAX_WAITING = 1 << 18  # samples held back while their procedures are analyzed
 ANALYZE_AFTER = 32
 # The analyses may use at most this share of one CPU (over the run); past it new procedures wait.
 ANALYSIS_BUDGET = 0.10
+# Loop tables kept in memory (their arrays run over every instruction of a procedure: a large one
+# with many counters is about a MiB). Past this, the least recently used go; a procedure sampled
+# again is asked for again, and comes from the user's cache by build-id. A daemon under a fork storm
+# of compilers otherwise gathered the tables of every hot procedure of cc1 and kept them.
+MAX_TABLE_BYTES = 48 << 20
 STATS = ("own", "own_period", "followed", "next_own", "pairs", "iterations", "pair_period", "mismatched",
          "rejected", "trip_samples", "inv_trip")
 _S = {n: i for i, n in enumerate(STATS)}
@@ -84,6 +89,13 @@ class LoopTable:
     @property
     def empty(self) -> bool:
         return not len(self.headers)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.addrs.nbytes + self.inner.nbytes + self.depth.nbytes + self.anc.nbytes + self.headers.nbytes
+        n += sum(a.nbytes for a in self.invariants)
+        n += sum(o.nbytes + v.nbytes for loop in self.counters for _, _, _, o, v in loop)
+        return n + 200 * (len(self.counters) + 1)  # the lists and tuples around them
 
 
 ANALYSIS_VERSION = 3  # of loop_table's output: cached tables of another version are not used
@@ -392,6 +404,10 @@ class LoopCounter:
         self.source = source or ImageSource(info_of or (lambda i: None))
         self.info_of = info_of
         self._tables: dict[tuple[int, int], LoopTable | None] = {}  # None: being analyzed
+        self._held: OrderedDict[tuple[int, int], int] = OrderedDict()  # tables' bytes, least recently used first
+        self._held_bytes = 0
+        self.max_table_bytes = MAX_TABLE_BYTES
+        self.evicted = 0
         self._bounds: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}  # absent: not asked; None: none
         self._pending_bounds: set[int] = set()
         self._seen: dict[tuple[int, int], int] = {}  # samples of procedures not yet analyzed
@@ -454,6 +470,7 @@ class LoopCounter:
             with self._lock:
                 self._tables[(img, start)] = got[0]
                 self.analysis_s += got[1]
+                self._hold((img, start), got[0])
 
         if self.info_of is not None:
             info = self.info_of(img)
@@ -484,9 +501,28 @@ class LoopCounter:
                 self._tables[k] = None
             self._analyze(*k)
 
+    def _hold(self, key: tuple[int, int], table: LoopTable) -> None:
+        """Account for a table that landed (the lock held); let the least recently used go past
+        max_table_bytes."""
+        n = table.nbytes
+        self._held_bytes += n - self._held.pop(key, 0)
+        self._held[key] = n
+        while self._held_bytes > self.max_table_bytes and len(self._held) > 1:
+            old, m = self._held.popitem(last=False)
+            if old == key:  # the newest is never the one to go
+                self._held[old] = m
+                self._held.move_to_end(old)
+                continue
+            self._held_bytes -= m
+            self._tables.pop(old, None)
+            self.evicted += 1
+
     def _table(self, img: int, start: int) -> LoopTable | None:
         with self._lock:
-            return self._tables.get((img, start))
+            t = self._tables.get((img, start))
+            if t is not None and (img, start) in self._held:
+                self._held.move_to_end((img, start))
+            return t
 
     # --- samples ------------------------------------------------------------------------
     def add(self, tid: np.ndarray, time_ns: np.ndarray, cpu: np.ndarray, img: np.ndarray, off: np.ndarray,
@@ -851,7 +887,8 @@ class LoopCountProcessor:
         c = self.counter
         if c is None:
             return {}
-        return {"procedures": len(c._tables), "analysis_s": round(c.analysis_s, 3), "skipped": c.skipped,
+        return {"procedures": len(c._tables), "tables_mib": round(c._held_bytes / 2**20, 1), "evicted": c.evicted,
+                "analysis_s": round(c.analysis_s, 3), "skipped": c.skipped,
                 "deferred": c.deferred}
 
     def summary(self) -> str | None:
