@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import cyclescope_cmd, machine, run, save
+from common import hot_procedures, machine, record_runs, run, save
 from suite import Program, programs
 
 BUCKETS = (0.05, 0.10, 0.15)
@@ -70,31 +70,15 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     (loop counters where they hold, the model elsewhere), calc without the loop counters (the first
     design), and the naive estimator (a block's samples over its instruction count at one cycle
     per instruction, BOLT's no-LBR rule made absolute)."""
-    from cyclescope.app.calc import calc_target, cycles_event
-    from cyclescope.app.prof import prof_report
-    from cyclescope.app.profile import open_profile
-    from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection
-    from cyclescope.report.listing import Target
+    from cyclescope.app.calc import calc_target
 
-    d = Database.open(db)
-    profile = open_profile(d, Selection(epochs="all", images=(p.image,)))
-    ps, sym = profile.ps, profile.sym
-    ev = cycles_event(profile, None)
-    rep = prof_report(profile)
-    i = rep.events.index(ev)
+    profile, ev, hot = hot_procedures(db, p.image, min_samples)
     counts = prof.counts[ob]
     jumps = prof.jumps[ob]
     cond = prof.cond_exec[ob]
     out: dict[str, Any] = {k: _acc() for k in DESIGNS}
     out.update({"procedures": [], "time": 0.0, "never_ran": 0.0})
-    for row in rep.rows:
-        if row.counts[i] < min_samples or row.start is None:
-            continue
-        info = ps.images[row.image_key]
-        table = sym.table(info)
-        k = table.names.index(row.procedure)
-        t = Target(info, row.procedure, int(table.starts[k]), int(table.ends[k]))
+    for samples, t in hot:
         t0 = time.perf_counter()
         c = calc_target(profile, t, ev, None)
         dt = time.perf_counter() - t0
@@ -104,7 +88,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
         ecol = c.events.index(ev)
-        proc = {"name": row.procedure, "samples": row.counts[i], "seconds": dt, "blocks": []}
+        proc = {"name": t.name, "samples": samples, "seconds": dt, "blocks": []}
         for blk in c.cfg.blocks:
             s = float(c.samples[blk.first : blk.last + 1, ecol].sum())
             exact = counts.get(c.cfg.insns[blk.first].address, 0) * runs
@@ -225,11 +209,7 @@ def main() -> None:
         pargs = [a.replace("{input}", str(inp)) for a in p.args]
         prof, ob = callgrind_counts(p, pargs, tmp)
         db = tmp / f"{p.name}.db"
-        for _ in range(0 if db.exists() else args.runs):
-            r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--append", "-F", str(args.rate), "--",
-                                   str(p.exe), *pargs))
-            if r.returncode != 0:
-                raise SystemExit(f"record failed for {p.name}: {r.stderr[-800:]}")
+        record_runs(db, args.runs, args.rate, p.exe, pargs, p.name)
         acc = analyze(p, db, prof, ob, args.runs, args.min_samples)
         per_program[p.name] = acc
         print(f"{p.name}: {len(acc['procedures'])} procedures, {acc['calc']['samples']:,.0f} samples analyzed, "

@@ -144,3 +144,36 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"kernel": os.uname().release, "cpus": os.cpu_count(), "cpu": cpu, "time": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def record_runs(db: Path, runs: int, rate: float, exe: Path, args: list[str], name: str) -> None:
+    """``runs`` recordings of ``exe args`` at ``rate`` into one epoch-per-run database, unless the
+    database is there already (a kept one from an earlier run of the bench)."""
+    for _ in range(0 if db.exists() else runs):
+        r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--append", "-F", str(rate), "--", str(exe), *args))
+        if r.returncode != 0:
+            raise SystemExit(f"record failed for {name}: {r.stderr[-800:]}")
+
+
+def hot_procedures(db: Path, image: str, min_samples: int) -> tuple[Any, str, list[tuple[int, Any]]]:
+    """The profile of ``image`` in every epoch of ``db``, its cycles event, and each procedure with at
+    least ``min_samples`` samples of it as (samples, report.listing Target), hottest first."""
+    from cyclescope.app.calc import cycles_event
+    from cyclescope.app.procedures import procedure_target
+    from cyclescope.app.prof import prof_report
+    from cyclescope.app.profile import open_profile
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import Selection
+
+    profile = open_profile(Database.open(db), Selection(epochs="all", images=(image,)))
+    ev = cycles_event(profile, None)
+    rep = prof_report(profile)
+    i = rep.events.index(ev)
+    out = []
+    for row in rep.rows:
+        if row.counts[i] < min_samples or row.start is None:
+            continue
+        t = procedure_target(profile, row.image_key, row.procedure)
+        if t is not None:
+            out.append((row.counts[i], t))
+    return profile, ev, out

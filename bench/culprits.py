@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import cyclescope_cmd, machine, run, save
+from common import hot_procedures, machine, record_runs, run, save
 from suite import Program, programs
 
 
@@ -54,19 +54,9 @@ def simulate(p: Program, args: list[str], tmp: Path) -> Any:
 
 
 def analyze(p: Program, db: Path, prof: Any, ob: str, min_samples: int, rate: float) -> dict[str, Any]:
-    from cyclescope.app.calc import calc_target, cycles_event
-    from cyclescope.app.prof import prof_report
-    from cyclescope.app.profile import open_profile
-    from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection
-    from cyclescope.report.listing import Target
+    from cyclescope.app.calc import calc_target
 
-    d = Database.open(db)
-    profile = open_profile(d, Selection(epochs="all", images=(p.image,)))
-    ps, sym = profile.ps, profile.sym
-    ev = cycles_event(profile, None)
-    rep = prof_report(profile)
-    i = rep.events.index(ev)
+    profile, ev, hot = hot_procedures(db, p.image, min_samples)
     execs = prof.counts[ob]
     d1 = defaultdict(int)
     for name in ("D1mr", "D1mw"):
@@ -80,13 +70,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, min_samples: int, rate: fl
              "p": (mis, {a for a, v in mis.items() if v >= rate * max(1, execs.get(a, 0))})}
     out: dict[str, Any] = {c: {"blame": 0.0, "blame_right": 0.0, "misses": 0.0, "misses_blamed": 0.0,
                                "blamed": 0, "significant": 0} for c in "dp"}
-    for row in rep.rows:
-        if row.counts[i] < min_samples or row.start is None:
-            continue
-        info = ps.images[row.image_key]
-        table = sym.table(info)
-        k = table.names.index(row.procedure)
-        t = Target(info, row.procedure, int(table.starts[k]), int(table.ends[k]))
+    for _samples, t in hot:
         c = calc_target(profile, t, ev, None)
         if c.period_cycles is None:
             continue
@@ -140,11 +124,7 @@ def main() -> None:
         pargs = [a.replace("{input}", str(inp)) for a in p.args]
         prof, ob = simulate(p, pargs, tmp)
         db = tmp / f"{p.name}.db"
-        for _ in range(0 if db.exists() else args.runs):
-            r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--append", "-F", str(args.rate), "--",
-                                   str(p.exe), *pargs))
-            if r.returncode != 0:
-                raise SystemExit(f"record failed for {p.name}: {r.stderr[-800:]}")
+        record_runs(db, args.runs, args.rate, p.exe, pargs, p.name)
         res = analyze(p, db, prof, ob, args.min_samples, args.miss_rate)
         per[p.name] = res
         for code in "dp":

@@ -43,29 +43,12 @@ from common import ROOT, cyclescope_cmd, machine, save
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-SPIN = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-int main(int argc, char **argv) {
-    double secs = argc > 1 ? atof(argv[1]) : 1e9;
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    volatile unsigned long x = 1;
-    do {
-        for (int i = 0; i < 1000000; i++) x = x * 31 + i;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-    } while ((t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) * 1e-9 < secs);
-    return (int)(x & 0);
-}
-"""
 RATE = 1000
 FLUSH = 0.5
 
 
 def build_spinners(d: Path) -> dict[str, Path]:
-    src = d / "spin.c"
-    src.write_text(SPIN)
+    src = ROOT / "tests" / "programs" / "spin_for.c"
     out = {}
     for name in ("spin_a", "spin_b", "busy"):
         exe = d / name

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import save
+from common import hot_procedures, save
 from suite import programs
 
 KINDS = ("load", "store", "div", "mul", "branch", "other")
@@ -61,12 +61,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="how many runs each recording holds (accuracy.py --runs)")
     args = ap.parse_args()
     from cyclescope.analysis.callgrind import parse_callgrind
-    from cyclescope.app.calc import calc_target, cycles_event
-    from cyclescope.app.prof import prof_report
-    from cyclescope.app.profile import open_profile
-    from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection
-    from cyclescope.report.listing import Target
+    from cyclescope.app.calc import calc_target
 
     keep = Path(args.keep)
     progs, _ = programs(args.programs.split(","))
@@ -78,20 +73,10 @@ def main() -> None:
         cg = parse_callgrind((keep / f"cg-{p.name}.out").read_text())
         ob = cg.object_for(str(p.exe))
         counts = cg.counts[ob] if ob else {}
-        db = Database.open(keep / f"{p.name}.db")
         runs = args.runs
-        profile = open_profile(db, Selection(epochs="all", images=(p.image,)))
-        ps, sym = profile.ps, profile.sym
-        ev = cycles_event(profile, None)
-        rep = prof_report(profile)
-        ei = rep.events.index(ev)
-        for row in rep.rows:
-            if row.counts[ei] < 100 or row.start is None:
-                continue
-            info = ps.images[row.image_key]
-            table = sym.table(info)
-            k = table.names.index(row.procedure)
-            c = calc_target(profile, Target(info, row.procedure, int(table.starts[k]), int(table.ends[k])), ev, None)
+        profile, ev, hot = hot_procedures(keep / f"{p.name}.db", p.image, 100)
+        for _samples, t in hot:
+            c = calc_target(profile, t, ev, None)
             assert c.period_cycles
             runs_e = counts
             for blk in c.cfg.blocks:

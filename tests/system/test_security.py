@@ -20,23 +20,7 @@ from tests.system.test_daemon import wait_for_daemon
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
 
 NOBODY = 65534
-SPIN = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-int main(int argc, char **argv) {
-    double secs = argc > 1 ? atof(argv[1]) : 3;
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    volatile unsigned long x = 1;
-    do {
-        for (int i = 0; i < 1000000; i++) x = x * 31 + i;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-    } while ((t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) * 1e-9 < secs);
-    printf("%lu\n", (unsigned long)x);
-    return 0;
-}
-"""
+
 
 
 @pytest.fixture
@@ -80,8 +64,7 @@ print(tried, refused, file=sys.stderr)
 
 
 def test_a_user_cannot_take_over_files_through_the_value_store(shared_dir: Path) -> None:
-    src = shared_dir / "spin.c"
-    src.write_text(SPIN)
+    src = Path(__file__).parents[1] / "programs" / "spin_for.c"
     exe = shared_dir / "spin"
     subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
     target = shared_dir / "target"

@@ -92,21 +92,22 @@ def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator
     outcomes, ``kept`` gets (name, calc's count that stayed calc's, calc's count)."""
     from cyclescope.analysis.paths import PathBlock, observed, shape_counts
     from cyclescope.app.calc import calc_target
+    from cyclescope.app.procedures import procedure_target
     from cyclescope.errors import CycleScopeError
-    from cyclescope.report.listing import Target
 
-    table = p.sym.table(info)
     col = rep.events.index(ev)
     per_fn: dict[int, dict[int, int]] = {}
     heads: dict[int, int] = {}
     skipped: list[str] = []
     for r in rep.rows:
-        if r.image_key != info.key or r.start is None or r.counts[col] <= 0 or r.procedure not in table.names:
+        if r.image_key != info.key or r.start is None or r.counts[col] <= 0:
             continue
-        k = table.names.index(r.procedure)
-        start, end = int(table.starts[k]), int(table.ends[k])
+        target = procedure_target(p, info.key, r.procedure)
+        if target is None:
+            continue
+        start = target.start
         try:
-            c = calc_target(p, Target(info, r.procedure, start, end), ev, None, estimator)
+            c = calc_target(p, target, ev, None, estimator)
         except CycleScopeError as e:
             skipped.append(f"{r.procedure}: {e}")
             continue

@@ -30,6 +30,19 @@ def _candidate_images(ps: ProfileSet, image_patterns: list[str], totals: dict[st
                   key=lambda k: -totals.get(k, 0))
 
 
+def procedure_target(p: Profile, image_key: str, name: str) -> Target | None:
+    """The procedure ``name`` of one of the selection's images, bounded by its symbol table (None:
+    the table has no such name)."""
+    from cyclescope.report.listing import Target
+
+    info = p.images[image_key]
+    table = p.sym.table(info)
+    if name not in table.names:
+        return None
+    k = table.names.index(name)
+    return Target(info, name, int(table.starts[k]), int(table.ends[k]))
+
+
 def resolve_target(p: Profile, spec: str, image_patterns: list[str]) -> tuple[Target, list[str]]:
     """A procedure name or address range, in the images of the selection (the hottest image
     holding the name; notes name the others)."""

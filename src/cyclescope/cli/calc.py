@@ -73,10 +73,10 @@ class CalcCommand(Command):
         """The procedures with most samples (of --image's images, or of all), each through calc."""
         import time
 
+        from cyclescope.app.procedures import procedure_target
         from cyclescope.app.prof import prof_report
         from cyclescope.errors import CycleScopeError
         from cyclescope.report.calc import calc_to_json, image_table, summarize
-        from cyclescope.report.listing import Target
 
         ps, sym = p.ps, p.sym
         rep = prof_report(p)
@@ -103,12 +103,9 @@ class CalcCommand(Command):
         results = []
         failures = []
         for r in rows:
-            info = ps.images[r.image_key]
-            table = sym.table(info)
-            k = table.names.index(r.procedure) if r.procedure in table.names else -1
-            if k < 0:
+            tgt = procedure_target(p, r.image_key, r.procedure)
+            if tgt is None:
                 continue
-            tgt = Target(info, r.procedure, int(table.starts[k]), int(table.ends[k]))
             try:
                 c = calc_target(p, tgt, ev, args.mcpu, args.estimator)
             except CycleScopeError as e:
