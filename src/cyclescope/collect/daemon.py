@@ -148,7 +148,6 @@ class Collector:
         # the wake-up that reported it, never polled again (poll would report it at once forever).
         self._hung_up: set[int] = set()
         self.processors = list(config.processors)
-        self.files: list[str] = []  # what the processors wrote
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -440,7 +439,7 @@ class Collector:
             path = self.flusher.write(epoch, counts, meta, [s.label for s in self.session.events])
             self.totals.flushes += 1
         for p in self.processors:
-            self.files += [str(x) for x in p.flush(self.db, epoch, self.cfg.host)]
+            p.flush(self.db, epoch, self.cfg.host)
         if self.cfg.lean_memory:
             self.flusher.give_back_memory()
         for e in meta.events.values():
@@ -505,9 +504,6 @@ class Collector:
             "events": [s.label for s in self.session.events],
             **{p.name: p.status() for p in self.processors},
         }
-
-    def processor(self, name: str) -> Processor | None:
-        return next((p for p in self.processors if p.name == name), None)
 
     def summaries(self) -> list[str]:
         """The processors' lines for the end of a run."""

@@ -22,7 +22,7 @@ class ValueProcessor:
     def __init__(self, opts: ValueOptions) -> None:
         self.opts = opts
         self.capture: ValueCapture | None = None
-        self.files: list[str] = []  # written so far (compacted with the segments later)
+        self.written = 0  # files written so far (compacted with the segments later)
         self._since = time.time()
 
     def bind(self, ctx: Context) -> None:
@@ -52,7 +52,7 @@ class ValueProcessor:
             if len(hotlists.hl) or vmeta.samples:
                 out.append(write_values(db, epoch, host, hotlists, vmeta))
         self._since = now
-        self.files += [str(p) for p in out]
+        self.written += len(out)
         return out
 
     def close(self) -> None:
@@ -71,7 +71,7 @@ class ValueProcessor:
         if v is None:
             return None
         it = v.interp
-        parts = [f"values in {len(self.files)} file(s) readable by their owners only"]
+        parts = [f"values in {self.written} file(s) readable by their owners only"]
         if it is not None and it.runs:
             from cyclescope.values.interp import describe_stops
 
