@@ -85,3 +85,26 @@ def test_calc_over_an_image_everything_and_a_missing_procedure(kernels_db: Path)
     assert "chain" in every and "measured%" in every and "procedures analyzed in" in every
     p = cs("calc", "nosuch", "--db", str(kernels_db), check=False)
     assert p.returncode == 4 and "no procedure named 'nosuch'" in p.stderr
+
+
+def test_an_anchor_counts_a_procedures_entries(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    """entries.c's `mid` is entered 20,000 times; its loop's exit is a value, so nothing but its entry
+    can be counted. The default recording counts the entry with a uprobe in windows within the
+    anchors' budget, and calc's entry block takes that count; --no-anchors leaves it to the model."""
+    from cyclescope.collect.kernel import uprobe_pmu_type
+
+    if uprobe_pmu_type() is None:
+        pytest.skip("this kernel has no uprobe PMU (/sys/bus/event_source/devices/uprobe)")
+    exe = compile_c("entries", "-O2", "-g", out="entries")
+    db = tmp_path / "db"
+    out = cs("record", "--db", str(db), "-F", "5000", "--", str(exe), "20000", "100000")
+    assert "anchors: 1 procedure" in out.stderr
+    doc = calc(db, "mid")
+    entry = next(b for b in doc["blocks"] if b["start"] == doc["start"])
+    assert entry["method"] == "anchor" and entry["confidence"] in ("high", "medium")
+    # The ratio's error is about 1/sqrt(samples in the windows): several hundred here.
+    assert entry["executions"] == pytest.approx(20_000, rel=0.15)
+    plain = tmp_path / "plain"
+    cs("record", "--db", str(plain), "-q", "-F", "5000", "--no-anchors", "--", str(exe), "2000", "100000")
+    doc = calc(plain, "mid")
+    assert all(b["method"] != "anchor" for b in doc["blocks"])

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cyclescope.analysis.cfg import CFG, Edge, build_cfg
+from cyclescope.analysis.anchors import AnchorStats
+from cyclescope.analysis.cfg import CFG, ENTRY, Edge, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
 from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estimate_frequencies
@@ -107,6 +108,7 @@ def calc_procedure(
     estimator: str = "dcpi",
     loop_stats: dict[int, LoopStats] | None = None,
     mean_period: float = 0.0,
+    anchor: AnchorStats | None = None,
 ) -> Calc:
     from cyclescope.images.disasm import disassemble
 
@@ -143,6 +145,8 @@ def calc_procedure(
     s_cyc = samples[:, ev]
     loops = _loops(cfg, infos) if loop_stats else []
     measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
+    if anchor is not None:
+        mnotes += _anchored(cfg, s_cyc, anchor, period_cycles, measured)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     by_trips = _by_trips(cfg, loops, loop_stats or {}, freq, measured, s_cyc)
     if by_trips:  # inner loops: their entries (from the first pass) times their mean trip count
@@ -275,3 +279,32 @@ def _measured(cfg: CFG, loops: list[Loop], s_cyc: np.ndarray, stats: dict[int, L
             continue
         out[block_at[lp.header]] = Measured(est.executions / period_cycles, est.confidence, "loop-counter", est.why)
     return out, notes
+
+
+MIN_ANCHOR_HITS = 10  # entries counted in windows before an anchor is used (Poisson error ~ 1/sqrt)
+MIN_ANCHOR_SAMPLES = 30  # the procedure's samples in those windows (the ratio's other side)
+
+
+def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float | None,
+              measured: dict[int, Measured]) -> list[str]:
+    """The entry block's frequency from the procedure's exact entry count (analysis/anchors.py),
+    added to ``measured`` where it can be: the entry block is entered only from outside (not a loop
+    header) and the windows saw enough entries and samples. Notes where it cannot."""
+    if not period_cycles or not cfg.blocks:
+        return []
+    entry = next((e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0), None)
+    if entry is None or entry in measured:
+        return []
+    if any(e.src >= 0 for e in cfg.in_edges(entry)):
+        return [f"entry at {cfg.blocks[entry].start:#x} heads a loop: its exact count ({a.hits:,} entries in "
+                f"{a.windows:,} windows) does not give the block's"]
+    total = float(s_cyc.sum())
+    n = a.entries(total)
+    if n is None or a.hits < MIN_ANCHOR_HITS or a.samples < MIN_ANCHOR_SAMPLES:
+        return [f"entry count: too little seen in the anchor's windows ({a.hits:,} entries against "
+                f"{a.samples:,} samples); the entry's count is the model's"]
+    conf = "high" if a.hits >= 100 and a.samples >= 200 else "medium"
+    measured[entry] = Measured(n / period_cycles, conf, "anchor",
+                               f"{a.hits:,} entries counted exactly in {a.windows:,} windows against "
+                               f"{a.samples:,} of the procedure's {total:,.0f} samples")
+    return []

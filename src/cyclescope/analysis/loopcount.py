@@ -517,6 +517,11 @@ class LoopCounter:
             self._tables.pop(old, None)
             self.evicted += 1
 
+    def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Start and end of every procedure of the image, once known (None: not yet, or none)."""
+        with self._lock:
+            return self._bounds.get(img)
+
     def _table(self, img: int, start: int) -> LoopTable | None:
         with self._lock:
             t = self._tables.get((img, start))

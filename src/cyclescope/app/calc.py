@@ -92,6 +92,7 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
             return None
 
     stats = p.loop_stats(info.key, target.start, target.end) if evidence else {}
+    anchor = p.anchor_stats(info.key, target.start) if evidence else None
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(p, event), name_at, read, Cache(), info.key, mcpu, estimator,
-                          stats, ps.events[event].mean_period)
+                          stats, ps.events[event].mean_period, anchor)

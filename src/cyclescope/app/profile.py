@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from cyclescope.errors import DataError
 
 if TYPE_CHECKING:
+    from cyclescope.analysis.anchors import AnchorStats
     from cyclescope.analysis.loopcount import LoopStats
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
@@ -87,6 +88,28 @@ class Profile:
                     mismatched=int(d["mismatched"][i]), rejected=int(d["rejected"][i]),
                     trip_samples=int(d["trip_samples"][i]), inv_trip=float(d["inv_trip"][i]))
         return out
+
+    def anchor_stats(self, image_key: str, entry: int) -> AnchorStats | None:
+        """The anchors' tallies of the selection for the procedure entered at ``entry``."""
+        from cyclescope.analysis.anchors import AnchorStats
+        from cyclescope.db.tallies import ANCHORS, load_tally
+
+        ps = self.ps
+        memo = ps.memo.get((False, ("anchors", image_key)))
+        if memo is None:
+            sel = load_tally(ps.db, ANCHORS, ps.epochs, ps.hosts or None, {image_key})
+            for c in sel.corrupt:
+                if f"skipping {c}" not in ps.warnings:
+                    ps.warnings.append(f"skipping {c}")
+                    self.warn(f"skipping {c} (entry counts from it are left out)")
+            memo = sel.table
+            ps.memo[(False, ("anchors", image_key))] = memo
+        d = memo.to_pydict()
+        for i, e in enumerate(d["entry"]):
+            if e == entry:
+                return AnchorStats(hits=int(d["hits"][i]), samples=int(d["samples"][i]),
+                                   counted_s=float(d["counted_s"][i]), windows=int(d["windows"][i]))
+        return None
 
     def values(self, uid: int | None = None) -> ValueSelection:
         """The value hotlists of the selection's epochs and hosts (of ``uid``'s processes only, if

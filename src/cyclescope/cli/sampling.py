@@ -155,17 +155,33 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-loop-counts", action="store_true",
                    help="do not count loop iterations between samples (the user registers are then not "
                         "sampled; calc falls back to its model where loops had counts)")
+    g.add_argument("--no-anchors", action="store_true",
+                   help="do not count hot procedures' entries exactly with uprobes (calc then scales "
+                        "straight-line code by its model)")
+    g.add_argument("--anchor-budget", type=finite_float, default=None, metavar="SHARE",
+                   help="most of one CPU the profiled programs may lose to the anchors' traps (default: "
+                        "0.01); anchors whose entries run often are counted in random windows to stay "
+                        "within it")
 
 
 def processors(args: argparse.Namespace, vopts: ValueOptions | None) -> list[Processor]:
     """What the collector computes from each drain besides the flat counts (collect/processor.py),
-    as the options ask: loop counts (calc's evidence; on unless --no-loop-counts), call stacks
+    as the options ask: loop counts and anchors (calc's evidence; on unless --no-loop-counts or
+    --no-anchors: anchors need the loop counter's procedure bounds), call stacks
     (--call-graph), values (--values)."""
     out: list[Processor] = []
     if not getattr(args, "no_loop_counts", False):
         from cyclescope.analysis.loopcount import LoopCountProcessor
 
-        out.append(LoopCountProcessor())
+        loops = LoopCountProcessor()
+        out.append(loops)
+        if not getattr(args, "no_anchors", False):
+            from cyclescope.analysis.anchors import DEFAULT_BUDGET, AnchorProcessor
+
+            budget = getattr(args, "anchor_budget", None)
+            if budget is not None and not 0 < budget <= 1:
+                raise UsageError("--anchor-budget must be a share of one CPU above 0 and at most 1")
+            out.append(AnchorProcessor(loops, DEFAULT_BUDGET if budget is None else budget))
     if getattr(args, "call_graph", None) is not None:
         from cyclescope.collect.stacks import StackProcessor
 

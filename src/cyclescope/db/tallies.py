@@ -77,7 +77,16 @@ LOOPS = TallyKind(
           ("trip_samples", pa.uint64()), ("inv_trip", pa.float64())),
 )
 
-KINDS = {k.name: k for k in (LOOPS,)}
+# Exact counts of procedures' entries in windows (analysis/anchors.py): per procedure entry, the
+# uprobe's hits, the procedure's own samples of the time event taken in the same windows by the
+# same tasks, the time counted and the windows.
+ANCHORS = TallyKind(
+    "anchors", "an",
+    keys=(("image", pa.string()), ("entry", pa.uint64())),
+    sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64())),
+)
+
+KINDS = {k.name: k for k in (LOOPS, ANCHORS)}
 
 
 def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:

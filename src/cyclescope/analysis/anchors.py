@@ -1,0 +1,493 @@
+"""Anchors: exact counts of hot procedures' entries, the scale calc needs without a cycle model.
+
+calc's frequencies within a procedure rest on loop counters, trip counts and the model; the
+number of times the procedure itself is entered sets the scale of everything straight-line in it,
+and the model gets that wrong wherever stalls hide its cycles. The kernel counts executions of one
+instruction exactly: a uprobe perf event in counting mode (collect/kernel.open_uprobe_counter).
+Each hit traps (about 9.5 us here, HIT_COST_S) and a probe traps as long as its fd is open, enabled
+or not; closing one waits about 0.1 s for the kernel (a grace period, serialized between fds), and
+it traps until then. So an anchor is counted in windows: continuously where its hits are rare, and
+where they are not, in windows of WINDOW_S opened at random ticks so that its traps stay within
+its share of the budget (``--anchor-budget``, a share of one CPU the profiled programs may lose):
+a token bucket grants each anchor its share of the time, and a window opens once it is paid for.
+
+What a window's count means: the entries during the window, against the procedure's own samples
+(of the time event) taken during the same window by the same tasks. Their ratio, entries per
+sample of the procedure's own time, times the procedure's samples in the whole profile, is its
+entry count; this holds whatever share of the time the windows covered and across phases, since a
+window's samples weigh it exactly as the profile does. (The traps themselves land in the kernel,
+not in the procedure's instructions.) The tallies (db/tallies.py ANCHORS) are sums, mergeable by
+addition: hits, samples in windows, counted time.
+
+Tasks: with ``record``'s per-task sampling, each window counts the threads that ran the procedure
+lately (at most MAX_TASKS), and only their samples count against it; system-wide (the daemon),
+every task on every CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cyclescope.errors import CycleScopeError
+
+HIT_COST_S = 9.5e-6  # a uprobe hit's cost to the probed task (../shared/MACHINE-NOTES.md; 9.5 s per 1M here)
+CLOSE_S = 0.1  # wall time a probe's fd takes to close, trapping all along (measured: 90-100 ms each)
+DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to anchors' traps
+ANCHOR_AFTER = 64  # samples of a procedure before it gets an anchor
+MAX_ANCHORS = 16
+TICK_S = 0.05
+WINDOW_S = 0.2  # a window's length where an anchor cannot be counted all the time
+KEEP_NS = 30_000_000_000  # windows kept for samples that arrive late
+RECENT_NS = 5_000_000_000  # a thread that sampled the procedure this recently is counted
+MAX_TASKS = 4  # threads per window in per-task mode (each fd costs CLOSE_S to close)
+
+
+@dataclass
+class Window:
+    start: int  # CLOCK_MONOTONIC ns, counting on
+    end: int | None = None  # None: still counting
+    tids: frozenset[int] | None = None  # None: every task
+    probe: bool = False  # measures the rate only (system-wide, on one CPU): counts nothing
+
+
+@dataclass
+class Anchor:
+    """The entry of one procedure: where it is in the file, its windows and its tallies."""
+
+    img: int
+    start: int  # the procedure's vaddr (its entry) and end
+    end: int
+    path: str
+    file_offset: int
+    fds: dict[int, int] = field(default_factory=dict)  # fd -> its count at the last read
+    window: Window | None = None
+    windows: deque[Window] = field(default_factory=deque)
+    rate: float | None = None  # hits per second while counting (None: not measured yet)
+    tids: dict[int, int] = field(default_factory=dict)  # tid -> time of its last sample here
+    failed: str | None = None
+    credit: float = 0.0  # seconds of registered probes the budget has granted and not yet spent
+    last_tick: int | None = None
+    # tallies since the last take
+    hits: int = 0
+    samples: int = 0
+    counted_ns: int = 0
+    nwindows: int = 0
+    cost_s: float = 0.0  # estimated trap time spent so far (status)
+
+    def share(self, budget: float) -> float:
+        """The share of the time this anchor may count for its traps to cost ``budget`` of a CPU."""
+        if self.rate is None or self.rate <= 0:
+            return 1.0
+        return min(1.0, budget / (self.rate * HIT_COST_S))
+
+
+class Probes:
+    """The kernel side (collect/kernel.py), replaceable by a fake in tests."""
+
+    def __init__(self) -> None:
+        from cyclescope.collect import kernel
+
+        self.kernel = kernel
+        self.pmu = kernel.uprobe_pmu_type()
+
+    def open(self, path: str, file_offset: int, pid: int, cpu: int) -> int:
+        if self.pmu is None:
+            raise CycleScopeError("this kernel has no uprobe PMU")
+        fd = self.kernel.open_uprobe_counter(self.pmu, path, file_offset, pid, cpu)
+        self.kernel.ioctl_enable(fd)
+        return fd
+
+    def read(self, fd: int) -> int:
+        return self.kernel.read_counter(fd)[0]
+
+    def close(self, fd: int) -> None:
+        with contextlib.suppress(OSError):
+            self.kernel.ioctl_disable(fd)
+        self.kernel.close_fd(fd)
+
+
+class AnchorSet:
+    """Chooses anchors, opens and closes their windows (``tick``, from a thread) and matches the
+    samples of each drain to the windows (``add``)."""
+
+    def __init__(self, per_task: bool, image_key: Callable[[int], str], budget: float = DEFAULT_BUDGET,
+                 probes: Any = None, cpus: tuple[int, ...] = (), clock: Callable[[], int] | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.per_task = per_task
+        self.image_key = image_key
+        self.budget = budget
+        self.probes = probes
+        self.cpus = cpus
+        self.clock = clock or (lambda: time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+        self.rng = rng or random.Random()
+        self.anchors: dict[tuple[int, int], Anchor] = {}
+        self.refused: set[tuple[int, int]] = set()  # procedures that cannot be anchored
+        self.lock = threading.Lock()
+        self._closing: deque[list[int]] = deque()
+        self.opened = 0
+        self.failures = 0
+
+    # --- choosing ------------------------------------------------------------------------------
+    def want(self, img: int, start: int) -> bool:
+        with self.lock:
+            return ((img, start) not in self.anchors and (img, start) not in self.refused
+                    and len(self.anchors) < MAX_ANCHORS)
+
+    def place(self, img: int, start: int, end: int, path: str | None, file_offset: int | None) -> None:
+        with self.lock:
+            if path is None or file_offset is None:
+                self.refused.add((img, start))
+            elif len(self.anchors) < MAX_ANCHORS:
+                self.anchors.setdefault((img, start), Anchor(img, start, end, path, file_offset))
+
+    # --- windows -------------------------------------------------------------------------------
+    def _open(self, a: Anchor, tids: frozenset[int] | None, cpus: tuple[int, ...]) -> bool:
+        targets = [(t, -1) for t in sorted(tids)] if tids is not None else [(-1, c) for c in cpus]
+        fds: dict[int, int] = {}
+        error: str | None = None
+        for pid, cpu in targets:
+            try:
+                fds[self.probes.open(a.path, a.file_offset, pid, cpu)] = 0
+            except (OSError, CycleScopeError) as e:  # a thread gone meanwhile (ESRCH); a probe refused
+                if getattr(e, "errno", None) != errno.ESRCH:
+                    self.failures += 1
+                    error = str(e)
+        if not fds:
+            a.failed = error
+            return False
+        a.fds = fds
+        self.opened += len(fds)
+        return True
+
+    def _read(self, a: Anchor) -> int:
+        """Hits since the last read, over the anchor's fds."""
+        n = 0
+        for fd, last in list(a.fds.items()):
+            try:
+                v = self.probes.read(fd)
+            except OSError:
+                v = last
+            n += v - last
+            a.fds[fd] = v
+        return n
+
+    def _tids(self, a: Anchor, now: int) -> frozenset[int] | None:
+        if not self.per_task:
+            return None
+        recent = sorted(((t, tid) for tid, t in a.tids.items() if now - t < RECENT_NS), reverse=True)
+        return frozenset(tid for _, tid in recent[:MAX_TASKS])
+
+    def tick(self) -> None:
+        """One scheduling step: read the counting anchors, end or go on with their windows, open
+        windows at random for the others."""
+        with self.lock:
+            anchors = [a for a in self.anchors.values() if a.failed is None]
+        for a in anchors:
+            share = a.share(self.budget / max(1, len(anchors)))
+            if a.window is not None and share < 1.0 and self.clock() - a.window.start < WINDOW_S * 1e9:
+                continue  # a window of an anchor that cannot count all the time lasts WINDOW_S
+            if a.window is not None:
+                hits = self._read(a)
+                now = self.clock()
+                w = a.window
+                span = now - w.start
+                with self.lock:
+                    w.end = now
+                    a.cost_s += hits * HIT_COST_S
+                    a.window = None
+                    if not w.probe:
+                        a.hits += hits
+                        a.counted_ns += span
+                        a.nwindows += 1
+                    if span >= 10_000_000:
+                        rate = hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
+                        a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
+                tids = self._tids(a, now)
+                if not w.probe and a.share(self.budget / max(1, len(anchors))) >= 1.0 and tids == w.tids:
+                    self._read(a)  # go on counting with the same fds: a new window from now
+                    with self.lock:
+                        a.window = Window(self.clock(), None, tids)
+                        a.windows.append(a.window)
+                else:
+                    self._retire(a)
+            else:
+                # A token bucket: the anchor earns its share of each tick, and a window (with the
+                # probes' close) spends what it registers; windows open once it is paid for, at a
+                # random tick among the next few, so that they spread over the run (a short run gets
+                # its share too) without keeping step with a program's own period.
+                now = self.clock()
+                a.credit = min(a.credit + share * (now - (a.last_tick or now)) / 1e9, 4 * WINDOW_S + 1.0)
+                a.last_tick = now
+                nfds = len(self._tids(a, now) or ()) if self.per_task else len(self.cpus)
+                registered = WINDOW_S + CLOSE_S * max(1, nfds)
+                if share < 1.0 and (a.credit < registered or self.rng.random() >= 0.5):
+                    continue
+                a.credit -= registered
+                tids = self._tids(a, self.clock())
+                if tids is not None and not tids:
+                    continue
+                # System-wide, an entry never counted may run millions of times a second in every
+                # process (a libc function): the first window probes its rate on one CPU only, and
+                # counts nothing (its samples on other CPUs are not matched).
+                probe = not self.per_task and a.rate is None and len(self.cpus) > 1
+                if self._open(a, tids, self.cpus[:1] if probe else self.cpus):
+                    with self.lock:
+                        a.window = Window(self.clock(), None, tids, probe)
+                        if not probe:
+                            a.windows.append(a.window)
+            with self.lock:
+                horizon = self.clock() - KEEP_NS
+                while a.windows and a.windows[0].end is not None and a.windows[0].end < horizon:
+                    a.windows.popleft()
+
+    def _retire(self, a: Anchor) -> None:
+        fds = list(a.fds)
+        a.fds = {}
+        if fds:
+            with self.lock:
+                a.cost_s += (a.rate or 0.0) * CLOSE_S * len(fds) * HIT_COST_S
+                self._closing.append(fds)
+
+    def close_pending(self) -> None:
+        """Close the fds of ended windows (slow: the closer thread calls this)."""
+        while True:
+            with self.lock:
+                if not self._closing:
+                    return
+                fds = self._closing.popleft()
+            for fd in fds:
+                self.probes.close(fd)
+
+    def stop(self) -> None:
+        """End every window now (the run is ending) and close everything."""
+        with self.lock:
+            anchors = list(self.anchors.values())
+        for a in anchors:
+            share = a.share(self.budget / max(1, len(anchors)))
+            if a.window is not None and share < 1.0 and self.clock() - a.window.start < WINDOW_S * 1e9:
+                continue  # a window of an anchor that cannot count all the time lasts WINDOW_S
+            if a.window is not None:
+                hits = self._read(a)
+                now = self.clock()
+                with self.lock:
+                    a.window.end = now
+                    a.hits += hits
+                    a.counted_ns += now - a.window.start
+                    a.nwindows += 1
+                    a.window = None
+            self._retire(a)
+        self.close_pending()
+
+    # --- samples -------------------------------------------------------------------------------
+    def add(self, tid: np.ndarray, time_ns: np.ndarray, img: np.ndarray, off: np.ndarray) -> None:
+        """One drain's samples of the time event: those in an anchored procedure count against the
+        windows they fall in (by their time, and their thread in per-task mode)."""
+        with self.lock:
+            anchors = list(self.anchors.values())
+        for a in anchors:
+            m = (img == a.img) & (off >= a.start) & (off < a.end)
+            if not m.any():
+                continue
+            t = time_ns[m].astype(np.int64)
+            th = tid[m].astype(np.int64)
+            with self.lock:
+                if self.per_task:
+                    for x, y in zip(th.tolist(), t.tolist(), strict=True):
+                        if y > a.tids.get(x, -1):
+                            a.tids[x] = y
+                if not a.windows:
+                    continue
+                starts = np.array([w.start for w in a.windows], np.int64)
+                ends = np.array([w.end if w.end is not None else np.iinfo(np.int64).max for w in a.windows],
+                                np.int64)
+                k = np.searchsorted(starts, t, side="right") - 1
+                inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
+                if self.per_task:
+                    wins = list(a.windows)
+                    for i in np.flatnonzero(inside).tolist():
+                        w = wins[int(k[i])]
+                        if w.tids is not None and int(th[i]) not in w.tids:
+                            inside[i] = False
+                a.samples += int(inside.sum())
+
+    def take(self) -> Any:
+        """The tallies since the last take, as an ANCHORS table (db/tallies.py)."""
+        from cyclescope.db.tallies import ANCHORS, build
+
+        rows: list[tuple[str, int, int, int, int, int]] = []
+        with self.lock:
+            for a in self.anchors.values():
+                if a.hits or a.samples or a.nwindows:
+                    rows.append((self.image_key(a.img), a.start, a.hits, a.samples, a.counted_ns, a.nwindows))
+                a.hits = a.samples = a.counted_ns = a.nwindows = 0
+        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), (), ()]
+        return build(ANCHORS, {"image": list(cols[0]), "entry": np.array(cols[1], np.uint64),
+                               "hits": np.array(cols[2], np.uint64), "samples": np.array(cols[3], np.uint64),
+                               "counted_s": np.array(cols[4], np.float64) / 1e9,
+                               "windows": np.array(cols[5], np.uint64)})
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {"anchors": len(self.anchors), "counting": sum(a.window is not None for a in self.anchors.values()),
+                    "failed": sum(a.failed is not None for a in self.anchors.values()),
+                    "trap_s": round(sum(a.cost_s for a in self.anchors.values()), 3), "opened": self.opened}
+
+
+@dataclass(frozen=True)
+class AnchorStats:
+    """One anchor's tally summed over a selection: the procedure's entries counted in windows,
+    and its own samples (of the time event) in those windows."""
+
+    hits: int
+    samples: int
+    counted_s: float
+    windows: int
+
+    def entries(self, procedure_samples: float) -> float | None:
+        """Entries over the whole profile: hits per window sample times the procedure's samples."""
+        if self.samples <= 0:
+            return None
+        return self.hits / self.samples * procedure_samples
+
+    @property
+    def confidence(self) -> str:
+        """How far the ratio can be trusted: its error is about 1/sqrt(samples in windows)."""
+        return "high" if self.samples >= 200 else "medium" if self.samples >= 30 else "low"
+
+
+class AnchorProcessor:
+    """The collector's processor (collect/processor.py) around AnchorSet: the time event's samples
+    go in; procedures past ANCHOR_AFTER samples get an anchor at their entry (their bounds from the
+    loop counter's, ``loops``); an ANCHORS tally comes out at every flush. A thread opens and ends
+    the windows every TICK_S, another closes the probes' fds (each close waits for the kernel)."""
+
+    name = "anchors"
+    needs_regs = False
+
+    def __init__(self, loops: Any, budget: float = DEFAULT_BUDGET) -> None:
+        self.loops = loops  # analysis.loopcount.LoopCountProcessor
+        self.budget = budget
+        self.set: AnchorSet | None = None
+        self._info_of: Callable[[int], Any] = lambda i: None
+        self._time_event = -1
+        self._seen: dict[tuple[int, int], int] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def bind(self, ctx: Any) -> None:
+        from cyclescope.collect.session import online_cpus
+
+        self.set = AnchorSet(ctx.per_task, lambda i: ctx.table[i].key, self.budget, Probes(), online_cpus())
+        self._info_of = lambda i: ctx.table[i]
+        self._time_event = ctx.time_event
+
+    def _locate(self, img: int, start: int) -> tuple[str | None, int | None]:
+        """The file and file offset of the instruction at vaddr ``start`` of image ``img``, when the
+        file on disk is the one sampled."""
+        import os
+
+        from cyclescope.images.elf import read_load_info
+
+        info = self._info_of(img)
+        if info is None or info.kind != "elf" or info.offsets != "vaddr" or not info.path.startswith("/"):
+            return None, None
+        try:
+            st = os.stat(info.path)
+            if info.size is not None and st.st_size != info.size:
+                return None, None
+            elf = read_load_info(info.path)
+        except (OSError, CycleScopeError):
+            return None, None
+        if info.build_id and elf.build_id and elf.build_id != info.build_id:
+            return None, None
+        return info.path, elf.file_offset(start)
+
+    def _start(self) -> None:
+        def ticker() -> None:
+            while not self._stop.wait(TICK_S):
+                if self.set is not None:
+                    self.set.tick()
+
+        def closer() -> None:
+            while not self._stop.wait(TICK_S):
+                if self.set is not None:
+                    self.set.close_pending()
+
+        for fn in (ticker, closer):
+            t = threading.Thread(target=fn, name=f"anchors-{fn.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def process(self, d: Any) -> None:
+        aset, counter = self.set, getattr(self.loops, "counter", None)
+        if aset is None or counter is None or self._time_event < 0 or not len(d.samples):
+            return
+        m = d.event == self._time_event
+        if not m.any():
+            return
+        s = d.samples[m]
+        img, off = d.image[m], d.offset[m]
+        # Procedures with enough samples get an anchor (their bounds once the loop counter has them);
+        # then the samples count against the windows, and name the threads to probe.
+        for i in np.unique(img).tolist():
+            b = counter.bounds(int(i))
+            if b is None:
+                continue
+            starts, ends = b
+            o = off[img == i]
+            k = np.searchsorted(starts, o, side="right").astype(np.int64) - 1
+            ok = (k >= 0) & (o < ends[np.maximum(k, 0)])
+            u, c = np.unique(k[ok], return_counts=True)
+            for j, n in zip(u.tolist(), c.tolist(), strict=True):
+                key = (int(i), int(starts[j]))
+                seen = self._seen[key] = self._seen.get(key, 0) + n
+                if seen >= ANCHOR_AFTER and aset.want(*key):
+                    aset.place(key[0], key[1], int(ends[j]), *self._locate(*key))
+                    if not self._threads and aset.anchors:
+                        self._start()
+        aset.add(s["tid"], s["time"], img, off)
+
+    def forget(self, pid: int, tid: int) -> None:
+        if self.set is not None:
+            with self.set.lock:
+                for a in self.set.anchors.values():
+                    a.tids.pop(tid, None)
+
+    def finish(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5.0)
+        if self.set is not None:
+            self.set.stop()
+
+    def flush(self, db: Any, epoch: int, host: str) -> list[Any]:
+        from cyclescope.db.tallies import ANCHORS, write_tally
+
+        if self.set is None:
+            return []
+        t = self.set.take()
+        return [write_tally(db, epoch, host, ANCHORS, t)] if t.num_rows else []
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self.finish()
+
+    def status(self) -> dict[str, Any]:
+        return self.set.status() if self.set is not None else {}
+
+    def summary(self) -> str | None:
+        st = self.status()
+        if not st.get("anchors"):
+            return None
+        return (f"anchors: {st['anchors']} procedure entries counted exactly in windows "
+                f"({st['trap_s']:.2f} s of the programs' time in traps)")

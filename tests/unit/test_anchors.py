@@ -1,0 +1,175 @@
+"""Anchors (analysis/anchors.py) without the kernel: windows opened and ended by tick on a fake
+clock and fake probes, samples matched to the windows by time and thread, the tallies they give,
+and calc taking an anchored entry count."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis.anchors import CLOSE_S, HIT_COST_S, MAX_TASKS, WINDOW_S, AnchorSet, AnchorStats
+from cyclescope.db.tallies import ANCHORS, merge
+
+MS = 1_000_000
+
+
+class FakeProbes:
+    """Counters that count ``rate`` hits per second of the fake clock while open."""
+
+    def __init__(self, clock: list[int], rate: float, gone: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.clock, self.rate, self.gone = clock, rate, gone
+        self.open_at: dict[int, int] = {}
+        self.closed: list[int] = []
+        self.targets: dict[int, tuple[int, int]] = {}
+        self._next = 100
+
+    def open(self, path: str, off: int, pid: int, cpu: int) -> int:
+        if pid in self.gone:
+            err = OSError("no such process")
+            err.errno = 3
+            raise err
+        self._next += 1
+        self.open_at[self._next] = self.clock[0]
+        self.targets[self._next] = (pid, cpu)
+        return self._next
+
+    def read(self, fd: int) -> int:
+        return int((self.clock[0] - self.open_at[fd]) / 1e9 * self.rate)
+
+    def close(self, fd: int) -> None:
+        self.closed.append(fd)
+
+
+def make(per_task: bool, rate: float, budget: float = 0.01, gone: set[int] = frozenset()):  # type: ignore[assignment]
+    clock = [10_000 * MS]
+    probes = FakeProbes(clock, rate, gone)
+    s = AnchorSet(per_task, lambda i: f"img{i}", budget, probes, cpus=(0, 1), clock=lambda: clock[0],
+                  rng=random.Random(1))
+    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    return s, probes, clock
+
+
+def test_a_rare_entry_is_counted_all_the_time_and_its_samples_match_its_windows() -> None:
+    s, probes, clock = make(per_task=False, rate=100.0)  # 100 entries a second: 0.1% of a CPU in traps
+    s.tick()  # a first window measures the rate on one CPU, and counts nothing
+    assert set(probes.targets.values()) == {(-1, 0)}
+    clock[0] += 50 * MS
+    s.tick()
+    s.close_pending()
+    assert len(probes.closed) == 1 and s.anchors[(1, 0x1000)].nwindows == 0
+    start = clock[0] + 50 * MS
+    clock[0] = start
+    probes.targets.clear()
+    s.tick()  # cheap: a window on every CPU
+    assert set(probes.targets.values()) == {(-1, 0), (-1, 1)}
+    for _ in range(20):
+        clock[0] += 50 * MS
+        s.tick()
+    assert len(probes.closed) == 1  # never closed again: one window after another
+    # Samples: 10 in the procedure during the counted second, 3 outside it, 5 in another procedure.
+    t_in = np.array([start + k * 90 * MS + 1 for k in range(10)], np.int64)
+    t_out = np.array([start - 5 * MS, start - MS, start - 100 * MS], np.int64)
+    t = np.concatenate([t_in, t_out, t_in[:5]])
+    img = np.ones(len(t), np.int64)
+    off = np.array([0x1010] * 13 + [0x2000] * 5, np.uint64)
+    s.add(np.arange(len(t)), t, img, off)
+    tab = s.take()
+    d = tab.to_pydict()
+    assert d["image"] == ["img1"] and d["entry"] == [0x1000]
+    assert d["samples"] == [10]
+    assert d["hits"][0] == pytest.approx(200, abs=6)  # a second of entries on each CPU
+    assert d["counted_s"][0] == pytest.approx(1.0, rel=0.01) and d["windows"][0] == 20
+    s.stop()
+    assert len(probes.closed) == 3
+
+
+def test_a_frequent_entry_is_counted_in_windows_within_its_budget() -> None:
+    rate = 100_000.0  # each counted second would cost 0.95 s of traps
+    s, probes, clock = make(per_task=False, rate=rate)
+    seconds = 2000
+    for _ in range(seconds * 20):
+        s.tick()
+        s.close_pending()
+        clock[0] += 50 * MS
+    s.stop()
+    a = next(iter(s.anchors.values()))
+    assert a.rate == pytest.approx(2 * rate, rel=0.01)  # both CPUs' probes count
+    # The probes' registered time (windows of WINDOW_S, then CLOSE_S per fd) is the budget's share.
+    share = 0.01 / (2 * rate * HIT_COST_S)
+    registered = a.nwindows * (WINDOW_S + 2 * CLOSE_S)
+    assert 0.5 * share * seconds < registered < 2 * share * seconds
+    assert a.counted_ns / 1e9 == pytest.approx(a.nwindows * WINDOW_S, rel=0.3)  # each window about WINDOW_S
+    assert len(probes.closed) == 2 * a.nwindows + 1  # each window's probes closed, and the first one's
+
+
+def test_per_task_windows_count_only_the_threads_that_ran_the_procedure() -> None:
+    s, probes, clock = make(per_task=True, rate=1000.0, gone={7})
+    t0 = clock[0]
+    tids = np.array([5, 6, 7, *range(20, 20 + MAX_TASKS)], np.int64)
+    # threads 5, 6 and 7 ran it lately, 20.. longer ago (and more of them than MAX_TASKS)
+    times = np.array([t0 - MS] * 3 + [t0 - 2 * MS] * MAX_TASKS, np.int64)
+    s.add(tids, times, np.ones(len(tids), np.int64), np.full(len(tids), 0x1004, np.uint64))
+    s.tick()
+    opened = {p for p, _ in probes.targets.values()}
+    assert len(opened) == MAX_TASKS - 1 and {5, 6} <= opened and 7 not in opened  # 7 exited: no probe, no failure
+    assert s.failures == 0
+    clock[0] += 10 * MS
+    w = s.anchors[(1, 0x1000)].window
+    assert w is not None and w.tids is not None and {5, 6} <= w.tids
+    # In the window: thread 5 counts, thread 99 (not probed) does not.
+    s.add(np.array([5, 99, 6], np.int64), np.array([t0 + 5 * MS] * 3, np.int64), np.ones(3, np.int64),
+          np.full(3, 0x1004, np.uint64))
+    assert s.anchors[(1, 0x1000)].samples == 2
+
+
+def test_a_probe_the_kernel_refuses_marks_the_anchor_failed() -> None:
+    class Refusing(FakeProbes):
+        def open(self, path: str, off: int, pid: int, cpu: int) -> int:
+            raise OSError(22, "Invalid argument")
+
+    clock = [0]
+    s = AnchorSet(False, str, 0.01, Refusing(clock, 1.0), cpus=(0,), clock=lambda: clock[0])
+    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    s.place(1, 0x2000, 0x2100, None, None)  # no file to probe: refused, never asked again
+    s.tick()
+    assert s.status()["failed"] == 1 and not s.want(1, 0x2000)
+
+
+def test_anchor_tallies_merge_by_addition_and_give_entries() -> None:
+    a = AnchorSet(False, lambda i: "k", probes=None)
+    empty = a.take()
+    assert empty.num_rows == 0 and empty.schema == ANCHORS.schema
+    from cyclescope.db.tallies import build
+
+    t1 = build(ANCHORS, {"image": ["k"], "entry": np.array([16], np.uint64), "hits": np.array([30], np.uint64),
+                         "samples": np.array([100], np.uint64), "counted_s": np.array([1.0]),
+                         "windows": np.array([4], np.uint64)})
+    d = merge(ANCHORS, [t1, t1]).to_pydict()
+    assert d["hits"] == [60] and d["samples"] == [200] and d["windows"] == [8]
+    st = AnchorStats(hits=60, samples=200, counted_s=2.0, windows=8)
+    assert st.entries(10_000) == pytest.approx(3000.0) and st.confidence == "high"
+    assert AnchorStats(0, 0, 0.0, 0).entries(100) is None
+
+
+def test_calc_takes_the_entry_count_from_an_anchor() -> None:
+    """The committed `work` (tests/data/inl): its entry block runs once a call. With an anchor the
+    block's count is the measured one, and the flow carries it to the exit."""
+    from cyclescope.analysis.calc import calc_procedure
+    from cyclescope.images.disasm import read_code
+    from tests.unit.test_listing import DATA
+
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    counts = {0x11A7: np.array([100.0]), 0x11AA: np.array([100.0]), 0x11B8: np.array([100.0]),
+              0x1190: np.array([1.0]), 0x11BD: np.array([1.0])}
+    total = 302.0
+    anchor = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)  # 500 entries per 151 samples
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                       anchor=anchor)
+    entry = next(b for b in c.cfg.blocks if b.start == 0x1190)
+    assert c.freq.block_method[entry.id] == "anchor" and c.freq.block_confidence[entry.id] == "medium"
+    assert c.executions(entry.id) == pytest.approx(500 / 151 * total, rel=0.01)
+    few = AnchorStats(hits=3, samples=151, counted_s=1.0, windows=1)
+    c2 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, anchor=few)
+    assert c2.freq.block_method[entry.id] != "anchor" and any("too little seen" in n for n in c2.notes)
