@@ -173,3 +173,16 @@ def test_calc_takes_the_entry_count_from_an_anchor() -> None:
     few = AnchorStats(hits=3, samples=151, counted_s=1.0, windows=1)
     c2 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, anchor=few)
     assert c2.freq.block_method[entry.id] != "anchor" and any("too little seen" in n for n in c2.notes)
+
+
+def test_stop_ends_every_window_and_closes_every_probe() -> None:
+    s, probes, clock = make(per_task=False, rate=100_000.0)  # costly: counted in windows of WINDOW_S
+    s.place(1, 0x2000, 0x2100, "/bin/x", 0x2000)
+    for _ in range(200):
+        s.tick()
+        s.close_pending()
+        clock[0] += 50 * MS
+    clock[0] += 10 * MS
+    s.stop()
+    assert all(a.window is None and not a.fds for a in s.anchors.values())
+    assert len(probes.closed) == len(probes.open_at)

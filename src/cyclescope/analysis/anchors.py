@@ -83,6 +83,7 @@ class Anchor:
     counted_ns: int = 0
     nwindows: int = 0
     cost_s: float = 0.0  # estimated trap time spent so far (status)
+    total_windows: int = 0  # windows over the run (status)
 
     def share(self, budget: float) -> float:
         """The share of the time this anchor may count for its traps to cost ``budget`` of a CPU."""
@@ -209,6 +210,7 @@ class AnchorSet:
                         a.hits += hits
                         a.counted_ns += span
                         a.nwindows += 1
+                        a.total_windows += 1
                     if span >= 10_000_000:
                         rate = hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
                         a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
@@ -273,18 +275,18 @@ class AnchorSet:
         with self.lock:
             anchors = list(self.anchors.values())
         for a in anchors:
-            share = a.share(self.budget / max(1, len(anchors)))
-            if a.window is not None and share < 1.0 and self.clock() - a.window.start < WINDOW_S * 1e9:
-                continue  # a window of an anchor that cannot count all the time lasts WINDOW_S
             if a.window is not None:
                 hits = self._read(a)
                 now = self.clock()
                 with self.lock:
-                    a.window.end = now
-                    a.hits += hits
-                    a.counted_ns += now - a.window.start
-                    a.nwindows += 1
+                    w = a.window
+                    w.end = now
                     a.window = None
+                    if not w.probe:
+                        a.hits += hits
+                        a.counted_ns += now - w.start
+                        a.nwindows += 1
+                        a.total_windows += 1
             self._retire(a)
         self.close_pending()
 
@@ -486,8 +488,15 @@ class AnchorProcessor:
         return self.set.status() if self.set is not None else {}
 
     def summary(self) -> str | None:
-        st = self.status()
-        if not st.get("anchors"):
+        aset = self.set
+        if aset is None or not aset.anchors:
             return None
-        return (f"anchors: {st['anchors']} procedure entries counted exactly in windows "
+        with aset.lock:
+            failed = [a.failed for a in aset.anchors.values() if a.failed]
+            counted = sum(1 for a in aset.anchors.values() if a.total_windows)
+        st = aset.status()
+        line = (f"anchors: {counted} procedure entries counted exactly in windows "
                 f"({st['trap_s']:.2f} s of the programs' time in traps)")
+        if failed:
+            line += f"; {len(failed)} could not be probed ({failed[0]})"
+        return line
