@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from cyclescope.analysis.loopcount import procedure_index
 from cyclescope.errors import CycleScopeError
 
 HIT_COST_S = 9.5e-6  # a uprobe hit's cost to the probed task (../shared/MACHINE-NOTES.md; 9.5 s per 1M here)
@@ -440,21 +441,20 @@ class AnchorProcessor:
         s = d.samples[m]
         img, off = d.image[m], d.offset[m]
         # Procedures with enough samples get an anchor (their bounds once the loop counter has them);
-        # then the samples count against the windows, and name the threads to probe.
-        for i in np.unique(img).tolist():
+        # then the samples count against the windows, and name the threads to probe. Once every
+        # anchor is placed, samples are no longer counted per procedure.
+        for i in np.unique(img).tolist() if len(aset.anchors) < MAX_ANCHORS else ():
             b = counter.bounds(int(i))
             if b is None:
                 continue
-            starts, ends = b
-            o = off[img == i]
-            k = np.searchsorted(starts, o, side="right").astype(np.int64) - 1
-            ok = (k >= 0) & (o < ends[np.maximum(k, 0)])
-            u, c = np.unique(k[ok], return_counts=True)
+            k = procedure_index(b, off[img == i])
+            u, c = np.unique(k[k >= 0], return_counts=True)
             for j, n in zip(u.tolist(), c.tolist(), strict=True):
-                key = (int(i), int(starts[j]))
+                key = (int(i), int(b[0][j]))
                 seen = self._seen[key] = self._seen.get(key, 0) + n
                 if seen >= ANCHOR_AFTER and aset.want(*key):
-                    aset.place(key[0], key[1], int(ends[j]), *self._locate(*key))
+                    del self._seen[key]
+                    aset.place(key[0], key[1], int(b[1][j]), *self._locate(*key))
                     if not self._threads and aset.anchors:
                         self._start()
         aset.add(s["tid"], s["time"], img, off)

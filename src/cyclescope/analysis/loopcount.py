@@ -562,12 +562,9 @@ class LoopCounter:
                 bounds = self._bounds.get(i)
             if bounds is None:
                 continue
-            starts_, ends_ = bounds
             m = b.img == i
-            o = b.off[m]
-            k = np.searchsorted(starts_, o, side="right").astype(np.int64) - 1
-            ok = (k >= 0) & (o < ends_[np.maximum(k, 0)])
-            starts = np.where(ok, starts_[np.maximum(k, 0)].astype(np.int64), -1)
+            k = procedure_index(bounds, b.off[m])
+            starts = np.where(k >= 0, bounds[0][np.maximum(k, 0)].astype(np.int64), -1)
             b.func[m] = starts
             u, c = np.unique(starts, return_counts=True)
             keys.update({(int(i), int(s)): int(n) for s, n in zip(u.tolist(), c.tolist(), strict=True) if s >= 0})
@@ -763,6 +760,14 @@ class LoopCounter:
             v = np.array([r[2][k] for r in rows], np.float64)
             cols[n] = v if n.endswith("period") or n == "inv_trip" else np.rint(v).astype(np.uint64)
         return build(LOOPS, cols)
+
+
+def procedure_index(bounds: tuple[np.ndarray, np.ndarray], off: np.ndarray) -> np.ndarray:
+    """The index in ``bounds`` (sorted starts, ends) of the procedure holding each offset, -1 where
+    none does."""
+    starts, ends = bounds
+    k = np.searchsorted(starts, off, side="right").astype(np.int64) - 1
+    return np.where((k >= 0) & (off < ends[np.maximum(k, 0)]), k, -1)
 
 
 def _proc_keys(img: np.ndarray, func: np.ndarray) -> list[tuple[int, int]]:

@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING
 from cyclescope.errors import DataError
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from cyclescope.analysis.anchors import AnchorStats
     from cyclescope.analysis.loopcount import LoopStats
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
     from cyclescope.db.query import ProfileSet, Selection
     from cyclescope.db.stacks import StackSelection
+    from cyclescope.db.tallies import TallyKind
     from cyclescope.db.values import ValueSelection
     from cyclescope.images.registry import ImageInfo
 
@@ -62,22 +65,29 @@ class Profile:
             out[img] = out.get(img, 0) + int(c)
         return out
 
-    def loop_stats(self, image_key: str, start: int, end: int) -> dict[int, LoopStats]:
-        """The loop counters' tallies of the selection for the loops headed in [start, end)."""
-        from cyclescope.analysis.loopcount import LoopStats
-        from cyclescope.db.tallies import LOOPS, load_tally
+    def _tally(self, kind: TallyKind, image_key: str, what: str) -> pa.Table:
+        """The selection's ``kind`` tallies of one image, summed (once per selection); corrupt files
+        are left out with a warning that ``what`` from them is missing."""
+        from cyclescope.db.tallies import load_tally
 
         ps = self.ps
-        memo = ps.memo.get((False, ("loops", image_key)))
+        key = (False, (kind.name, image_key))
+        memo = ps.memo.get(key)
         if memo is None:
-            sel = load_tally(ps.db, LOOPS, ps.epochs, ps.hosts or None, {image_key})
+            sel = load_tally(ps.db, kind, ps.epochs, ps.hosts or None, {image_key})
             for c in sel.corrupt:
                 if f"skipping {c}" not in ps.warnings:
                     ps.warnings.append(f"skipping {c}")
-                    self.warn(f"skipping {c} (loop counts from it are left out)")
-            memo = sel.table
-            ps.memo[(False, ("loops", image_key))] = memo
-        d = memo.to_pydict()
+                    self.warn(f"skipping {c} ({what} from it are left out)")
+            memo = ps.memo[key] = sel.table
+        return memo
+
+    def loop_stats(self, image_key: str, start: int, end: int) -> dict[int, LoopStats]:
+        """The loop counters' tallies of the selection for the loops headed in [start, end)."""
+        from cyclescope.analysis.loopcount import LoopStats
+        from cyclescope.db.tallies import LOOPS
+
+        d = self._tally(LOOPS, image_key, "loop counts").to_pydict()
         out = {}
         for i, h in enumerate(d["header"]):
             if start <= h < end:
@@ -92,19 +102,9 @@ class Profile:
     def anchor_stats(self, image_key: str, entry: int) -> AnchorStats | None:
         """The anchors' tallies of the selection for the procedure entered at ``entry``."""
         from cyclescope.analysis.anchors import AnchorStats
-        from cyclescope.db.tallies import ANCHORS, load_tally
+        from cyclescope.db.tallies import ANCHORS
 
-        ps = self.ps
-        memo = ps.memo.get((False, ("anchors", image_key)))
-        if memo is None:
-            sel = load_tally(ps.db, ANCHORS, ps.epochs, ps.hosts or None, {image_key})
-            for c in sel.corrupt:
-                if f"skipping {c}" not in ps.warnings:
-                    ps.warnings.append(f"skipping {c}")
-                    self.warn(f"skipping {c} (entry counts from it are left out)")
-            memo = sel.table
-            ps.memo[(False, ("anchors", image_key))] = memo
-        d = memo.to_pydict()
+        d = self._tally(ANCHORS, image_key, "entry counts").to_pydict()
         for i, e in enumerate(d["entry"]):
             if e == entry:
                 return AnchorStats(hits=int(d["hits"][i]), samples=int(d["samples"][i]),
