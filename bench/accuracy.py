@@ -22,6 +22,7 @@ Usage: python bench/accuracy.py [--programs kernels,demo,bzip2,gzip,xz,zlib,lua,
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import tempfile
@@ -55,8 +56,10 @@ def callgrind_counts(p: Program, args: list[str], tmp: Path) -> Any:
     return prof, ob
 
 
-DESIGNS = ("calc", "dcpi", "first", "naive")
-DESIGN_NAMES = {"calc": "calc (loop counters, then the model)", "dcpi": "calc --estimator dcpi",
+DESIGNS = ("calc", "nopaths", "dcpi", "first", "naive")
+DESIGN_NAMES = {"calc": "calc (anchors, loop counters, paths, then the model)",
+                "nopaths": "calc without paths (anchors, loop counters, then the model)",
+                "dcpi": "calc --estimator dcpi",
                 "first": "first design (issue points, DCPI)", "naive": "naive (block samples / instructions, CPI 1)"}
 
 
@@ -65,7 +68,8 @@ def _acc() -> dict[str, Any]:
             "edge_within10": 0.0, "high_samples": 0.0, "high_within": [0.0, 0.0, 0.0], "by_method": {}}
 
 
-def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: int) -> dict[str, Any]:
+def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: int,
+            paths_from: Path | None = None) -> dict[str, Any]:
     """Each design's estimates against the exact counts, from the same recordings: calc as it is
     (loop counters where they hold, the model elsewhere), calc without the loop counters (the first
     design), and the naive estimator (a block's samples over its instruction count at one cycle
@@ -73,6 +77,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     from cyclescope.app.calc import calc_target
 
     profile, ev, hot = hot_procedures(db, p.image, min_samples)
+    other = hot_procedures(paths_from, p.image, min_samples)[0] if paths_from else None
     counts = prof.counts[ob]
     jumps = prof.jumps[ob]
     cond = prof.cond_exec[ob]
@@ -80,11 +85,12 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     out.update({"procedures": [], "time": 0.0, "never_ran": 0.0})
     for samples, t in hot:
         t0 = time.perf_counter()
-        c = calc_target(profile, t, ev, None)
+        c = calc_target(profile, t, ev, None, outcomes_from=other)
         dt = time.perf_counter() - t0
         out["time"] += dt
         c1 = calc_target(profile, t, ev, None, estimator="dcpi", evidence=False)
         cg = calc_target(profile, t, ev, None, estimator="dcpi")
+        cn = calc_target(profile, t, ev, None, paths=False)
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
         ecol = c.events.index(ev)
@@ -94,13 +100,14 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
             exact = counts.get(c.cfg.insns[blk.first].address, 0) * runs
             n = blk.last - blk.first + 1
             est = {"calc": (c.freq.block[blk.id] or 0.0) * c.period_cycles,
+                   "nopaths": (cn.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "dcpi": (cg.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "first": (c1.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "naive": s / n * c.period_cycles}
-            conf = {"calc": c.freq.block_confidence[blk.id], "dcpi": cg.freq.block_confidence[blk.id],
-                    "first": c1.freq.block_confidence[blk.id], "naive": "low"}
-            method = {"calc": c.freq.block_method[blk.id], "dcpi": cg.freq.block_method[blk.id],
-                      "first": c1.freq.block_method[blk.id], "naive": "naive"}
+            conf = {"calc": c.freq.block_confidence[blk.id], "nopaths": cn.freq.block_confidence[blk.id],
+                    "dcpi": cg.freq.block_confidence[blk.id], "first": c1.freq.block_confidence[blk.id], "naive": "low"}
+            method = {"calc": c.freq.block_method[blk.id], "nopaths": cn.freq.block_method[blk.id],
+                      "dcpi": cg.freq.block_method[blk.id], "first": c1.freq.block_method[blk.id], "naive": "naive"}
             if s > 0:
                 proc["blocks"].append({"start": blk.start, "samples": s, "exact": exact,
                                        **{f"est_{k}": v for k, v in est.items()},
@@ -136,7 +143,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
                         if conf[dname] == "low":
                             a["big_err_low"] += si
         # Edges: exact counts from callgrind's jumps, fall-throughs from executions minus jumps.
-        for dname, cc in (("calc", c), ("dcpi", cg), ("first", c1)):
+        for dname, cc in (("calc", c), ("nopaths", cn), ("dcpi", cg), ("first", c1)):
             for e in cc.cfg.edges:
                 if e.src < 0 or e.dst < 0 or cc.freq.edge[e.id] is None:
                     continue
@@ -190,6 +197,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate", type=int, default=5000)
     ap.add_argument("--min-samples", type=int, default=100)
+    ap.add_argument("--record-args", metavar="ARGS", default="",
+                    help="more options of `record`, as one string (say, '--no-paths')")
+    ap.add_argument("--paths-from", metavar="DIR",
+                    help="calc's branch outcomes from the databases in DIR (kept recordings of the same "
+                         "programs, say with `--values edges --exact interpret`) instead of the recordings' own")
     ap.add_argument("--keep", metavar="DIR", help="keep (and reuse) recordings and callgrind output in DIR")
     ap.add_argument("--exe", metavar="PATH", help="with one program: analyze this build of it instead of the "
                                                    "suite's (say, the clang build bench/optimize.py uses)")
@@ -209,8 +221,9 @@ def main() -> None:
         pargs = [a.replace("{input}", str(inp)) for a in p.args]
         prof, ob = callgrind_counts(p, pargs, tmp)
         db = tmp / f"{p.name}.db"
-        record_runs(db, args.runs, args.rate, p.exe, pargs, p.name)
-        acc = analyze(p, db, prof, ob, args.runs, args.min_samples)
+        record_runs(db, args.runs, args.rate, p.exe, pargs, p.name, shlex.split(args.record_args))
+        acc = analyze(p, db, prof, ob, args.runs, args.min_samples,
+                      Path(args.paths_from) / f"{p.name}.db" if args.paths_from else None)
         per_program[p.name] = acc
         print(f"{p.name}: {len(acc['procedures'])} procedures, {acc['calc']['samples']:,.0f} samples analyzed, "
               f"analysis {acc['time']:.1f} s; weighted median of estimate/exact: "

@@ -146,11 +146,14 @@ def machine() -> dict[str, Any]:
     return {"kernel": os.uname().release, "cpus": os.cpu_count(), "cpu": cpu, "time": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def record_runs(db: Path, runs: int, rate: float, exe: Path, args: list[str], name: str) -> None:
+def record_runs(db: Path, runs: int, rate: float, exe: Path, args: list[str], name: str,
+                extra: list[str] | None = None) -> None:
     """``runs`` recordings of ``exe args`` at ``rate`` into one epoch-per-run database, unless the
-    database is there already (a kept one from an earlier run of the bench)."""
+    database is there already (a kept one from an earlier run of the bench); ``extra``: more
+    options of `record`."""
     for _ in range(0 if db.exists() else runs):
-        r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--append", "-F", str(rate), "--", str(exe), *args))
+        r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--append", "-F", str(rate), *(extra or []),
+                               "--", str(exe), *args))
         if r.returncode != 0:
             raise SystemExit(f"record failed for {name}: {r.stderr[-800:]}")
 

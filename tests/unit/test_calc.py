@@ -133,3 +133,50 @@ def test_pushes_and_pops_are_the_stack_engines_loads_and_stores() -> None:
     # llvm-mca chains each pop to the next through rsp with a load's latency: 31 cycles per execution
     # for this block. With the stack engine's view the six loads overlap.
     assert model_blocks([blk], "znver3").blocks[0].cycles < 4
+
+
+def test_paths_split_a_procedures_forward_branches_and_an_anchor_scales_them() -> None:
+    """The committed `work`: `jle` at 0x1193 skips the loop for n <= 0 (block 0x11c0), `jne` at
+    0x11bb closes the loop. Sampled outcomes send 30% of the entries to 0x11c0; the anchor's
+    entry count scales them. The loop's back branch keeps calc's split whatever its outcomes say
+    (a loop's count goes as 1/(1-p): a biased p would wreck it)."""
+    from cyclescope.analysis.anchors import AnchorStats
+
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    counts = {0x11A7: np.array([100.0]), 0x11AA: np.array([100.0]), 0x11B8: np.array([100.0]),
+              0x1190: np.array([1.0]), 0x1197: np.array([1.0]), 0x11BD: np.array([1.0]), 0x11C0: np.array([1.0]),
+              0x11C5: np.array([1.0])}
+    total = 305.0
+    anchor = AnchorStats(hits=328_950, samples=100, counted_s=1.0, windows=10)  # 10^6 entries: 100 trips each
+    outcomes = {0x1193: {0x11C0: 30.0, 0x1195: 70.0}, 0x11BB: {0x11A0: 1.0, 0x11BD: 99.0}}
+    plain = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                           anchor=anchor)
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                       anchor=anchor, outcomes=outcomes)
+    at = {b.start: b.id for b in c.cfg.blocks}
+    entries = 328_950 / 100 * total
+    assert c.executions(at[0x1190]) == pytest.approx(entries, rel=0.01)
+    skip = at[0x11C0]
+    assert c.freq.block_method[skip] == "paths" and c.freq.block_confidence[skip] == "low"
+    assert c.executions(skip) == pytest.approx(0.3 * entries, rel=0.05)
+    loop = at[0x11A0]
+    assert c.freq.block_method[loop] != "paths"
+    assert c.executions(loop) == pytest.approx(plain.executions(loop), rel=0.05)
+
+
+def test_paths_without_a_measured_count_keep_the_models_scale_in_low_confidence() -> None:
+    """All the loop's samples on one instruction (a stall): no clean block, no measurement; the
+    paths shape the procedure and calc's total scales it, in low confidence. The split holds."""
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    counts = {0x11B5: np.array([300.0]), 0x1190: np.array([1.0]), 0x1197: np.array([1.0]),
+              0x11BD: np.array([1.0]), 0x11C0: np.array([1.0]), 0x11C5: np.array([1.0])}
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                       outcomes={0x1193: {0x11C0: 30.0, 0x1195: 70.0}})
+    at = {b.start: b.id for b in c.cfg.blocks}
+    shaped = [b.id for b in c.cfg.blocks if c.freq.block_method[b.id] == "paths"]
+    assert at[0x11C0] in shaped and all(c.freq.block_confidence[b] == "low" for b in shaped)
+    split = (c.freq.block[at[0x11C0]] or 0.0) / (c.freq.block[at[0x1190]] or 1.0)
+    assert split == pytest.approx(0.3, rel=0.05)
+    nothing = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                             outcomes={0x9999: {0x1: 3.0}})  # no branch of the procedure observed
+    assert "paths" not in nothing.freq.block_method

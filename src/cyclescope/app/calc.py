@@ -53,9 +53,13 @@ def period_cycles(p: Profile, ev: str) -> float | None:
 
 
 def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
-                estimator: str = CALC_ESTIMATOR, evidence: bool = True) -> Calc:
+                estimator: str = CALC_ESTIMATOR, evidence: bool = True, paths: bool = True,
+                outcomes_from: Profile | None = None) -> Calc:
     """calc of one procedure of the selection; ``evidence=False``: from the samples and the model
-    alone (the first design, DCPI's), leaving out loop counters."""
+    alone (the first design, DCPI's), leaving out loop counters, anchors and paths; ``paths=False``:
+    leaving out the paths only; ``outcomes_from``: the branch outcomes of another profile's
+    recordings of the same binary (say, `record --values edges --exact interpret` of the same
+    program) instead of the selection's own."""
     import numpy as np
 
     from cyclescope.analysis.calc import calc_procedure
@@ -93,6 +97,13 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
 
     stats = p.loop_stats(info.key, target.start, target.end) if evidence else {}
     anchor = p.anchor_stats(info.key, target.start) if evidence else None
+    outcomes = None
+    if evidence and paths:
+        if outcomes_from is None:
+            outcomes = p.branch_outcomes(info)
+        else:
+            same = [i for i in outcomes_from.images.values() if i.build_id == info.build_id and i.kind == info.kind]
+            outcomes = outcomes_from.branch_outcomes(same[0]) if same else None
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(p, event), name_at, read, Cache(), info.key, mcpu, estimator,
-                          stats, ps.events[event].mean_period, anchor)
+                          stats, ps.events[event].mean_period, anchor, outcomes)

@@ -68,20 +68,14 @@ def branch_outcomes(p: Profile, info: ImageInfo, edges_from: str | None = None) 
     from cyclescope.db.layout import Database
     from cyclescope.db.values import load_values
 
-    if edges_from:
-        db = Database.open(edges_from)
-        vs = load_values(db, db.epochs(), rng=np.random.default_rng(0))
-    else:
-        vs = load_values(p.db, p.ps.epochs, rng=np.random.default_rng(0))  # merging thins at random: same every time
-    obs = edge_outcomes(vs, info.key)
+    if not edges_from:
+        return p.branch_outcomes(info) or None
+    db = Database.open(edges_from)
+    obs = edge_outcomes(load_values(db, db.epochs(), rng=np.random.default_rng(0)), info.key)
     if not obs:
-        if edges_from:
-            raise NotFoundError(f"{edges_from}: no branch outcomes of {info.path} (record them with "
-                                "`record --values edges --exact interpret --interpret 32 -- CMD`)")
-        return None
-    offs = sorted({o for o in obs} | {t for d in obs.values() for t in d})
-    va = dict(zip(offs, p.sym.offsets_to_vaddr(info, np.array(offs, np.uint64)).tolist(), strict=True))
-    return {int(va[o]): {int(va[t]): n for t, n in d.items()} for o, d in obs.items()}
+        raise NotFoundError(f"{edges_from}: no branch outcomes of {info.path} (record them with "
+                            "`record --values edges --exact interpret --interpret 32 -- CMD`)")
+    return p.outcomes_at_addresses(info, obs)
 
 
 def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator: str = "dcpi",

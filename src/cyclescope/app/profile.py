@@ -35,6 +35,7 @@ class Profile:
     sym: Symbolizer
     warn: Callable[[str], None] = _ignore  # what goes wrong on the way without stopping it, one line each
     _values: dict[int | None, ValueSelection] = field(default_factory=dict, repr=False)
+    _outcomes: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict, repr=False)
 
     @property
     def db(self) -> Database:
@@ -111,15 +112,37 @@ class Profile:
                                    counted_s=float(d["counted_s"][i]), windows=int(d["windows"][i]))
         return None
 
+    def branch_outcomes(self, info: ImageInfo) -> dict[int, dict[int, float]]:
+        """Branch (ELF address) -> {where control went (ELF address): how often}, observed on the
+        selection's sampled paths in the image ``info`` (the value hotlists' ``edge`` module where
+        this user may read them); memoized."""
+        from cyclescope.analysis.paths import edge_outcomes
+
+        memo = self._outcomes.get(info.key)
+        if memo is None:
+            memo = self._outcomes[info.key] = self.outcomes_at_addresses(info, edge_outcomes(self.values(), info.key))
+        return memo
+
+    def outcomes_at_addresses(self, info: ImageInfo, obs: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+        """Branch outcomes keyed by image offsets (``obs``) keyed by the ELF addresses of ``info``."""
+        import numpy as np
+
+        offs = sorted({o for o in obs} | {t for d in obs.values() for t in d})
+        va = dict(zip(offs, self.sym.offsets_to_vaddr(info, np.array(offs, np.uint64)).tolist(), strict=True))
+        return {int(va[o]): {int(va[t]): n for t, n in d.items()} for o, d in obs.items()}
+
     def values(self, uid: int | None = None) -> ValueSelection:
         """The value hotlists of the selection's epochs and hosts (of ``uid``'s processes only, if
         given) that this user may read."""
         vs = self._values.get(uid)
         if vs is None:
+            import numpy as np
+
             from cyclescope.db.values import load_values
 
             hosts = list(self.ps.selection.hosts) or None
-            vs = self._values[uid] = load_values(self.db, self.ps.epochs, hosts, uid=uid)
+            # Merging thins at random: the same seed gives the same hotlists every time.
+            vs = self._values[uid] = load_values(self.db, self.ps.epochs, hosts, uid=uid, rng=np.random.default_rng(0))
         return vs
 
 

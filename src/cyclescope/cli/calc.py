@@ -41,6 +41,9 @@ class CalcCommand(Command):
         p.add_argument("--mcpu", metavar="CPU", help="llvm-mca CPU model (default: this machine's)")
         p.add_argument("--estimator", choices=ESTIMATORS, default=CALC_ESTIMATOR,
                        help=ESTIMATOR_HELP + f" (default: {CALC_ESTIMATOR})")
+        p.add_argument("--paths-from", metavar="DB",
+                       help="branch outcomes from another database's recordings of the same binaries (`record "
+                            "--values edges --interpret 16`); default: the selection's own, if it has any")
         p.add_argument("--hot", action="store_true", help="only blocks with samples")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
                        help="without a procedure: the N procedures with most samples (default: 20; with --image, "
@@ -55,9 +58,10 @@ class CalcCommand(Command):
         sel = selection(args)
         p = open_profile(args, sel=sel)
         ev = cycles_event(p, args.cycles_event)
+        args.outcomes_from = _paths_profile(args.paths_from)
         if args.procedure:
             target, notes = resolve_target(p, args.procedure, list(sel.images))
-            c = calc_target(p, target, ev, args.mcpu, args.estimator)
+            c = calc_target(p, target, ev, args.mcpu, args.estimator, outcomes_from=args.outcomes_from)
             c.notes = notes + c.notes
             s = summarize(c)
             tot = sum(p.image_totals().values())
@@ -107,7 +111,7 @@ class CalcCommand(Command):
             if tgt is None:
                 continue
             try:
-                c = calc_target(p, tgt, ev, args.mcpu, args.estimator)
+                c = calc_target(p, tgt, ev, args.mcpu, args.estimator, outcomes_from=args.outcomes_from)
             except CycleScopeError as e:
                 failures.append(f"{r.procedure}: {e}")
                 continue
@@ -125,3 +129,14 @@ class CalcCommand(Command):
                           + (f"; {hidden} more with fewer samples not analyzed (--limit 0: all)" if hidden else ""))
         write_table(out)
         return 0
+
+
+def _paths_profile(path: str | None) -> Profile | None:
+    """The profile whose branch outcomes calc uses (--paths-from): every epoch of that database."""
+    if path is None:
+        return None
+    from cyclescope.app.profile import open_profile as open_app_profile
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import Selection
+
+    return open_app_profile(Database.open(path), Selection(epochs="all"))

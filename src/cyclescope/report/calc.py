@@ -255,11 +255,14 @@ def image_table(rows: list[tuple[str, Calc, Summary]], total_samples: float) -> 
         high = sum(1 for x in conf if x == "high")
         ev = c.events.index(c.cycles_event)
         measured = sum(float(c.samples[b.first : b.last + 1, ev].sum()) for b in c.cfg.blocks
-                       if c.freq.block_method[b.id] in MEASURED)
+                       if c.freq.block_method[b.id] in MEASURED
+                       and not (c.freq.block_method[b.id] == "paths" and c.freq.block_confidence[b.id] == "low"))
         out.append([fmt_count(s.samples), fmt_pct(100 * s.samples / total_samples) if total_samples else "-",
                     f"{s.best_cpi:.2f}", f"{s.actual_cpi:.2f}", f"{s.pct(s.dynamic['d'][1]):.1f}",
                     f"{s.pct(s.dynamic['i'][1]):.1f}", f"{s.pct(s.dynamic['p'][1]):.1f}",
                     f"{s.pct(s.unexplained):.1f}", f"{s.pct(sum(s.static.values())):.1f}",
                     f"{100 * measured / s.samples:.0f}" if s.samples else "-", f"{high}/{len(conf)} high", name])
     return Table(cols, out, preamble=["cyclescope calc: per procedure (upper bounds of culprit shares; measured%: "
-                                      "samples in blocks whose count a loop counter measured)"])
+                                      "samples in blocks whose count rests on a measurement: an anchor, a loop "
+                                      "counter, a trip count, or sampled paths scaled by those or by the model's "
+                                      "clean blocks)"])
