@@ -75,9 +75,12 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     design), and the naive estimator (a block's samples over its instruction count at one cycle
     per instruction, BOLT's no-LBR rule made absolute)."""
     from cyclescope.app.calc import calc_target
+    from cyclescope.app.profile import open_profile
+    from cyclescope.db.layout import Database
+    from cyclescope.db.query import Selection
 
     profile, ev, hot = hot_procedures(db, p.image, min_samples)
-    other = hot_procedures(paths_from, p.image, min_samples)[0] if paths_from else None
+    other = open_profile(Database.open(paths_from), Selection(epochs="all")) if paths_from else None
     counts = prof.counts[ob]
     jumps = prof.jumps[ob]
     cond = prof.cond_exec[ob]

@@ -24,6 +24,7 @@ from cyclescope.analysis.equivalence import Classes, cycle_equivalence
 from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estimate_frequencies
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.loops import Loop
+from cyclescope.analysis.paths import PathBlock
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
 from cyclescope.images.cache import Cache
@@ -144,7 +145,7 @@ def calc_procedure(
         if k >= 0:
             samples[k] += c
     s_cyc = samples[:, ev]
-    loops = _loops(cfg, infos) if loop_stats else []
+    loops = _loops(cfg, infos) if loop_stats or outcomes else []
     measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
     if anchor is not None:
         mnotes += _anchored(cfg, s_cyc, anchor, period_cycles, measured)
@@ -154,8 +155,7 @@ def calc_procedure(
         measured = {**measured, **by_trips}
         freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     if outcomes:  # the shape of the counts from sampled branch outcomes, scaled by the best evidence
-        by_paths, pnotes = _paths(cfg, classes, freq, measured, s_cyc, _forward(cfg, loops or _loops(cfg, infos),
-                                                                               outcomes))
+        by_paths, pnotes = _paths(cfg, classes, freq, measured, s_cyc, _forward(cfg, loops, outcomes))
         mnotes += pnotes
         if by_paths:
             measured = {**by_paths, **measured}
@@ -307,6 +307,15 @@ def _forward(cfg: CFG, loops: list[Loop], outcomes: dict[int, dict[int, float]])
     return {a: o for a, o in outcomes.items() if a not in skip}
 
 
+def path_blocks(cfg: CFG, freq: Frequencies) -> list[PathBlock]:
+    """The procedure's blocks as the paths' flow equations take them (analysis/paths.py): their
+    instructions' addresses, their successors (-1 out of the procedure) and calc's count of each
+    of those edges."""
+    return [PathBlock([cfg.insns[i].address for i in range(b.first, b.last + 1)],
+                      [cfg.edges[e].dst if cfg.edges[e].dst >= 0 else -1 for e in b.succs],
+                      [freq.edge[e] for e in b.succs]) for b in cfg.blocks]
+
+
 MIN_PATH_BRANCHES = 1  # observed branches a procedure needs before its counts are shaped by them
 
 
@@ -329,11 +338,9 @@ def _paths(cfg: CFG, classes: Classes, freq: Frequencies, measured: dict[int, Me
     time before it differs with the way it goes (ZSTD's `DUBT` loop: a branch taken 22% of the
     time by callgrind's count was seen taken 8% of the time in 1,131 outcomes, even from the
     stopped thread's exact memory and counting only the sample's own block)."""
-    from cyclescope.analysis.paths import PathBlock, block_frequencies
+    from cyclescope.analysis.paths import block_frequencies
 
-    blocks = [PathBlock([cfg.insns[i].address for i in range(b.first, b.last + 1)],
-                        [cfg.edges[e].dst if cfg.edges[e].dst >= 0 else -1 for e in b.succs],
-                        [freq.edge[e] for e in b.succs]) for b in cfg.blocks]
+    blocks = path_blocks(cfg, freq)
     seen = sum(1 for b in blocks if b.addresses and len(b.succs) > 1 and b.addresses[-1] in outcomes)
     if seen < MIN_PATH_BRANCHES:
         return {}, []
@@ -358,7 +365,7 @@ def _paths(cfg: CFG, classes: Classes, freq: Frequencies, measured: dict[int, Me
                 return float(r)
         return float(pairs[-1][0])
 
-    meas = [b for b, m in measured.items() if m.method in MEASURED and m.confidence != "low"]
+    meas = [b for b, m in measured.items() if m.confidence != "low"]
     high = [b for b in range(len(cfg.blocks)) if freq.block_confidence[b] == "high" and freq.block[b]
             and freq.block_method[b] not in MEASURED]
     k, why = median_ratio(meas, [measured[b].value for b in meas]), "measured counts"

@@ -102,7 +102,8 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
         if outcomes_from is None:
             outcomes = p.branch_outcomes(info)
         else:
-            same = [i for i in outcomes_from.images.values() if i.build_id == info.build_id and i.kind == info.kind]
+            same = [i for i in outcomes_from.images.values()
+                    if info.build_id and i.build_id == info.build_id and i.kind == info.kind]
             outcomes = outcomes_from.branch_outcomes(same[0]) if same else None
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(p, event), name_at, read, Cache(), info.key, mcpu, estimator,

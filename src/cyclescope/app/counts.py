@@ -84,7 +84,8 @@ def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator
     """calc's execution estimates per instruction, for each function with samples (shaped by the
     branch outcomes ``edges`` where given: analysis/paths.py); entry counts. For each function with
     outcomes, ``kept`` gets (name, calc's count that stayed calc's, calc's count)."""
-    from cyclescope.analysis.paths import PathBlock, observed, shape_counts
+    from cyclescope.analysis.calc import path_blocks
+    from cyclescope.analysis.paths import observed, shape_counts
     from cyclescope.app.calc import calc_target
     from cyclescope.app.procedures import procedure_target
     from cyclescope.errors import CycleScopeError
@@ -101,7 +102,8 @@ def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator
             continue
         start = target.start
         try:
-            c = calc_target(p, target, ev, None, estimator)
+            # Shaped below by shape_counts, over every branch: calc's own paths step would shape twice.
+            c = calc_target(p, target, ev, None, estimator, paths=False)
         except CycleScopeError as e:
             skipped.append(f"{r.procedure}: {e}")
             continue
@@ -112,9 +114,7 @@ def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator
             if execs is not None and round(execs) > 0:
                 got[ins.address] = round(execs)
         if edges:
-            blocks = [PathBlock([c.cfg.insns[i].address for i in range(b.first, b.last + 1)],
-                                [c.cfg.edges[e].dst if c.cfg.edges[e].dst >= 0 else -1 for e in b.succs],
-                                [c.freq.edge[e] for e in b.succs]) for b in c.cfg.blocks]
+            blocks = path_blocks(c.cfg, c.freq)
             shaped = shape_counts(blocks, got, edges)
             if kept is not None and got and observed(blocks, edges):
                 kept.append((r.procedure, shaped.kept, sum(got.values())))

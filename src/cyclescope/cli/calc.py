@@ -58,10 +58,10 @@ class CalcCommand(Command):
         sel = selection(args)
         p = open_profile(args, sel=sel)
         ev = cycles_event(p, args.cycles_event)
-        args.outcomes_from = _paths_profile(args.paths_from)
+        paths = _paths_profile(args.paths_from)
         if args.procedure:
             target, notes = resolve_target(p, args.procedure, list(sel.images))
-            c = calc_target(p, target, ev, args.mcpu, args.estimator, outcomes_from=args.outcomes_from)
+            c = calc_target(p, target, ev, args.mcpu, args.estimator, outcomes_from=paths)
             c.notes = notes + c.notes
             s = summarize(c)
             tot = sum(p.image_totals().values())
@@ -71,9 +71,9 @@ class CalcCommand(Command):
             else:
                 write_table(calc_table(c, s, hot_only=args.hot))
             return 0
-        return self._many(p, ev, args)
+        return self._many(p, ev, args, paths)
 
-    def _many(self, p: Profile, ev: str, args: argparse.Namespace) -> int:
+    def _many(self, p: Profile, ev: str, args: argparse.Namespace, paths: Profile | None) -> int:
         """The procedures with most samples (of --image's images, or of all), each through calc."""
         import time
 
@@ -111,7 +111,7 @@ class CalcCommand(Command):
             if tgt is None:
                 continue
             try:
-                c = calc_target(p, tgt, ev, args.mcpu, args.estimator, outcomes_from=args.outcomes_from)
+                c = calc_target(p, tgt, ev, args.mcpu, args.estimator, outcomes_from=paths)
             except CycleScopeError as e:
                 failures.append(f"{r.procedure}: {e}")
                 continue
