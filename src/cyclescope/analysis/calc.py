@@ -73,9 +73,9 @@ def model_procedure(blocks: Sequence[Sequence[Insn]], cache: Cache | None, key: 
         if t is not None:
             d = t.to_pydict()
             by_block: dict[int, list[InsnModel]] = {}
-            for b, m, lat, wo, wr, rep in zip(d["block"], d["m"], d["latency"], d["wait_operands"],
-                                               d["wait_resources"], d["replaced"], strict=True):
-                by_block.setdefault(b, []).append(InsnModel(m, lat, wo, wr, rep))
+            for b, m, lat, wo, wr, rep, own in zip(d["block"], d["m"], d["latency"], d["wait_operands"],
+                                                    d["wait_resources"], d["replaced"], d["own"], strict=True):
+                by_block.setdefault(b, []).append(InsnModel(m, lat, wo, wr, rep, own))
             models = [BlockModel(by_block.get(b, []), sum(i.m for i in by_block.get(b, [])))
                       for b in range(len(blocks))]
             notes = (t.schema.metadata or {}).get(b"notes", b"").decode()
@@ -87,6 +87,7 @@ def model_procedure(blocks: Sequence[Sequence[Insn]], cache: Cache | None, key: 
             "block": [b for b, _ in rows], "m": [im.m for _, im in rows], "latency": [im.latency for _, im in rows],
             "wait_operands": [im.wait_operands for _, im in rows],
             "wait_resources": [im.wait_resources for _, im in rows], "replaced": [im.replaced for _, im in rows],
+            "own": [im.own for _, im in rows],
         }).replace_schema_metadata({b"notes": "\n".join(pm.notes).encode()})
         cache.save(key, name, t)
     return pm
@@ -131,7 +132,7 @@ def calc_procedure(
         wraps = any(cfg.edges[e].src == b.id for e in b.preds)
         moved = skidded([im.m for im in bm.insns], insns[b.first : b.last + 1], infos[b.first : b.last + 1], wraps)
         model_blocks_skid.append(BlockModel(
-            [InsnModel(m, im.latency, im.wait_operands, im.wait_resources, im.replaced)
+            [InsnModel(m, im.latency, im.wait_operands, im.wait_resources, im.replaced, im.own)
              for m, im in zip(moved, bm.insns, strict=True)],
             bm.cycles))
     model = ProcedureModel(raw.mcpu, model_blocks_skid, raw.notes)

@@ -324,17 +324,73 @@ def _based_form(insns: Sequence[Insn], k: int) -> tuple[str, int, str, int] | No
     return None
 
 
-class _RegisterValues:
-    """The address a register holds at an instruction, when every definition that reaches it on
-    the CFG so far is ``lea reg, [rip+T]`` with the same T, or a register copy (``mov reg, rX``)
-    of such a value: compilers keep a dispatch table's address in a callee-saved register and
-    shuffle it between registers around calls. Blocks reached only through edges not yet known
-    contribute nothing; the value the procedure was entered with is unknown."""
+class ReachingDefs:
+    """Reaching definitions of one register at a time: which writes of ``reg`` may reach an
+    instruction along the CFG's edges (-1: the value the procedure was entered with). A call
+    writes the registers the ABI lets the callee clobber. Each register's block-entry sets are
+    solved once, when first asked for."""
 
     def __init__(self, insns: list[Insn], infos: Sequence[InsnInfo], blocks: list[Block], edges: list[Edge],
                  block_of: list[int]) -> None:
         self.insns, self.infos, self.blocks, self.edges, self.block_of = insns, infos, blocks, edges, block_of
         self._in: dict[str, list[set[int]]] = {}
+
+    @classmethod
+    def of(cls, cfg: CFG, infos: Sequence[InsnInfo]) -> ReachingDefs:
+        return cls(cfg.insns, infos, cfg.blocks, cfg.edges, cfg.block_of)
+
+    def _writes(self, j: int, reg: str) -> bool:
+        ins = self.insns[j]
+        return (j < len(self.infos) and reg in self.infos[j].writes) or (
+            ins.mnemonic == "call" and reg in CALL_CLOBBERED)
+
+    def defs(self, reg: str, k: int) -> set[int]:
+        """Indices of the instructions whose write of ``reg`` may reach ``insns[k]`` (-1: entry)."""
+        b = self.block_of[k]
+        for j in range(k - 1, self.blocks[b].first - 1, -1):
+            if self._writes(j, reg):
+                return {j}
+        if reg not in self._in:
+            self._in[reg] = self._solve(reg)
+        return self._in[reg][b]
+
+    def _solve(self, reg: str) -> list[set[int]]:
+        blocks, edges = self.blocks, self.edges
+        last_def: list[int | None] = []
+        for blk in blocks:
+            w = None
+            for j in range(blk.first, blk.last + 1):
+                if self._writes(j, reg):
+                    w = j
+            last_def.append(w)
+        ins_: list[set[int]] = [set() for _ in blocks]
+        if blocks:
+            ins_[0].add(-1)
+        changed = True
+        while changed:
+            changed = False
+            for blk in blocks:
+                cur = ins_[blk.id]
+                for eid in blk.preds:
+                    src = edges[eid].src
+                    if src < 0:
+                        continue
+                    ld = last_def[src]
+                    out = {ld} if ld is not None else ins_[src]
+                    if not out <= cur:
+                        cur = cur | out
+                if cur is not ins_[blk.id]:
+                    ins_[blk.id] = cur
+                    changed = True
+        return ins_
+
+
+class _RegisterValues(ReachingDefs):
+    """The address a register holds at an instruction, when every definition that reaches it on
+    the CFG so far is ``lea reg, [rip+T]`` with the same T, or a register copy (``mov reg, rX``)
+    of such a value: compilers keep a dispatch table's address in a callee-saved register and
+    shuffle it between registers around calls. Blocks reached only through edges not yet known
+    contribute nothing; the value the procedure was entered with is unknown."""
 
     def __call__(self, reg: str, k: int) -> int | None:
         """Constant propagation over copies, on a three-level lattice per definition: no value yet
@@ -382,51 +438,6 @@ class _RegisterValues:
                     changed = True
         v = _meet(None, [value.get(d) for d in self.defs(reg, k)], unknown)
         return v if isinstance(v, int) else None
-
-    def _writes(self, j: int, reg: str) -> bool:
-        ins = self.insns[j]
-        return (j < len(self.infos) and reg in self.infos[j].writes) or (
-            ins.mnemonic == "call" and reg in CALL_CLOBBERED)
-
-    def defs(self, reg: str, k: int) -> set[int]:
-        """Indices of the instructions whose write of ``reg`` may reach ``insns[k]`` (-1: entry)."""
-        b = self.block_of[k]
-        for j in range(k - 1, self.blocks[b].first - 1, -1):
-            if self._writes(j, reg):
-                return {j}
-        if reg not in self._in:
-            self._in[reg] = self._solve(reg)
-        return self._in[reg][b]
-
-    def _solve(self, reg: str) -> list[set[int]]:
-        blocks, edges = self.blocks, self.edges
-        last_def: list[int | None] = []
-        for blk in blocks:
-            w = None
-            for j in range(blk.first, blk.last + 1):
-                if self._writes(j, reg):
-                    w = j
-            last_def.append(w)
-        ins_: list[set[int]] = [set() for _ in blocks]
-        if blocks:
-            ins_[0].add(-1)
-        changed = True
-        while changed:
-            changed = False
-            for blk in blocks:
-                cur = ins_[blk.id]
-                for eid in blk.preds:
-                    src = edges[eid].src
-                    if src < 0:
-                        continue
-                    ld = last_def[src]
-                    out = {ld} if ld is not None else ins_[src]
-                    if not out <= cur:
-                        cur = cur | out
-                if cur is not ins_[blk.id]:
-                    ins_[blk.id] = cur
-                    changed = True
-        return ins_
 
 
 def _meet(cur: object, values: list[object], unknown: object) -> object:

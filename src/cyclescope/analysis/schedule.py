@@ -45,6 +45,7 @@ class InsnModel:
     wait_operands: float  # ready - dispatched: waiting on earlier results
     wait_resources: float  # issued - ready: waiting on an execution unit
     replaced: bool = False  # llvm-mca could not model it; M_i defaulted
+    own: float = 1.0  # the instruction's own latency in the CPU's scheduling model (issue to result)
 
 
 @dataclass
@@ -154,9 +155,11 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
         r = regions.get(f"b{b}")
         n = len(blk)
         if r is None or not n:
-            models.append(BlockModel([InsnModel(1.0, 1.0, 0.0, 0.0, True) for _ in blk], float(n)))
+            models.append(BlockModel([InsnModel(1.0, 1.0, 0.0, 0.0, True, 1.0) for _ in blk], float(n)))
             continue
         tl = r["TimelineView"]["TimelineInfo"]
+        info = r.get("InstructionInfoView", {}).get("InstructionList", [])
+        own = [float(info[k].get("Latency", 1)) if k < len(info) else 1.0 for k in range(n)]
         stride = n + len(breakers[b])  # the dependency breakers' rows are skipped
         its = len(tl) // stride
         lo = min(WARMUP, max(0, its - 2))
@@ -177,7 +180,8 @@ def model_blocks(blocks: Sequence[Sequence[Insn]], mcpu: str | None = None, time
                 wres[k] += max(0, row["CycleIssued"] - row["CycleReady"])
         cnt = max(cnt, 1)
         ins_models = [
-            InsnModel(gaps[k] / cnt, lat[k] / cnt, wop[k] / cnt, wres[k] / cnt, (b * 1_000_000 + k) in replaced)
+            InsnModel(gaps[k] / cnt, lat[k] / cnt, wop[k] / cnt, wres[k] / cnt, (b * 1_000_000 + k) in replaced,
+                      own[k])
             for k in range(n)
         ]
         for im in ins_models:
@@ -207,7 +211,7 @@ def carried_registers(blk: Sequence[Insn]) -> list[str]:
     return [GPR32[r] for r in sorted(written) if r in GPR32 and r != "rsp"]
 
 
-MODEL_VERSION = "4"  # 3: dependency breakers after non-looping blocks; 4: the stack engine
+MODEL_VERSION = "5"  # 3: dependency breakers after non-looping blocks; 4: the stack engine; 5: own latency
 
 
 def model_key(blocks: Sequence[Sequence[Insn]], mcpu: str) -> str:

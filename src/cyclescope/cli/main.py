@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("compare", "procedures (or instructions) whose share of samples changed significantly between two sets"),
     "values": ("values", "hotlists of the values instructions saw, per instruction (value sampling)"),
     "invariants": ("values", "hot instructions whose values are (nearly) always the same: specialization candidates"),
+    "specialize": ("specialize", "where knowing a value pays for testing it: goal-directed value profiling"),
     "export": ("export", "call stacks or the flat profile as collapsed, speedscope, pprof; llvm-sample for clang"),
     "optimize": ("optimize", "profile a training run, rebuild with its sample profile (clang), measure the speedup"),
     "db": ("db", "inspect or compact the profile database"),

@@ -95,6 +95,11 @@ def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
                         "it; 0: no limit")
     g.add_argument("--value-stack", type=int, default=512, metavar="BYTES",
                    help="bytes of user stack copied at each interrupt (default: 512)")
+    g.add_argument("--goal", metavar="PLAN",
+                   help="goal-directed value profiling: capture only the candidates of PLAN (written by "
+                        "`cyclescope specialize --plan PLAN`), wherever a sample finds their value live, and "
+                        "switch off those whose top value can no longer pay (implies --values goal "
+                        "--interpret 0 unless --values is given)")
     g.add_argument("--values-users", metavar="USER[,USER]",
                    help="capture values only from processes of these users (names or uids)")
     g.add_argument("--values-commands", metavar="COMM[,COMM]",
@@ -109,7 +114,15 @@ def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
 
 
 def value_options(args: argparse.Namespace) -> ValueOptions | None:
-    """The ValueOptions the value flags ask for (None without --values)."""
+    """The ValueOptions the value flags ask for (None without --values or --goal)."""
+    goal = getattr(args, "goal", None)
+    if goal is not None:
+        from cyclescope.values.goal import read_plan
+
+        read_plan(goal)  # a missing or malformed plan fails here, in one line
+        if args.values is None:
+            args.values = "goal"
+            args.interpret = 0
     if args.values is None:
         for flag in ("values_users", "values_commands"):
             if getattr(args, flag, None):
@@ -147,7 +160,7 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
         users = frozenset(uids)
     commands = frozenset(c.strip() for c in args.values_commands.split(",")) if args.values_commands else None
     return ValueOptions(modules=names, length=args.interpret, every=args.interpret_every, stack=args.value_stack,
-                        users=users, commands=commands, budget=args.interpret_budget)
+                        users=users, commands=commands, budget=args.interpret_budget, goal=goal)
 
 
 def add_count_options(p: argparse.ArgumentParser) -> None:

@@ -107,6 +107,12 @@ def _wide(name: str) -> str:
     return _WIDE.get(name, name)
 
 
+def wide_register(name: str) -> str | None:
+    """The full register an operand names (``ecx`` -> ``rcx``, ``xmm3`` -> ``v3``), or None when
+    ``name`` is not a register."""
+    return _WIDE.get(name.strip())
+
+
 def _kind(mnem: str) -> str:
     if mnem.startswith(("div", "idiv")) or mnem in ("divss", "divsd", "divps", "divpd", "vdivss", "vdivsd"):
         return "div"

@@ -464,7 +464,9 @@ def invariants_table(rep: InvariantsReport) -> Table:
     footer = ["save<=: the top value's probability times the samples of the instructions that depend on it "
               "(a register slice of the procedure), as a share of all samples: what specializing for that value "
               "could remove at most",
-              "prob: estimated probability of the top value (>= two standard errors below)"]
+              "prob: estimated probability of the top value (>= two standard errors below)",
+              "`cyclescope specialize` weighs such values under an optimizer's cost model (what they fold, "
+              "against the test) and can profile only the candidates that could pay (`record --goal`)"]
     footer += [f"note: {n}" for n in rep.notes]
     if not rep.items:
         footer.insert(0, "no instruction meets the criteria")

@@ -87,6 +87,7 @@ class ValueOptions:
     # and costs PC samples. Capture at the interrupt is not limited: it is cheap and vectorized.
     budget: float = 0.5
     exact: bool = False  # sequences come from single-stepping (values/exact.py), not the interpreter
+    goal: str | None = None  # a plan of `specialize --plan`: the goal module captures its candidates
 
 
 @dataclass
@@ -263,6 +264,16 @@ class OwnerStats:
     stops: Counter[str] = field(default_factory=Counter)
 
 
+def _modules(opts: ValueOptions) -> list[ValueModule]:
+    """The modules the options name; with a goal plan, the goal module built from it."""
+    if opts.goal is None:
+        return load_modules(opts.modules)
+    from cyclescope.values.goal import GoalModule, read_plan
+
+    others = [m for m in opts.modules if m != "goal"]
+    return [*(load_modules(others) if others else []), GoalModule(read_plan(opts.goal))]
+
+
 class ValueCapture:
     """Turns sampled registers and stacks into hotlists, per owner; flushes hand them over."""
 
@@ -272,7 +283,7 @@ class ValueCapture:
         self.mapper = mapper
         self.table = table
         self.code = code or CodeIndex(table)
-        self.modules = modules if modules is not None else load_modules(opts.modules)
+        self.modules = modules if modules is not None else _modules(opts)
         self.interp = interpreter or (Interpreter() if opts.length > 0 and not opts.exact else None)
         self.check: Counter[str] = Counter()
         self.kinds: list[str] = []
@@ -361,7 +372,9 @@ class ValueCapture:
         plan = None
         if insn is not None:
             proc = self.code.proc(img, off)
-            here = [(self._kind(c.kind), c) for m in self.modules for c in m.plan(insn)]
+            image_key = self.table[img].key
+            here = [(self._kind(c.kind), c) for m in self.modules
+                    for c in (m.plan_in(image_key, insn) if hasattr(m, "plan_in") else m.plan(insn))]
             prev_off, prev_caps = None, []
             prev = self.code.prev(img, off, proc)
             if prev is not None:
@@ -726,6 +739,10 @@ class ValueCapture:
             self._pending_rows += batch_set.rows
 
     # --- flushing -----------------------------------------------------------------------------
+    def replan(self) -> None:
+        """Forget the compiled plans: a module's captures changed (the goal module's pruning)."""
+        self._plans.clear()
+
     def take(self, start: float, end: float) -> dict[int, tuple[NamedHotlists, ValuesMeta]]:
         """Everything since the last take, per owner uid."""
         self._crunch()

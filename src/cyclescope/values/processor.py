@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cyclescope.values.capture import ValueCapture, ValueOptions
+from cyclescope.values.goal import GoalModule
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -48,7 +49,10 @@ class ValueProcessor:
             return []
         now = time.time()
         out = []
+        goal = next((m for m in self.capture.modules if isinstance(m, GoalModule)), None)
         for _uid, (hotlists, vmeta) in self.capture.take(self._since, now).items():
+            if goal is not None and goal.observe(hotlists):
+                self.capture.replan()  # candidates switched off: their captures stop
             if len(hotlists.hl) or vmeta.samples:
                 out.append(write_values(db, epoch, host, hotlists, vmeta))
         self._since = now
@@ -72,6 +76,10 @@ class ValueProcessor:
             return None
         it = v.interp
         parts = [f"values in {self.written} file(s) readable by their owners only"]
+        goal = next((m for m in v.modules if isinstance(m, GoalModule)), None)
+        if goal is not None:
+            parts.append(f"goal: {len(goal.goal_plan.points)} candidate(s) profiled, {goal.switched_off} switched off "
+                         "by rule (3)")
         if it is not None and it.runs:
             from cyclescope.values.interp import describe_stops
 

@@ -1,0 +1,229 @@
+"""`specialize`: the opportunities for value-based specialization, from calc's counts, the static
+model and the value hotlists, under the optimizer's cost-benefit model (analysis/goal.py); and
+the plan `record --goal` profiles (the candidates static elimination keeps)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cyclescope.analysis.goal import PHI_SHARE, GoalModel, select
+from cyclescope.report.specialize import Opportunity, ProcedureGoal, SpecializeReport
+
+if TYPE_CHECKING:
+    from cyclescope.analysis.calc import Calc
+    from cyclescope.app.profile import Profile
+    from cyclescope.db.values import NamedHotlists
+    from cyclescope.report.listing import Target
+
+MIN_VALUES = 30  # values behind a probability before rule (1) is applied to it
+
+
+def goal_model(c: Calc) -> GoalModel:
+    """The cost-benefit model of one procedure on calc's counts (executions per period) and the
+    static model's latencies."""
+    cfg = c.cfg
+    lat: list[float] = [1.0] * len(cfg.insns)
+    for b in cfg.blocks:
+        for i, im in enumerate(c.model.blocks[b.id].insns):
+            lat[b.first + i] = max(float(im.own), 0.0)
+    freq = [float(c.freq.block[cfg.block_of[k]] or 0.0) for k in range(len(cfg.insns))]
+    edges = [float(e or 0.0) for e in c.freq.edge]
+    return GoalModel(cfg, c.infos, lat, freq, edges)
+
+
+def procedure_goal(c: Calc, target: Target, phi: float, path: str, offsets: dict[int, int]
+                   ) -> tuple[ProcedureGoal, GoalModel]:
+    from cyclescope.analysis.calc import _loops
+
+    m = goal_model(c)
+    cands = m.candidates() + m.differences() + m.trip_counts(_loops(c.cfg, c.infos))
+    kept = select(cands, phi)
+    return ProcedureGoal(target.name, target.info.key, path, target.info.build_id, target.start, len(c.cfg.insns),
+                         sum(1 for i in c.infos if i.loads), cands, kept, [i.address for i in c.cfg.insns],
+                         offsets), m
+
+
+class _Hotlists:
+    """The register hotlists (in:REG, out:REG) of one image by (ELF address, 64-bit register)."""
+
+    def __init__(self, p: Profile, nh: NamedHotlists, image_key: str) -> None:
+        from cyclescope.values.insn import REG_VIEWS
+
+        self.nh = nh
+        self.at: dict[tuple[int, str, str], int] = {}
+        hl = nh.hl
+        if image_key not in nh.images or not len(hl):
+            return
+        info = p.images[image_key]
+        mine = np.flatnonzero(hl.keys["image"] == nh.images.index(image_key))
+        addrs = p.sym.offsets_to_vaddr(info, hl.keys["offset"][mine].astype(np.uint64))
+        for i, a in zip(mine.tolist(), addrs.tolist(), strict=True):
+            kind = nh.kinds[int(hl.keys["kind"][i])]
+            io, _, reg = kind.partition(":")
+            if io not in ("in", "out", "goal") or "@" in reg or reg not in REG_VIEWS:
+                continue
+            io = "in" if io == "goal" else io  # goal:REG: the value live at the instruction, as in:REG
+            key = (int(a), REG_VIEWS[reg].full, io)
+            if key not in self.at or hl.total[i] > hl.total[self.at[key]]:
+                self.at[key] = i
+
+    def top(self, found: list[int]) -> tuple[int, float, float, int]:
+        """(top value, share, standard error, values seen) over the hotlists ``found``: the same
+        value read at several instructions, merged (estimated counts added)."""
+        hl = self.nh.hl
+        est: dict[int, float] = {}
+        total = 0
+        for i in found:
+            rows = np.flatnonzero(hl.hot == i)
+            p = float(hl.p[i]) or 1.0
+            total += int(hl.total[i])
+            for r in rows.tolist():
+                v = int(hl.values[r]["v0"])
+                est[v] = est.get(v, 0.0) + float(hl.counts[r]) / p
+        if not est or not total:
+            return 0, 0.0, 1.0, total
+        value = max(est, key=est.__getitem__)
+        share = min(1.0, est[value] / total)
+        return value, share, (max(share * (1 - share), 1.0 / total) / total) ** 0.5, total
+
+
+def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, GoalModel], phi: float, total: float,
+                  nh: NamedHotlists | None, min_values: int = MIN_VALUES) -> tuple[list[Opportunity], int]:
+    """Rule (1) on every kept candidate whose value was observed: the opportunities, most valuable
+    first, and how many kept candidates had no values."""
+    from cyclescope.images.dwarf import DwarfIndex, dwarf_source
+
+    out: list[Opportunity] = []
+    unobserved = 0
+    for g in goals:
+        hot = _Hotlists(p, nh, g.image) if nh is not None else None
+        dw: DwarfIndex | None = None
+        src = dwarf_source(g.path, g.image)
+        if src:
+            dw = DwarfIndex(src, g.image)
+        for c in g.kept:
+            best = None
+            if hot is not None and c.kind != "difference":
+                m = models.get(f"{g.image}:{g.start}")
+                live = m.available(c.point, c.reg) if m is not None and c.kind in ("argument", "register") \
+                    else c.observe
+                keys = [(g.addresses[k], r, "in") for k, r in live]
+                if c.point >= 0 and c.kind == "register":
+                    keys.append((g.addresses[c.point], c.reg, "out"))
+                found = [hot.at[k] for k in keys if k in hot.at]
+                if found:
+                    best = hot.top(found)
+            if best is None or best[3] < min_values:
+                unobserved += 1
+                continue
+            value, prob, se, n = best
+            net = c.net(prob, value)
+            if net < phi:
+                continue
+            at = g.addresses[c.at] if 0 <= c.at < len(g.addresses) else g.start
+            line = ""
+            if dw is not None:
+                pos = dw.positions(np.array([at], np.uint64))[0]
+                line = f"{os.path.basename(pos.file)}:{pos.line}" if pos is not None else ""
+            off = at - g.start
+            out.append(Opportunity(g.name, at, g.name + (f"+{off:#x}" if off else ""), line, c.reg, c.kind, value,
+                                   prob, se, n, c.benefit, net, net / total if total else 0.0, len(c.folded)))
+        if dw is not None:
+            dw.close()
+    out.sort(key=lambda o: -o.net)
+    # The same value saving the same instructions through a copy (mov ecx, edx): the first point only.
+    seen: set[tuple[str, int, int]] = set()
+    uniq = []
+    for o in out:
+        k = (o.procedure, o.value, round(o.benefit))
+        if k not in seen:
+            seen.add(k)
+            uniq.append(o)
+    out = uniq
+    return out, unobserved
+
+
+def specialize(p: Profile, targets: list[Target], event: str, mcpu: str | None = None,
+               phi_share: float = PHI_SHARE, min_values: int = MIN_VALUES) -> SpecializeReport:
+    """The selection's opportunities in ``targets`` (calc of each, the model, the hotlists)."""
+    from cyclescope.app.calc import calc_target, period_cycles
+    from cyclescope.errors import CycleScopeError
+
+    total = float(sum(_event_totals(p, event)))
+    phi = phi_share * total
+    notes: list[str] = []
+    goals = []
+    models: dict[str, GoalModel] = {}
+    for t in targets:
+        try:
+            c = calc_target(p, t, event, mcpu)
+        except CycleScopeError as e:
+            notes.append(f"{t.name}: {e}")
+            continue
+        b = p.sym.binary(t.info)
+        addrs = np.array([i.address for i in c.cfg.insns], np.uint64)
+        path = b.path or t.info.path
+        offsets = dict(zip(addrs.tolist(), _vaddr_to_offsets(p, t, path, addrs).tolist(), strict=True))
+        g, m = procedure_goal(c, t, phi, path, offsets)
+        goals.append(g)
+        models[f"{g.image}:{g.start}"] = m
+    vs = p.values()
+    nh = vs.hotlists if vs.files else None
+    if nh is None:
+        notes.append("no value samples in this selection: record with --values (or --goal PLAN) to see which "
+                     "kept candidates pay")
+    opps, unobserved = opportunities(p, goals, models, phi, total, nh, min_values)
+    return SpecializeReport(opps, goals, unobserved, phi, total, period_cycles(p, event), notes, models)
+
+
+def _event_totals(p: Profile, event: str) -> list[int]:
+    from cyclescope.db.query import query_counts
+
+    t = query_counts(p.ps)
+    ev = t.column("event").to_pylist()
+    return [int(c) for e, c in zip(ev, t.column("count").to_pylist(), strict=True) if e == event]
+
+
+def _vaddr_to_offsets(p: Profile, t: Target, path: str, addrs: np.ndarray) -> np.ndarray:
+    """ELF addresses to the image's offsets as samples key them: the same, unless the image was
+    recorded with file offsets (its ELF unreadable then)."""
+    from cyclescope.images.elf import read_load_info
+
+    if t.info.offsets != "file" or not len(addrs):
+        return addrs
+    elf = read_load_info(path)
+    return np.array([elf.file_offset(int(a)) or int(a) for a in addrs.tolist()], np.uint64)
+
+
+# --- the plan `record --goal` follows ---------------------------------------------------------
+
+
+def write_plan(rep: SpecializeReport, path: str | Path) -> int:
+    """The kept candidates and every instruction where each one's value is live, as a JSON plan for
+    `record --goal` (values/goal.py reads it), with rule (3)'s probability for dynamic elimination.
+    Differences are left out (their two registers' values would have to be taken together).
+    Returns the number of candidates in the plan."""
+    from cyclescope.values.goal import PLAN_VERSION
+
+    points = []
+    for g in rep.procedures:
+        m = rep.models.get(f"{g.image}:{g.start}")
+        for c in g.kept:
+            if c.kind == "difference" or m is None:
+                continue
+            at = m.available(c.point, c.reg) if c.kind in ("argument", "register") else c.observe
+            if not at:
+                continue
+            points.append({"image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
+                           "min_prob": round(min(c.min_prob(rep.phi), 2.0), 6),
+                           "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]})
+    doc = {"version": PLAN_VERSION, "counts": rep.counts, "points": points}
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+    return len(points)

@@ -1,0 +1,151 @@
+"""Targeted value collection for goal-directed profiling (`record --goal PLAN`).
+
+`cyclescope specialize --plan FILE` writes the candidates static elimination keeps (analysis/goal.py)
+with, for each, every instruction of its procedure where the candidate's value is still in its
+register (the definition is the only one reaching there, or a copy of it holds it). This module
+captures that register at the interrupt when a sample lands on one of those instructions, as
+``goal:REG`` hotlists, and nothing else: the candidate is observed wherever a sample falls in its
+live range, not only where it is read, and no other (point, register) costs anything.
+
+Dynamic elimination (the paper's section 4.4) happens where the collector flushes: a candidate whose
+top value can no longer reach the probability rule (3) asks of it (with two standard errors of
+margin: the counts are sampled) is switched off; its captures stop and its hotlists are kept as
+they are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cyclescope.errors import DataError
+from cyclescope.values.api import BaseModule, Capture, FormatContext, Value
+from cyclescope.values.insn import REG_VIEWS, InsnDetail
+
+if TYPE_CHECKING:
+    from cyclescope.db.values import NamedHotlists
+
+PLAN_VERSION = 2
+KIND = "goal:"
+MIN_VALUES = 64  # values a candidate must have before it may be switched off
+
+
+@dataclass
+class GoalPoint:
+    """One kept candidate: where its value lives, and the probability its top value needs."""
+
+    image: str  # image key
+    procedure: str
+    what: str
+    min_prob: float
+    at: list[tuple[int, str]]  # (instruction address = image offset, 64-bit register)
+    on: bool = True
+
+
+@dataclass
+class Plan:
+    points: list[GoalPoint]
+    doc: dict[str, Any] = field(default_factory=dict)
+
+
+def read_plan(path: str | Path) -> Plan:
+    """A plan written by `specialize --plan`; DataError with a one-line reason."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror}") from None
+    except ValueError as e:
+        raise DataError(f"{path}: not a plan (`cyclescope specialize --plan FILE` writes one): {e}") from None
+    if not isinstance(doc, dict) or doc.get("version") != PLAN_VERSION or not isinstance(doc.get("points"), list):
+        raise DataError(f"{path}: not a plan of this version (write it again with `cyclescope specialize --plan`)")
+    points = []
+    for p in doc["points"]:
+        try:
+            at = [(int(a), str(r)) for a, r in p["at"]]
+            points.append(GoalPoint(str(p["image"]), str(p.get("procedure", "")), str(p.get("what", "")),
+                                    float(p["min_prob"]), [(a, r) for a, r in at if r in REG_VIEWS]))
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"{path}: a point lacks image, min_prob or at (instruction, register) pairs") from None
+    return Plan(points, doc)
+
+
+def top_upper(top: float, n: float) -> float:
+    """The top value's share plus two standard errors (a sampled count's margin)."""
+    if n <= 0:
+        return 1.0
+    p = min(1.0, top / n)
+    return p + 2.0 * math.sqrt(max(p * (1 - p), 1.0 / n) / n)
+
+
+class GoalModule(BaseModule):
+    """The `goal` value module: captures only the plan's candidates (see the module's doc).
+    Without a plan (reading values back) it only formats ``goal:REG`` values."""
+
+    name = "goal"
+    description = "the kept candidates of a goal plan, wherever their value is live (goal:REG)"
+
+    def __init__(self, plan: Plan | None = None) -> None:
+        self.goal_plan = plan or Plan([])
+        self._at: dict[tuple[str, int], list[tuple[int, str]]] = {}  # (image, address) -> [(point, reg)]
+        for i, p in enumerate(self.goal_plan.points):
+            for a, r in p.at:
+                self._at.setdefault((p.image, a), []).append((i, r))
+        self.switched_off = 0
+        self._values: dict[tuple[str, int, str], dict[int, float]] = {}
+        self._n: dict[tuple[str, int, str], float] = {}
+
+    def plan_in(self, image: str, insn: InsnDetail) -> Sequence[Capture]:
+        regs = {r for i, r in self._at.get((image, insn.address), ()) if self.goal_plan.points[i].on}
+        return [Capture(KIND + r, "reg", REG_VIEWS[r]) for r in sorted(regs)]
+
+    def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
+        if not kind.startswith(KIND):
+            return None
+        v = value.v0
+        return str(v - (1 << 64)) if v >= 1 << 63 and v - (1 << 64) > -4096 else (str(v) if v < 4096 else f"{v:#x}")
+
+    def observe(self, nh: NamedHotlists) -> list[int]:
+        """Adds a flush's ``goal:`` hotlists to the running tallies, then applies rule (3)."""
+        hl = nh.hl
+        for i in range(len(hl)):
+            kind = nh.kinds[int(hl.keys["kind"][i])]
+            if not kind.startswith(KIND):
+                continue
+            key = (nh.images[int(hl.keys["image"][i])], int(hl.keys["offset"][i]), kind[len(KIND):])
+            vals = self._values.setdefault(key, {})
+            rows = np.flatnonzero(hl.hot == i)
+            p = float(hl.p[i]) or 1.0
+            for r in rows.tolist():
+                v = int(hl.values[r]["v0"])
+                vals[v] = vals.get(v, 0.0) + float(hl.counts[r]) / p
+            if len(vals) > 4 * MIN_VALUES:  # the running tally stays small: the rare values go to "other"
+                for v in sorted(vals, key=vals.__getitem__)[: len(vals) - MIN_VALUES]:
+                    del vals[v]
+            self._n[key] = self._n.get(key, 0.0) + float(hl.total[i])
+        tops = {k: (max(v.values(), default=0.0), self._n[k]) for k, v in self._values.items()}
+        return self.prune(tops)
+
+    def prune(self, tops: dict[tuple[str, int, str], tuple[float, float]]) -> list[int]:
+        """Rule (3) at a flush: ``tops`` maps (image, address, register) to (top value's estimated
+        count, values seen) over what has been captured; a candidate whose best observation point
+        has seen MIN_VALUES values and whose top share cannot reach its min_prob, even two
+        standard errors up, is switched off. Returns the points switched off now."""
+        out = []
+        for i, p in enumerate(self.goal_plan.points):
+            if not p.on:
+                continue
+            seen = [tops[(p.image, a, r)] for a, r in p.at if (p.image, a, r) in tops]
+            if not seen:
+                continue
+            top, n = max(seen, key=lambda t: t[1])
+            if n >= MIN_VALUES and top_upper(top, n) < p.min_prob:
+                p.on = False
+                out.append(i)
+        self.switched_off += len(out)
+        return out

@@ -1,0 +1,159 @@
+"""Goal-directed value profiling's cost-benefit model (analysis/goal.py) on hand-written code, and
+the goal module's dynamic elimination (values/goal.py), without the kernel."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis.cfg import build_cfg
+from cyclescope.analysis.goal import TEST_COST_ZERO, GoalModel, select
+from cyclescope.images.disasm import disassemble, insn_info
+
+pytestmark = pytest.mark.skipif(shutil.which("as") is None or shutil.which("objcopy") is None,
+                                reason="needs binutils' as and objcopy to assemble the test code")
+
+AT = 0x1000
+
+
+def assemble(text: str, tmp: Path) -> bytes:
+    src, obj, raw = tmp / "t.s", tmp / "t.o", tmp / "t.bin"
+    src.write_text(".intel_syntax noprefix\n.text\n" + text + "\n")
+    subprocess.run(["as", "--64", "-o", str(obj), str(src)], check=True, capture_output=True)
+    subprocess.run(["objcopy", "-O", "binary", "-j", ".text", str(obj), str(raw)], check=True)
+    return raw.read_bytes()
+
+
+def model(text: str, tmp: Path, hot: dict[int, float], lat: dict[str, float] | None = None) -> GoalModel:
+    """The model of ``text`` with block frequencies ``hot`` (block index -> executions; others 1)
+    and latencies by mnemonic (others 1)."""
+    code = assemble(text, tmp)
+    insns = disassemble(code, AT)
+    infos = insn_info(code, AT)
+    cfg = build_cfg(insns, AT, AT + len(code), infos=infos)
+    freq = [hot.get(cfg.block_of[k], 1.0) for k in range(len(insns))]
+    lats = [(lat or {}).get(i.mnemonic, 1.0) for i in insns]
+    edges = []
+    for e in cfg.edges:
+        if e.src < 0:
+            edges.append(hot.get(e.dst, 1.0))
+        else:
+            edges.append(min(freq[cfg.blocks[e.src].last], hot.get(e.dst, 1.0) if e.dst >= 0 else 1.0))
+    return GoalModel(cfg, infos, lats, freq, edges)
+
+
+# A chain of evaluatable instructions from an argument: edi -> and -> shl -> cmp -> je.
+CHAIN = """
+    mov eax, edi
+    and eax, 0xf
+    shl eax, 2
+    cmp eax, 8
+    je 1f
+    add rax, rsi
+1:  ret
+"""
+
+
+def test_a_chain_of_evaluatable_instructions_credits_the_defining_register(tmp_path: Path) -> None:
+    m = model(CHAIN, tmp_path, {})
+    by = {(c.point, c.reg): c for c in m.candidates()}
+    arg = by[(-1, "rdi")]
+    # mov, and, shl, cmp, je each fold (latency 1, once each); add reads rsi too: not evaluatable.
+    assert arg.benefit == pytest.approx(5.0)
+    assert [m.cfg.insns[k].mnemonic for k in arg.folded] == ["mov", "and", "shl", "cmp", "je"]
+    assert by[(-1, "rsi")].benefit == 0.0
+    # Each step of the chain is credited with what follows it only.
+    assert by[(1, "rax")].benefit == pytest.approx(3.0)  # after `and`: shl, cmp, je
+
+
+# A loop that divides by an argument it never writes, and tests each element it loads.
+LOOP = """
+    mov ecx, edx
+    xor r9d, r9d
+2:  mov eax, [rdi]
+    test eax, eax
+    je 3f
+    xor edx, edx
+    div ecx
+    add r9, rax
+3:  add rdi, 4
+    dec rsi
+    jne 2b
+    mov rax, r9
+    ret
+"""
+
+
+def test_a_value_known_outside_a_hot_loop_pays_and_one_tested_inside_it_does_not(tmp_path: Path) -> None:
+    hot = {1: 1000.0, 2: 900.0, 3: 1000.0}  # the loop's blocks; entry and exit run once
+    m = model(LOOP, tmp_path, hot, {"div": 14.0})
+    cands = m.candidates()
+    by = {(c.point, c.reg): c for c in cands}
+    div = next(k for k, i in enumerate(m.cfg.insns) if i.mnemonic == "div")
+    # The divisor, known at entry: the copy folds, the division becomes a multiply and a shift.
+    arg = by[(-1, "rdx")]
+    assert div in arg.folded
+    assert arg.benefit == pytest.approx(1.0 + 900.0 * (14.0 - 4.0))
+    # The loaded element: test and je fold (2 cycles an iteration) against a test of 1 cycle an
+    # iteration; with phi above zero it cannot pay, whatever its values.
+    load = next(k for k, i in enumerate(m.cfg.insns) if i.mnemonic == "mov" and "[" in i.op_str)
+    elem = by[(load, "rax")]
+    assert elem.benefit == pytest.approx(2000.0)
+    phi = 1500.0
+    kept = select(cands, phi)
+    assert arg in kept and elem not in kept
+    assert elem.benefit < TEST_COST_ZERO * elem.freq + phi
+    # The loop's induction (dec rsi reaches itself) ends: the cycle contributes nothing.
+    assert by[(-1, "rsi")].benefit >= 0.0
+    # The divisor is live (in rcx after the copy) at every instruction of the loop: where samples show it.
+    live = {k for k, r in m.available(-1, "rdx") if r == "rcx"}
+    assert div in live and load in live
+
+
+def test_rule_3_switches_a_candidate_off_once_its_top_value_cannot_reach_the_threshold(tmp_path: Path) -> None:
+    from cyclescope.db.hotlist import HotlistSet
+    from cyclescope.db.values import NamedHotlists
+    from cyclescope.values.goal import GoalModule, GoalPoint, Plan, top_upper
+
+    m = model(LOOP, tmp_path, {1: 1000.0, 2: 900.0, 3: 1000.0}, {"div": 14.0})
+    arg = next(c for c in m.candidates() if (c.point, c.reg) == (-1, "rdx"))
+    need = arg.min_prob(phi=1500.0)
+    assert 0 < need < 1
+    # Rule (1) holds exactly at that probability.
+    assert arg.net(need, 0) == pytest.approx(1500.0)
+    assert arg.other_threshold(1500.0) == pytest.approx((1 - need) * arg.freq)
+
+    plan = Plan([GoalPoint("img", "f", "rdx", 0.5, [(0x1010, "rcx")]), GoalPoint("img", "g", "rsi", 0.5,
+                                                                                 [(0x1020, "rsi")])])
+    mod = GoalModule(plan)
+
+    def flush(spread: list[tuple[int, int, int]]) -> list[int]:
+        """Hotlists of (offset, value, count) with p = 1, kinds goal:rcx at 0x1010, goal:rsi at 0x1020."""
+        keys = np.zeros(2, dtype=[("image", "<i8"), ("offset", "<u8"), ("kind", "<i4")])
+        keys["offset"] = [0x1010, 0x1020]
+        keys["kind"] = [0, 1]
+        hot, vals, cnts = [], [], []
+        for off, v, c in spread:
+            hot.append(0 if off == 0x1010 else 1)
+            vals.append(v)
+            cnts.append(c)
+        values = np.zeros(len(vals), dtype=[("v0", "<u8"), ("v1", "<u8"), ("vimg", "<i8")])
+        values["v0"] = vals
+        totals = [sum(c for o, _, c in spread if o == off) for off in (0x1010, 0x1020)]
+        hs = HotlistSet(keys, np.ones(2), np.array(totals, np.int64), np.array(hot, np.int64), values,
+                        np.array(cnts, np.float64))
+        return mod.observe(NamedHotlists(hs, ["img"], ["goal:rcx", "goal:rsi"]))
+
+    assert mod.plan_in("img", type("I", (), {"address": 0x1010})())  # captured while on
+    # 0x1010 sees one value; 0x1020 forty values evenly, too few yet to judge.
+    assert flush([(0x1010, 16, 40)] + [(0x1020, v, 1) for v in range(40)]) == []
+    # More of the same: 0x1020's top share (1/80) cannot reach 0.5 even two standard errors up.
+    assert top_upper(2, 80) < 0.5
+    assert flush([(0x1010, 16, 40)] + [(0x1020, v, 1) for v in range(40)]) == [1]
+    assert plan.points[0].on and not plan.points[1].on
+    assert not mod.plan_in("img", type("I", (), {"address": 0x1020})())  # its capture stops
+    assert mod.switched_off == 1
