@@ -18,6 +18,10 @@ A module decides three things:
 - ``format(kind, value, ctx)``: how a value of one of its kinds reads in a report,
   or None to leave it to others.
 
+A module whose captures depend on the image as well as the instruction (the goal module: the
+candidates of one binary) defines ``plan_in(image_key, insn)``, which the collector then calls
+instead of ``plan``.
+
 Modules are found through the ``cyclescope.values`` entry-point group (the
 built-in ones are registered there by cyclescope's own package metadata), or
 given as ``package.module:Class`` on the command line.
