@@ -132,6 +132,7 @@ class GoalModel:
                     self.uses.setdefault((d, r), []).append((k, len(ds) == 1))
         self._memo: dict[tuple[int, str], tuple[float, frozenset[int]]] = {}
         self._active: set[tuple[int, str]] = set()
+        self._live: dict[tuple[int, str], list[tuple[int, str]]] = {}
 
     def point_freq(self, d: int) -> float:
         return self.entry_freq if d < 0 else self.freq[d]
@@ -192,6 +193,9 @@ class GoalModel:
         """Every instruction at which the value of (d, r) is still in a register (this definition
         alone reaches it there, or one of its copies' does), with that register: where a sample
         shows the value, whether or not the instruction reads it."""
+        got = self._live.get((d, r))
+        if got is not None:
+            return got
         out: list[tuple[int, str]] = []
         copies = [(d, r)] + [(k, reg) for k, reg in self.observations(d, r)
                              if self.cfg.insns[k].mnemonic == "mov" and (k, reg) != (d, r)]
@@ -209,7 +213,8 @@ class GoalModel:
             for k in range(len(self.cfg.insns)):
                 if self.cfg.block_of[k] not in self.cfg.unreachable and self.rd.defs(cr, k) == {cd}:
                     out.append((k, cr))
-        return sorted(set(out))
+        live = self._live[(d, r)] = sorted(set(out))
+        return live
 
     def candidates(self) -> list[Candidate]:
         """Every (point, register) with a use, arguments at entry first."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from cyclescope.images.dwarf import DwarfIndex, Scope
     from cyclescope.images.registry import ImageInfo
     from cyclescope.report.listing import Listing, SourceListing, Target
+    from cyclescope.report.prof import ProfRow
 
 _RANGE_RE = re.compile(r"^(0x[0-9a-fA-F]+)\s*(?:-\s*(0x[0-9a-fA-F]+)|\+\s*(0x[0-9a-fA-F]+|\d+))$")
 
@@ -41,6 +42,28 @@ def procedure_target(p: Profile, image_key: str, name: str) -> Target | None:
         return None
     k = table.names.index(name)
     return Target(info, name, int(table.starts[k]), int(table.ends[k]))
+
+
+def procedures_with_samples(p: Profile, event: str) -> tuple[list[ProfRow], list[ProfRow], int]:
+    """The procedures with samples of ``event``, hottest first, that have code to analyze; those
+    without (the kernel's: its code is not in the database); and the event's total. NotFoundError,
+    saying why, when there is nothing to analyze."""
+    from cyclescope.app.prof import prof_report
+
+    ps, sym = p.ps, p.sym
+    rep = prof_report(p)
+    i = rep.events.index(event)
+    rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0]
+    no_code = [r for r in rows if ps.images[r.image_key].kind not in ("elf", "vdso")]
+    rows = [r for r in rows if ps.images[r.image_key].kind in ("elf", "vdso")]
+    if not rows:
+        problems = sorted({sym.problems[k] for k in ps.images if k in sym.problems})
+        nosym = [r.image for r in rep.rows if r.start is None and r.counts[i] > 0]
+        raise NotFoundError("no procedure with samples to analyze"
+                            + (f": {problems[0]}" if problems else
+                               f": {nosym[0]} has no symbol table (stripped?); give an address range "
+                               "0xSTART-0xEND instead of a procedure" if nosym else ""))
+    return rows, no_code, int(rep.totals[i])
 
 
 def resolve_target(p: Profile, spec: str, image_patterns: list[str]) -> tuple[Target, list[str]]:

@@ -36,6 +36,7 @@ class Profile:
     warn: Callable[[str], None] = _ignore  # what goes wrong on the way without stopping it, one line each
     _values: dict[int | None, ValueSelection] = field(default_factory=dict, repr=False)
     _outcomes: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict, repr=False)
+    _sums: tuple[dict[str, int], dict[str, int]] | None = field(default=None, repr=False)
 
     @property
     def db(self) -> Database:
@@ -58,13 +59,25 @@ class Profile:
 
     def image_totals(self) -> dict[str, int]:
         """Samples per image key, every event together."""
-        from cyclescope.db.query import query_counts
+        return self._totals()[0]
 
-        t = query_counts(self.ps)
-        out: dict[str, int] = {}
-        for img, c in zip(t.column("image").to_pylist(), t.column("count").to_pylist(), strict=True):
-            out[img] = out.get(img, 0) + int(c)
-        return out
+    def event_totals(self) -> dict[str, int]:
+        """Samples per event, every image together."""
+        return self._totals()[1]
+
+    def _totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        if self._sums is None:
+            from cyclescope.db.query import query_counts
+
+            t = query_counts(self.ps)
+            images: dict[str, int] = {}
+            events: dict[str, int] = {}
+            for img, ev, c in zip(t.column("image").to_pylist(), t.column("event").to_pylist(),
+                                  t.column("count").to_pylist(), strict=True):
+                images[img] = images.get(img, 0) + int(c)
+                events[ev] = events.get(ev, 0) + int(c)
+            self._sums = (images, events)
+        return self._sums
 
     def _tally(self, kind: TallyKind, image_key: str, what: str) -> pa.Table:
         """The selection's ``kind`` tallies of one image, summed (once per selection); corrupt files

@@ -13,6 +13,7 @@ import numpy as np
 
 from cyclescope.analysis.goal import PHI_SHARE, GoalModel, select
 from cyclescope.report.specialize import Opportunity, ProcedureGoal, SpecializeReport
+from cyclescope.values.goal import share_se
 
 if TYPE_CHECKING:
     from cyclescope.analysis.calc import Calc
@@ -89,7 +90,7 @@ class _Hotlists:
             return 0, 0.0, 1.0, total
         value = max(est, key=est.__getitem__)
         share = min(1.0, est[value] / total)
-        return value, share, (max(share * (1 - share), 1.0 / total) / total) ** 0.5, total
+        return value, share, share_se(share, total), total
 
 
 def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, GoalModel], phi: float, total: float,
@@ -100,12 +101,14 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
 
     out: list[Opportunity] = []
     unobserved = 0
+    hots: dict[str, _Hotlists | None] = {}
+    dwarf: dict[str, DwarfIndex | None] = {}
     for g in goals:
-        hot = _Hotlists(p, nh, g.image) if nh is not None else None
-        dw: DwarfIndex | None = None
-        src = dwarf_source(g.path, g.image)
-        if src:
-            dw = DwarfIndex(src, g.image)
+        if g.image not in hots:  # once per image: several procedures of one binary share both
+            hots[g.image] = _Hotlists(p, nh, g.image) if nh is not None else None
+            src = dwarf_source(g.path, g.image)
+            dwarf[g.image] = DwarfIndex(src, g.image) if src else None
+        hot, dw = hots[g.image], dwarf[g.image]
         for c in g.kept:
             best = None
             if hot is not None and c.kind != "difference":
@@ -133,6 +136,7 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
             off = at - g.start
             out.append(Opportunity(g.name, at, g.name + (f"+{off:#x}" if off else ""), line, c.reg, c.kind, value,
                                    prob, se, n, c.benefit, net, net / total if total else 0.0, len(c.folded)))
+    for dw in dwarf.values():
         if dw is not None:
             dw.close()
     out.sort(key=lambda o: -o.net)
@@ -154,7 +158,7 @@ def specialize(p: Profile, targets: list[Target], event: str, mcpu: str | None =
     from cyclescope.app.calc import calc_target, period_cycles
     from cyclescope.errors import CycleScopeError
 
-    total = float(sum(_event_totals(p, event)))
+    total = float(p.event_totals().get(event, 0))
     phi = phi_share * total
     notes: list[str] = []
     goals = []
@@ -179,14 +183,6 @@ def specialize(p: Profile, targets: list[Target], event: str, mcpu: str | None =
                      "kept candidates pay")
     opps, unobserved = opportunities(p, goals, models, phi, total, nh, min_values)
     return SpecializeReport(opps, goals, unobserved, phi, total, period_cycles(p, event), notes, models)
-
-
-def _event_totals(p: Profile, event: str) -> list[int]:
-    from cyclescope.db.query import query_counts
-
-    t = query_counts(p.ps)
-    ev = t.column("event").to_pylist()
-    return [int(c) for e, c in zip(ev, t.column("count").to_pylist(), strict=True) if e == event]
 
 
 def _vaddr_to_offsets(p: Profile, t: Target, path: str, addrs: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from cyclescope.app.calc import CALC_ESTIMATOR, ESTIMATOR_HELP, ESTIMATORS, calc_target, cycles_event
 from cyclescope.cli.base import Command, add_output_options, add_selection_options, open_profile, register, selection
-from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.errors import UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
 if TYPE_CHECKING:
@@ -77,25 +77,12 @@ class CalcCommand(Command):
         """The procedures with most samples (of --image's images, or of all), each through calc."""
         import time
 
-        from cyclescope.app.procedures import procedure_target
-        from cyclescope.app.prof import prof_report
+        from cyclescope.app.procedures import procedure_target, procedures_with_samples
         from cyclescope.errors import CycleScopeError
         from cyclescope.report.calc import calc_to_json, image_table, summarize
 
-        ps, sym = p.ps, p.sym
-        rep = prof_report(p)
-        i = rep.events.index(ev)
-        rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0]
-        # The kernel's code is not in the database: its procedures cannot be analyzed.
-        no_code = [r for r in rows if ps.images[r.image_key].kind not in ("elf", "vdso")]
-        rows = [r for r in rows if ps.images[r.image_key].kind in ("elf", "vdso")]
-        if not rows:
-            problems = sorted({sym.problems[k] for k in ps.images if k in sym.problems})
-            nosym = [r.image for r in rep.rows if r.start is None and r.counts[i] > 0]
-            raise NotFoundError("no procedure with samples to analyze"
-                                + (f": {problems[0]}" if problems else
-                                   f": {nosym[0]} has no symbol table (stripped?); give an address range "
-                                   "0xSTART-0xEND instead of a procedure" if nosym else ""))
+        ps = p.ps
+        rows, no_code, total = procedures_with_samples(p, ev)
         if args.limit is not None and args.limit < 0:
             raise UsageError("--limit must be 0 (every procedure) or more")
         # Over an image, every procedure in a pipe; over everything, the 20 hottest unless asked.
@@ -121,7 +108,7 @@ class CalcCommand(Command):
             write_json({"procedures": [calc_to_json(c, s) for _, c, s in results], "failures": failures,
                         "analysis_seconds": round(secs, 3), "not_shown": hidden})
             return 0
-        out = image_table(results, float(rep.totals[i]))
+        out = image_table(results, float(total))
         out.footer += [f"note: {f}" for f in failures]
         if no_code:
             out.footer.append(f"note: {len(no_code)} kernel procedure(s) with samples left out (no code to analyze)")

@@ -57,8 +57,7 @@ class SpecializeCommand(Command):
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.app.procedures import procedure_target, resolve_target
-        from cyclescope.app.prof import prof_report
+        from cyclescope.app.procedures import procedure_target, procedures_with_samples, resolve_target
         from cyclescope.app.specialize import specialize, write_plan
         from cyclescope.report.specialize import specialize_table
 
@@ -72,10 +71,7 @@ class SpecializeCommand(Command):
         if args.procedure:
             targets = [resolve_target(p, args.procedure, list(sel.images))[0]]
         else:
-            rep = prof_report(p)
-            i = rep.events.index(ev)
-            rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0
-                    and p.ps.images[r.image_key].kind == "elf"]
+            rows = [r for r in procedures_with_samples(p, ev)[0] if p.ps.images[r.image_key].kind == "elf"]
             if args.limit:
                 rows = rows[:args.limit]
             targets = [t for r in rows if (t := procedure_target(p, r.image_key, r.procedure)) is not None]

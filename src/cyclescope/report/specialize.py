@@ -8,6 +8,7 @@ from typing import Any
 
 from cyclescope.analysis.goal import PHI_SHARE, TEST_COST_ZERO, Candidate, GoalModel
 from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
+from cyclescope.values.modules import fmt_int
 
 
 @dataclass
@@ -74,11 +75,6 @@ class SpecializeReport:
                                 "candidates": len(p.candidates), "kept": len(p.kept)} for p in self.procedures]}
 
 
-def _value(v: int) -> str:
-    signed = v - (1 << 64) if v >= 1 << 63 else v
-    return str(signed) if -4096 < signed < 4096 else f"{v:#x}"
-
-
 def counts_line(rep: SpecializeReport) -> str:
     c = rep.counts
     kept = 100.0 * c["kept"] / c["candidates"] if c["candidates"] else 0.0
@@ -101,7 +97,7 @@ def specialize_table(rep: SpecializeReport) -> Table:
     rows = []
     for o in rep.opportunities:
         rows.append([fmt_pct(100 * o.share, 2), unit(o.net), unit(o.benefit), f"{o.address:x}", o.where,
-                     f"{o.what} ({o.kind})", _value(o.value),
+                     f"{o.what} ({o.kind})", fmt_int(o.value),
                      f"{fmt_pct(100 * o.prob, 0)} (>={fmt_pct(100 * max(0.0, o.prob - 2 * o.se), 0)})",
                      fmt_count(o.observed), str(o.folded), o.source])
     pre = ["cyclescope specialize: where knowing a value pays for its test (goal-directed value profiling)",

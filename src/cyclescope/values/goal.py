@@ -75,12 +75,18 @@ def read_plan(path: str | Path) -> Plan:
     return Plan(points, doc)
 
 
+def share_se(share: float, n: float) -> float:
+    """The standard error of a share of ``n`` sampled values (at least that of one value in n, so
+    that a share of 1 from few values is not taken as certain)."""
+    return math.sqrt(max(share * (1 - share), 1.0 / n) / n)
+
+
 def top_upper(top: float, n: float) -> float:
     """The top value's share plus two standard errors (a sampled count's margin)."""
     if n <= 0:
         return 1.0
     p = min(1.0, top / n)
-    return p + 2.0 * math.sqrt(max(p * (1 - p), 1.0 / n) / n)
+    return p + 2.0 * share_se(p, n)
 
 
 class GoalModule(BaseModule):
@@ -107,8 +113,9 @@ class GoalModule(BaseModule):
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith(KIND):
             return None
-        v = value.v0
-        return str(v - (1 << 64)) if v >= 1 << 63 and v - (1 << 64) > -4096 else (str(v) if v < 4096 else f"{v:#x}")
+        from cyclescope.values.modules import fmt_int
+
+        return fmt_int(value.v0)
 
     def observe(self, nh: NamedHotlists) -> list[int]:
         """Adds a flush's ``goal:`` hotlists to the running tallies, then applies rule (3)."""
