@@ -743,3 +743,28 @@ def test_the_private_fallback_cache_is_removed_at_exit(tmp_path: Path) -> None:
     first, second = r.stdout.split()
     assert first == second and first != str(tmp_path / "cyclescope")
     assert not Path(first).exists()  # the process's fallback directory went with it
+
+
+def test_a_hotlist_whose_estimate_exceeds_the_values_seen_reports_without_failing() -> None:
+    """A thinned hotlist's top estimate (count / p) can exceed its total: the report's standard
+    error stays a real number (it was the square root of a negative share term)."""
+    from cyclescope.report.values import hot_rows
+    from cyclescope.values.api import FormatContext
+    from cyclescope.values.modules import load_modules
+
+    keys = np.zeros(1, dtype=KEY_DTYPE)
+    keys["offset"] = 0x1010
+    values = np.zeros(2, dtype=VALUE_DTYPE)
+    values["v0"] = [16, 3]
+    hs = HotlistSet(keys, np.array([0.5]), np.array([100], np.int64), np.array([0, 0], np.int64), values,
+                    np.array([60.0, 2.0]))  # 60 / 0.5 = 120 of 100 values seen
+
+    class Namer:
+        def fmt(self) -> FormatContext:
+            return FormatContext(lambda img, off: hex(off))
+
+    rows = hot_rows(NamedHotlists(hs, ["img"], ["goal:rcx"]), load_modules(["goal"]), Namer(), 16)  # type: ignore[arg-type]
+    top = rows[0].values[0]
+    assert top.value.v0 == 16 and top.share == pytest.approx(1.2)
+    assert isinstance(top.se, float) and top.se > 0
+    assert rows[0].to_json()["hotlist"][0]["se"] == round(top.se, 6)

@@ -134,7 +134,9 @@ def hot_rows(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, top: i
             c = float(hl.counts[r])
             est = c / p
             share = est / total if total else 0.0
-            se = ((c * (1 - p)) ** 0.5 / p / total + (share * (1 - share) / total) ** 0.5) if total else 0.0
+            # A thinned hotlist's estimate can exceed the values seen (share > 1): its binomial term is 0,
+            # not the square root of a negative number.
+            se = ((c * (1 - p)) ** 0.5 / p / total + (max(0.0, share * (1 - share)) / total) ** 0.5) if total else 0.0
             vals.append(HotValue(format_value(modules, kind, val, fctx), share, est, val, se))
         key = nh.images[int(k["image"])]
         out.append(HotRow(key, int(k["offset"]), kind, total, p, len(rows), vals))
