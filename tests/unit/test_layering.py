@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"analysis", "values"},  # calc and its evidence; value capture
     {"report"},  # tables, JSON and export formats built from the above
     {"app"},  # what the front ends do with a profile
+    {"web"},  # the web UI's routes over app (started by `cyclescope serve`, which is why cli sits above it)
     {"cli"},  # argument parsing and rendering
     {"__main__"},
 ]

@@ -168,9 +168,11 @@ class Profile:
         return load_stacks(self.db, self.ps.epochs, list(sel.hosts) or None, images, set(sel.processes) or None)
 
 
-def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ignore) -> Profile:
+def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ignore,
+                 sym: Symbolizer | None = None) -> Profile:
     """The selection's profile, its warnings given to ``warn`` (corrupt segments left out, epochs a
-    range named that do not exist); DataError when every segment it covers is unreadable."""
+    range named that do not exist); DataError when every segment it covers is unreadable. ``sym``:
+    the symbol tables of an earlier profile of the same database, to use again (a server's)."""
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.query import open_profile as open_set
 
@@ -180,4 +182,4 @@ def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ig
     if not ps.segments and any(w.startswith("skipping") for w in ps.warnings):
         raise DataError(f"no readable segment in the selection "
                         f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
-    return Profile(ps, Symbolizer(db), warn)
+    return Profile(ps, sym if sym is not None else Symbolizer(db), warn)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cyclescope.analysis.goal import PHI_SHARE, GoalModel, select
+from cyclescope.errors import NotFoundError
 from cyclescope.report.specialize import Opportunity, ProcedureGoal, SpecializeReport
 from cyclescope.values.goal import share_se
 
@@ -150,6 +151,23 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
             uniq.append(o)
     out = uniq
     return out, unobserved
+
+
+def specialize_targets(p: Profile, event: str, procedure: str | None, image_patterns: list[str], limit: int
+                       ) -> list[Target]:
+    """What `specialize` analyzes: ``procedure``, else the ``limit`` procedures of ELF images with
+    most samples of ``event`` (0: all)."""
+    from cyclescope.app.procedures import procedure_target, procedures_with_samples, resolve_target
+
+    if procedure:
+        return [resolve_target(p, procedure, image_patterns)[0]]
+    rows = [r for r in procedures_with_samples(p, event)[0] if p.ps.images[r.image_key].kind == "elf"]
+    if limit:
+        rows = rows[:limit]
+    targets = [t for r in rows if (t := procedure_target(p, r.image_key, r.procedure)) is not None]
+    if not targets:
+        raise NotFoundError("no procedure with samples to analyze")
+    return targets
 
 
 def specialize(p: Profile, targets: list[Target], event: str, mcpu: str | None = None,

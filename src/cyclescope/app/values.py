@@ -9,7 +9,9 @@ from cyclescope.errors import NotFoundError, UsageError
 
 if TYPE_CHECKING:
     from cyclescope.app.profile import Profile
+    from cyclescope.db.query import ProfileSet
     from cyclescope.db.values import ValueSelection
+    from cyclescope.report.values import InvariantsReport
     from cyclescope.values.api import ValueModule
 
 
@@ -48,3 +50,48 @@ def listing_values(p: Profile, image_key: str, start: int, end: int, kinds: list
     namer = Namer(p.ps, p.sym, vs.hotlists.images)
     cols, cells = columns(vs.hotlists, modules, namer, image_key, start, end, kinds or None)
     return cols, cells, selection_notes(vs)
+
+
+def image_filter(ps: ProfileSet, patterns: list[str]) -> set[str] | None:
+    """The image keys matching ``patterns`` (None: no patterns, every image); NotFoundError when none."""
+    from cyclescope.db.query import match_images
+
+    if not patterns:
+        return None
+    keys = set(match_images(ps, patterns))
+    if not keys:
+        raise NotFoundError(f"no image matching {', '.join(patterns)} in the selection")
+    return keys
+
+
+def invariants_report(p: Profile, vs: ValueSelection, modules: list[ValueModule], image_patterns: list[str],
+                      min_prob: float, min_vtot: int, min_share: float, limit: int) -> InvariantsReport:
+    """`invariants`: instructions in procedures with at least ``min_share`` of the samples whose
+    hotlists of at least ``min_vtot`` values have a top value of probability ``min_prob`` or more."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from cyclescope.db.hotlist import HotlistSet
+    from cyclescope.report.summary import summarize
+    from cyclescope.report.values import InvariantsReport, Namer, find_invariants, selection_notes
+
+    ps, sym = p.ps, p.sym
+    nh = vs.hotlists
+    allowed = image_filter(ps, image_patterns)
+    if allowed is not None:
+        hl = nh.hl
+        keep = np.array([k in allowed for k in nh.images], bool)[hl.keys["image"]]
+        idx = np.flatnonzero(keep)
+        remap = np.full(len(hl), -1, np.int64)
+        remap[idx] = np.arange(len(idx))
+        rows = remap[hl.hot] >= 0
+        # A copy: the profile's hotlists stay whole for its other reports.
+        nh = replace(nh, hl=HotlistSet(hl.keys[idx], hl.p[idx], hl.total[idx], remap[hl.hot[rows]], hl.values[rows],
+                                       hl.counts[rows]))
+    namer = Namer(ps, sym, nh.images)
+    items = find_invariants(nh, modules, namer, ps, min_prob, min_vtot, min_share, limit)
+    totals = {e: int(m.samples) for e, m in ps.events.items()}
+    crit = (f"procedures with >= {100 * min_share:g}% of the samples, hotlists of >= {min_vtot} values, "
+            f"top value >= {100 * min_prob:.0f}%")
+    return InvariantsReport(items, vs.meta, summarize(ps, totals), crit, selection_notes(vs))

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from cyclescope.app.compare import insn_counts, sample_sets, set_counts
 from cyclescope.cli.base import Command, add_output_options, default_db, eprint, finite_float, open_profile, register
-from cyclescope.errors import DataError, NotFoundError, UsageError
+from cyclescope.errors import DataError, UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
 if TYPE_CHECKING:
-    from cyclescope.app.profile import Profile
-    from cyclescope.db.query import Selection
-    from cyclescope.report.compare import Key
+    pass
 
 
 def _filters(p: argparse.ArgumentParser) -> None:
@@ -24,22 +22,6 @@ def _filters(p: argparse.ArgumentParser) -> None:
     g.add_argument("--image", metavar="IMAGE", action="append", default=[], help="only samples in IMAGE (repeatable)")
     g.add_argument("--event", "-e", metavar="EVENT", help="the event to compare (default: the first recorded)")
     g.add_argument("--images", action="store_true", help="compare images instead of procedures")
-
-
-def set_counts(p: Profile, event: str | None, by_image: bool) -> tuple[str, dict[Key, int]]:
-    """One set's samples of ``event`` (default: its first) per procedure or image."""
-    from cyclescope.app.prof import prof_report
-
-    ps = p.ps
-    if not ps.segments:
-        return event or "", {}
-    ev = event or ps.event_names[0]
-    if ev not in ps.events:
-        raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
-                            f"recorded: {', '.join(ps.events)}")
-    rep = prof_report(p.with_event(ev), by_image)
-    i = rep.events.index(ev)
-    return ev, {(r.procedure, r.image): r.counts[i] for r in rep.rows if r.counts[i]}
 
 
 @register
@@ -71,28 +53,12 @@ class Stats(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.layout import Database
-        from cyclescope.db.query import Selection, parse_epochs
+        from cyclescope.db.query import Selection
         from cyclescope.report.compare import build_stats, stats_table
 
         dbs = [Database.open(p) for p in (args.db or [default_db()])]
-        sets: list[tuple[str, Database, Selection]] = []
-        for db in dbs:
-            epochs = parse_epochs(args.epoch, db.epochs())
-            base = Selection(processes=tuple(args.process), images=tuple(args.image))
-            if args.by == "db":
-                spec = ",".join(map(str, epochs))
-                sets.append((str(db.root), db, replace(base, epochs=spec, hosts=tuple(args.host))))
-            elif args.by == "epoch":
-                for e in epochs:
-                    name = f"{db.root}:{e}" if len(dbs) > 1 else f"epoch {e}"
-                    sets.append((name, db, replace(base, epochs=str(e), hosts=tuple(args.host))))
-            else:
-                hosts = sorted({h for e in epochs for h in db.hosts(e)} - set())
-                if args.host:
-                    hosts = [h for h in hosts if h in args.host]
-                for h in hosts:
-                    spec = ",".join(map(str, epochs))
-                    sets.append((f"host {h}", db, replace(base, epochs=spec, hosts=(h,))))
+        sets = sample_sets(dbs, args.epoch, args.by, list(args.host),
+                           Selection(processes=tuple(args.process), images=tuple(args.image)))
         if len(sets) < 2:
             raise UsageError(f"stats needs at least two sample sets; found {len(sets)} (by {args.by})")
         event = args.event
@@ -177,8 +143,8 @@ class Diff(Command):
         event = args.event
         if args.procedure:
             (_, pa), (_, pb) = sides
-            event, a = self._insn_counts(pa, args.procedure, event, args.image)
-            _, b = self._insn_counts(pb, args.procedure, event, args.image)
+            event, a = insn_counts(pa, args.procedure, event, args.image)
+            _, b = insn_counts(pb, args.procedure, event, args.image)
             unit = "instruction"
         else:
             event, a = set_counts(sides[0][1], event, args.images)
@@ -191,20 +157,3 @@ class Diff(Command):
         limit = args.limit if args.limit is not None else (40 if is_tty(sys.stdout) else 0)
         write_table(diff_table(rep, limit or None, all_rows=args.all))
         return 0
-
-    def _insn_counts(self, p: Profile, proc: str, event: str | None, images: list[str]) -> tuple[str, dict[Key, int]]:
-        from cyclescope.app.procedures import make_listing, resolve_target
-
-        target, _ = resolve_target(p, proc, images)
-        ps = p.ps
-        if not ps.event_names:
-            raise NotFoundError("no samples in the selection")
-        ev = event or ps.event_names[0]
-        if ev not in ps.events:
-            raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
-                                f"recorded: {', '.join(ps.events)}")
-        lst = make_listing(p.with_event(ev), target, [], False, [])
-        i = lst.events.index(ev)
-        key_img = f"{target.info.path} ({(target.info.build_id or target.info.key)[:12]})"
-        return ev, {(f"{r.address:x} {r.text}", key_img): r.counts[i] for r in lst.rows
-                    if r.kind == "insn" and r.address is not None}

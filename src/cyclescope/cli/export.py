@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,15 +15,10 @@ from cyclescope.cli.base import Command, add_selection_options, eprint, open_db,
 from cyclescope.errors import DataError, NotFoundError, UsageError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     from cyclescope.app.profile import Profile
-    from cyclescope.binaries.symbolize import Symbolizer
-    from cyclescope.db.query import ProfileSet
     from cyclescope.images.dwarf import DwarfIndex
     from cyclescope.images.elf import SymbolTable
-    from cyclescope.images.registry import ImageInfo
-    from cyclescope.report.export import Stacks
     from cyclescope.report.llvm_sample import FunctionProfile
 
 
@@ -112,118 +105,24 @@ class Export(Command):
                        help="name frames procedure+offset instead of merging a procedure's instructions")
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.db.query import match_images, query_counts
-        from cyclescope.images.registry import ImageInfo
-        from cyclescope.report.export import collapsed, named_stacks, speedscope
+        from cyclescope.app.stacks import FLAT_NOTE, export_stacks, select_stacks
 
         db = open_db(args)
         prof = open_profile(args, db)
-        ps = prof.ps
         if args.format == "llvm-sample":
             return self._llvm_sample(args, prof)
         if args.format == "bolt-fdata":
             return self._bolt_fdata(args, prof)
-        images = set(match_images(ps, list(args.image))) if args.image else None
-        if args.image and not images:
-            raise NotFoundError(f"no image matching {', '.join(args.image)} in the selection")
-        sel = prof.stacks(images)
+        if args.format == "pprof" and not args.output and sys.stdout.isatty():
+            raise UsageError("pprof output is binary: give -o FILE or redirect standard output")
+        sel = select_stacks(prof, list(args.image), list(getattr(args, "event", None) or ()))
         for c in sel.corrupt:
             eprint(f"cyclescope export: skipped {c}")
-        infos = dict(ps.images)
-        for k, d in sel.images.items():
-            infos.setdefault(k, ImageInfo.from_json(d))
-        stacks: Stacks = sel.counts
-        if not stacks:
-            eprint("cyclescope export: no call stacks recorded in the selection (record with -g dwarf or -g fp); "
-                   "exporting the flat profile as one-frame stacks")
-            t = query_counts(ps, images=sorted(images) if images else None)
-            stacks = Counter()
-            for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
-                                       t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
-                stacks[(ev, ((img, int(off)),))] += int(c)
-        sym = prof.sym
-        names: dict[tuple[str, int], str] = {}
-
-        def name(f: tuple[str, int]) -> str:
-            n = names.get(f)
-            if n is None:
-                key, off = f
-                info = infos.get(key)
-                if info is None:
-                    n = "[unknown]"
-                else:
-                    t = sym.table(info)
-                    i = int(t.lookup(np.array([off], np.uint64))[0]) if len(t) else -1
-                    base = os.path.basename(info.path) if info.path else key[:12]
-                    if i < 0:
-                        n = f"{base}+{off:#x}"
-                    else:
-                        s = int(t.starts[i])
-                        n = t.names[i] + (f"+{off - s:#x}" if args.offsets and off != s else "")
-                names[f] = n
-            return n
-
-        wanted = set(getattr(args, "event", None) or ())
-        if wanted:
-            stacks = Counter({k: n for k, n in stacks.items() if k[0] in wanted})
-            if not stacks:
-                raise NotFoundError(f"no samples of {', '.join(sorted(wanted))} in the selection")
-        events = sorted({ev for ev, _ in stacks})
-        if args.format == "pprof":
-            if not args.output and sys.stdout.isatty():
-                raise UsageError("pprof output is binary: give -o FILE or redirect standard output")
-            _emit(args.output, self._pprof(ps, stacks, events, infos, sym, name))
-            return 0
-        if args.format == "collapsed":
-            out = collapsed(named_stacks(stacks, name, events[0] if len(events) > 1 else None))
-            if len(events) > 1:
-                eprint(f"cyclescope export: collapsed stacks of {events[0]} (of {', '.join(events)})")
-        else:
-            per = {ev: named_stacks(stacks, name, ev) for ev in events}
-            title = f"cyclescope epoch {','.join(map(str, ps.epochs))}"
-            out = json.dumps(speedscope(per, title), separators=(",", ":")) + "\n"
-        _emit(args.output, out.encode())
+        if sel.flat:
+            eprint(f"cyclescope export: {FLAT_NOTE}")
+        _emit(args.output, export_stacks(prof, args.format, sel, args.offsets,
+                                         lambda m: eprint(f"cyclescope export: {m}")))
         return 0
-
-    @staticmethod
-    def _pprof(ps: ProfileSet, stacks: Stacks, events: list[str], infos: dict[str, ImageInfo], sym: Symbolizer,
-               name: Callable[[tuple[str, int]], str]) -> bytes:
-        """Function, source file and line per frame (DWARF where the binary has it), then the profile."""
-        from cyclescope.images.dwarf import DwarfIndex, dwarf_source
-        from cyclescope.report.export import pprof
-
-        frames = sorted({f for _, st in stacks for f in st})
-        where: dict[tuple[str, int], tuple[str | None, int | None]] = {}
-        by_image: dict[str, list[int]] = {}
-        for key, off in frames:
-            by_image.setdefault(key, []).append(off)
-        for key, offs in by_image.items():
-            info = infos.get(key)
-            if info is None or info.kind != "elf":
-                continue
-            try:
-                b = sym.binary(info)
-                path = dwarf_source(b.path, info.key) if b.path else None
-                if not path:
-                    continue
-                pos = DwarfIndex(path, info.key).positions(np.array(offs, np.uint64))
-            except Exception as e:  # a damaged or missing debug file: names without lines
-                eprint(f"cyclescope export: no source lines for {info.path}: {e}")
-                continue
-            for off, sp in zip(offs, pos, strict=True):
-                if sp is not None:
-                    where[(key, off)] = (sp.file, sp.line)
-        meta = {k: {"path": i.path, "build_id": i.build_id or "", "size": getattr(i, "size", 0)}
-                for k, i in infos.items()}
-        period = None
-        if events and events[0] in ps.events and ps.events[events[0]].time_based:
-            em = ps.events[events[0]]
-            if em.samples:
-                period = (events[0], int(em.period_sum / em.samples))
-        time_ns = int(ps.start_time * 1e9)
-        duration = int(max(0.0, ps.end_time - ps.start_time) * 1e9)
-        return pprof(stacks, events, meta, lambda f: (name(f), *where.get(f, (None, None))), time_ns, duration,
-                     period)
 
     @staticmethod
     def _llvm_sample(args: argparse.Namespace, prof: Profile) -> int:

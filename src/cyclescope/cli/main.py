@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export", "call stacks or the flat profile as collapsed, speedscope, pprof; llvm-sample for clang"),
     "optimize": ("optimize", "profile a training run, rebuild with its sample profile (clang), measure the speedup"),
     "db": ("db", "inspect or compact the profile database"),
+    "serve": ("serve", "a web UI over the database: flame graphs, listings with CPI and culprits, values, stats"),
 }
 # Commands that only talk to the daemon: they need no numpy.
 CONTROL_COMMANDS = frozenset({"flush", "epoch", "status"})

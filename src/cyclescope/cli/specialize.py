@@ -17,7 +17,7 @@ from cyclescope.cli.base import (
     register,
     selection,
 )
-from cyclescope.errors import NotFoundError, UsageError
+from cyclescope.errors import UsageError
 from cyclescope.report.render import write_json, write_table
 
 
@@ -57,8 +57,7 @@ class SpecializeCommand(Command):
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.app.procedures import procedure_target, procedures_with_samples, resolve_target
-        from cyclescope.app.specialize import specialize, write_plan
+        from cyclescope.app.specialize import specialize, specialize_targets, write_plan
         from cyclescope.report.specialize import specialize_table
 
         if not 0 <= args.phi <= 100:
@@ -68,15 +67,7 @@ class SpecializeCommand(Command):
         sel = selection(args)
         p = open_profile(args, sel=sel)
         ev = cycles_event(p, args.cycles_event)
-        if args.procedure:
-            targets = [resolve_target(p, args.procedure, list(sel.images))[0]]
-        else:
-            rows = [r for r in procedures_with_samples(p, ev)[0] if p.ps.images[r.image_key].kind == "elf"]
-            if args.limit:
-                rows = rows[:args.limit]
-            targets = [t for r in rows if (t := procedure_target(p, r.image_key, r.procedure)) is not None]
-            if not targets:
-                raise NotFoundError("no procedure with samples to analyze")
+        targets = specialize_targets(p, ev, args.procedure, list(sel.images), args.limit)
         if args.min_values < 1:
             raise UsageError("--min-values must be at least 1")
         out = specialize(p, targets, ev, args.mcpu, args.phi / 100, args.min_values)

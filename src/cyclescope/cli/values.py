@@ -11,7 +11,6 @@ from cyclescope.report.render import write_json, write_table
 
 if TYPE_CHECKING:
     from cyclescope.app.profile import Profile
-    from cyclescope.db.query import ProfileSet
     from cyclescope.db.values import ValueSelection
     from cyclescope.values.api import ValueModule
 
@@ -30,17 +29,6 @@ def load_selection(args: argparse.Namespace) -> tuple[Profile, ValueSelection, l
     p = open_profile(args)
     vs, modules = open_values(p, args.uid, args.modules.split(",") if args.modules else None)
     return p, vs, modules
-
-
-def _image_filter(ps: ProfileSet, patterns: list[str]) -> set[str] | None:
-    from cyclescope.db.query import match_images
-
-    if not patterns:
-        return None
-    keys = set(match_images(ps, patterns))
-    if not keys:
-        raise NotFoundError(f"no image matching {', '.join(patterns)} in the selection")
-    return keys
 
 
 @register
@@ -91,7 +79,9 @@ class Values(Command):
         keep = hl.total >= args.min_vtot
         kind_ok = np.array([kind_matches(k, args.kind or None, args.call_sites) for k in nh.kinds], bool)
         keep &= kind_ok[hl.keys["kind"]]
-        allowed = _image_filter(ps, list(args.image))
+        from cyclescope.app.values import image_filter
+
+        allowed = image_filter(ps, list(args.image))
         if allowed is not None:
             img_ok = np.array([k in allowed for k in nh.images], bool)
             keep &= img_ok[hl.keys["image"]]
@@ -158,43 +148,17 @@ class Invariants(Command):
         add_output_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        import numpy as np
 
-        from cyclescope.report.summary import summarize
-        from cyclescope.report.values import (
-            InvariantsReport,
-            Namer,
-            find_invariants,
-            invariants_table,
-            selection_notes,
-        )
+        from cyclescope.app.values import invariants_report
+        from cyclescope.report.values import invariants_table
 
         if not 0 < args.min_prob <= 1:
             raise UsageError("--min-prob must be in (0, 1]")
         if not 0 <= args.min_share <= 100:
             raise UsageError("--min-share is a percentage")
         p, vs, modules = load_selection(args)
-        ps, sym = p.ps, p.sym
-        nh = vs.hotlists
-        allowed = _image_filter(ps, list(args.image))
-        if allowed is not None:
-            from cyclescope.db.hotlist import HotlistSet
-
-            hl = nh.hl
-            keep = np.array([k in allowed for k in nh.images], bool)[hl.keys["image"]]
-            idx = np.flatnonzero(keep)
-            remap = np.full(len(hl), -1, np.int64)
-            remap[idx] = np.arange(len(idx))
-            rows = remap[hl.hot] >= 0
-            nh.hl = HotlistSet(hl.keys[idx], hl.p[idx], hl.total[idx], remap[hl.hot[rows]], hl.values[rows],
-                               hl.counts[rows])
-        namer = Namer(ps, sym, nh.images)
-        items = find_invariants(nh, modules, namer, ps, args.min_prob, args.min_vtot, args.min_share / 100,
+        rep = invariants_report(p, vs, modules, list(args.image), args.min_prob, args.min_vtot, args.min_share / 100,
                                 args.limit)
-        totals = {e: int(m.samples) for e, m in ps.events.items()}
-        crit = (f"procedures with >= {args.min_share:g}% of the samples, hotlists of >= {args.min_vtot} values, "
-                f"top value >= {100 * args.min_prob:.0f}%")
-        rep = InvariantsReport(items, vs.meta, summarize(ps, totals), crit, selection_notes(vs))
         if args.json:
             write_json(rep.to_json())
         else:

@@ -1,0 +1,149 @@
+"""The web UI without a browser: the flame graph's trees, the server's guard (token, Host, headers)
+on a real uvicorn server over an empty database, and the committed bundle against its sources."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cyclescope.app.stacks import diff_tree, fold
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "unit-test-token-0123456789"
+
+
+def test_fold_sums_callees_into_callers() -> None:
+    t = fold(Counter({("main", "a", "leaf"): 3, ("main", "b", "leaf"): 2, ("main",): 1}), "all")
+    assert t["value"] == 6
+    (main,) = t["children"]
+    assert main["name"] == "main" and main["value"] == 6
+    kids = {k["name"]: k for k in main["children"]}
+    assert kids["a"]["value"] == 3 and kids["b"]["value"] == 2
+    assert kids["a"]["children"][0] == {"name": "leaf", "value": 3, "children": []}
+
+
+def test_fold_takes_stacks_deeper_than_the_recursion_limit() -> None:
+    deep = tuple(f"f{i}" for i in range(5000))
+    t = fold(Counter({deep: 1}), "all")
+    n, depth = t, 0
+    while n["children"]:
+        n, depth = n["children"][0], depth + 1
+    assert depth == 5000
+
+
+def test_diff_tree_colours_only_significant_changes() -> None:
+    a = Counter({("main", "steady"): 8000, ("main", "grows"): 2000, ("main", "same"): 500})
+    b = Counter({("main", "steady"): 2000, ("main", "grows"): 8000, ("main", "same"): 505})
+    t = diff_tree(a, b, alpha=0.05, min_change=0.001)
+    assert t["totals"] == {"a": 10500, "b": 10505}
+    (main,) = t["children"]
+    kids = {k["name"]: k for k in main["children"]}
+    assert kids["grows"]["delta"] > 0 and kids["steady"]["delta"] < 0
+    assert kids["same"]["delta"] == 0 and main["delta"] == 0
+    assert kids["grows"]["a"] == 2000 and kids["grows"]["value"] == 8000
+    assert abs(kids["grows"]["share_b"] - 8000 / 10505) < 1e-9
+
+
+def test_diff_tree_keeps_what_only_a_had_with_no_width() -> None:
+    t = diff_tree(Counter({("main", "gone"): 1000, ("main", "x"): 1000}), Counter({("main", "x"): 1000}))
+    kids = {k["name"]: k for k in t["children"][0]["children"]}
+    assert kids["gone"]["value"] == 0 and kids["gone"]["a"] == 1000 and kids["gone"]["delta"] < 0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    import uvicorn
+
+    from cyclescope.db.layout import Database
+    from cyclescope.web.server import Site, make_app
+
+    db = Database.create_or_open(tmp_path_factory.mktemp("web") / "db")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(make_app(Site(db, TOKEN, port=port)), log_level="error", lifespan="off"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(10)
+    sock.close()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *a: object, **k: object) -> None:
+        return None
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_the_token_is_traded_for_a_cookie_and_taken_out_of_the_url(server: str) -> None:
+    status, headers, _ = get(server + "/?token=" + TOKEN + "&x=1")
+    assert status == 303 and headers["location"] == "/?x=1"
+    cookie = headers["set-cookie"]
+    assert f"={TOKEN}" in cookie and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    name = cookie.split("=", 1)[0]
+    status, headers, body = get(server + "/", {"Cookie": f"{name}={TOKEN}"})
+    assert status == 200 and b"/static/app.js" in body
+    assert "default-src 'self'" in headers["content-security-policy"]
+    assert headers["x-content-type-options"] == "nosniff"
+
+
+def test_without_the_token_nothing_is_served(server: str) -> None:
+    for path in ("/", "/static/app.js", "/api/epochs", "/api/overview"):
+        status, headers, body = get(server + path)
+        assert status == 403 and b"access token" in body, path
+        assert "content-security-policy" in headers
+    assert get(server + "/api/epochs", {"Authorization": "token wrong-token-wrong-token"})[0] == 403
+    assert get(server + "/api/epochs", {"Authorization": "Bearer " + TOKEN})[0] == 200
+
+
+def test_a_foreign_host_name_is_refused_on_loopback(server: str) -> None:
+    status, _, body = get(server + "/api/epochs", {"Authorization": "token " + TOKEN, "Host": "attacker.example:80"})
+    assert status == 403 and b"loopback" in body
+    assert get(server + "/api/epochs", {"Authorization": "token " + TOKEN, "Host": "localhost"})[0] == 200
+
+
+def test_errors_are_one_line_json_with_a_status(server: str) -> None:
+    auth = {"Authorization": "token " + TOKEN}
+    status, _, body = get(server + "/api/listing", auth)
+    assert status == 400 and "name" in json.loads(body)["error"]
+    status, _, body = get(server + "/api/overview?limit=x", auth)
+    assert status == 400 and "limit" in json.loads(body)["error"]
+    status, _, body = get(server + "/api/download/svg", auth)
+    assert status == 404 and "no such download" in json.loads(body)["error"]
+    status, _, body = get(server + "/api/epochs", auth)
+    assert status == 200 and json.loads(body)["epochs"] == []
+
+
+def test_the_bundle_was_built_from_the_sources_in_the_repository() -> None:
+    """scripts/build-web records its sources' digest: editing frontend/ without rebuilding fails here."""
+    front = REPO / "frontend"
+    files = [*sorted((front / "src").rglob("*")), front / "package-lock.json"]
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(str(f.relative_to(front)).encode() + b"\0" + f.read_bytes())
+    recorded = (REPO / "src/cyclescope/web/static/SOURCES.sha256").read_text().strip()
+    assert recorded == h.hexdigest(), "frontend/ changed since the bundle was built: run scripts/build-web"
