@@ -248,22 +248,64 @@ function drawFlame (box, tree, opts) {
     .transitionDuration(0)
     .minFrameSize(1)
     .inverted(!!opts.icicle)
-    .sort(true)
+    .sort(false) // the server sends children in name order
     .label(opts.label || label)
   if (opts.color) c.setColorMapper(opts.color)
   c._rootValue = tree.value
-  if (opts.onClick) c.onClick(opts.onClick)
+  // A zoom redraws the frames (and their classes): the search's marks go back on after it.
+  c.onClick((d) => { if (opts.onClick) opts.onClick(d); highlight() })
   box.replaceChildren()
   const t0 = performance.now()
   select(box).datum(tree).call(c)
+  highlight()
   performance.measure('flame:draw', { start: t0 })
   return c
 }
 
+function prunedNote (tree) {
+  const p = tree.pruned
+  if (!p || !p.frames) return null
+  return `${fmt.format(p.frames)} of ${fmt.format(p.of)} frames, each of at most ${fmt.format(p.largest)} samples (${pct(p.largest / Math.max(1, tree.value))}), are left out so that the graph stays fast; their time shows in their callers. Callers and callees of one function show all of its frames.`
+}
+
+// Search marks the matching frames drawn with a class, and says what share of the samples they
+// hold. The graph's own search redraws every frame (about 100 ms for 2,000 frames here) and compiles
+// the term once per frame; this compiles it once, and takes a term that is not a valid regular
+// expression literally.
+let searchTerm = ''
+let searchRe = null
+
+function setSearch (term) {
+  searchTerm = term || ''
+  searchRe = null
+  if (!searchTerm) return
+  try { searchRe = new RegExp(searchTerm) } catch (e) { searchRe = new RegExp(searchTerm.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')) }
+}
+
+function highlight () {
+  for (const g of document.querySelectorAll('.flame g.frame')) {
+    const name = g.getAttribute('name')
+    g.classList.toggle('match', !!searchRe && !!name && name !== 'all' && searchRe.test(name))
+  }
+}
+
+function matchedShare (tree) {
+  // Samples under the outermost matching frames, of the whole tree's.
+  let sum = 0
+  const todo = [...(tree.children || [])]
+  while (todo.length) {
+    const n = todo.pop()
+    if (searchRe.test(n.name)) sum += n.value; else todo.push(...(n.children || []))
+  }
+  return sum / Math.max(1, tree.value)
+}
+
 function searchFlame (term) {
-  if (!chart) return
   const t0 = performance.now()
-  if (term) chart.search(term); else chart.clear()
+  setSearch(term)
+  highlight()
+  const info = $('#searchinfo')
+  if (info) info.textContent = searchRe && lastData && lastData.tree ? `matches ${pct(matchedShare(lastData.tree))} of the samples` : ''
   performance.measure('flame:search', { start: t0 })
 }
 
@@ -303,7 +345,18 @@ function sandwich (root, name) {
       at = d
     }
   }
-  return { callers, callees }
+  return { callers: sortTree(callers), callees: sortTree(callees) }
+}
+
+function sortTree (root) {
+  // Children in name order, as the server sends its trees (the graph does not sort at each redraw).
+  const todo = [root]
+  while (todo.length) {
+    const n = todo.pop()
+    n.children.sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0))
+    todo.push(...n.children)
+  }
+  return root
 }
 
 function frameDetails (box, d, params, tree) {
@@ -319,14 +372,18 @@ function frameDetails (box, d, params, tree) {
 }
 
 async function flameView (main, params, seq) {
-  const data = await api('flame', selParams(params))
+  const sw = params.get('sandwich')
+  // For one function's callers and callees, the server keeps the stacks through it only: at full
+  // resolution however narrow the function is in the whole graph.
+  const q = sw ? { ...selParams(params), focus: sw } : selParams(params)
+  if (params.get('max_nodes')) q.max_nodes = params.get('max_nodes') // frames drawn at most (default 20,000)
+  const data = await api('flame', q)
   if (seq !== renderSeq) return
   lastData = data
   const icicle = params.get('icicle') === '1'
-  const sw = params.get('sandwich')
   const tools = el('div', { class: 'toolbar' },
     el('h1', {}, sw ? `Callers and callees of ${sw}` : (icicle ? 'Icicle graph' : 'Flame graph')),
-    el('label', { title: 'search frames (key /); Esc clears' }, 'Search ', el('input', { id: 'search', type: 'search', placeholder: 'function or regex', value: params.get('search') || '', oninput: (e) => searchFlame(e.target.value) })),
+    el('label', { title: 'search frames (key /); Esc clears' }, 'Search ', el('input', { id: 'search', type: 'search', placeholder: 'function or regex', value: params.get('search') || '', oninput: (e) => searchFlame(e.target.value) }), el('span', { id: 'searchinfo', class: 'muted' })),
     el('button', { title: 'show the whole graph again (key Esc)', onclick: () => chart && chart.resetZoom() }, 'Reset zoom'),
     el('a', { href: '#/flame?' + new URLSearchParams({ ...Object.fromEntries(params), icicle: icicle ? '' : '1' }), title: 'key i' }, icicle ? 'Flame' : 'Icicle'),
     sw ? el('a', { href: '#/flame?' + new URLSearchParams({ ...Object.fromEntries(params), sandwich: '' }) }, 'Whole graph') : '',
@@ -334,7 +391,7 @@ async function flameView (main, params, seq) {
   main.append(tools)
   main.append(el('p', { class: 'summary' }, `${data.event}: ${fmt.format(data.tree.value)} samples`,
     data.events.length > 1 ? ` · events: ${data.events.join(', ')} (choose with the event field)` : ''))
-  main.append(notes([data.note, ...(data.skipped || [])].filter(Boolean)) || '')
+  main.append(notes([data.note, prunedNote(data.tree), ...(data.skipped || [])].filter(Boolean)) || '')
   const details = el('div', { class: 'details', id: 'details' }, 'Click a frame to zoom; double-click to open its listing.')
   main.append(details)
   const onClick = (d) => frameDetails(details, d, params, data.tree)
@@ -342,7 +399,7 @@ async function flameView (main, params, seq) {
     const { callers, callees } = sandwich(data.tree, sw)
     if (!callers.value) { main.append(error(new Error(`no frame named ${sw} in this selection`))); return }
     const a = el('div', { class: 'flame', id: 'callers' }); const b = el('div', { class: 'flame', id: 'callees' })
-    main.append(el('h2', {}, 'Callers (the function at the top)'), a, el('h2', {}, 'Callees'), b)
+    main.append(el('h2', {}, 'Callers (the function at the bottom, its callers above it)'), a, el('h2', {}, 'Callees'), b)
     drawFlame(a, callers, { icicle: false, onClick })
     chart = drawFlame(b, callees, { icicle: true, onClick })
   } else {
@@ -393,6 +450,7 @@ async function diffView (main, params, seq) {
   main.append(el('p', { class: 'summary' }, `${tree.event}: A ${fmt.format(tot.a)} samples, B ${fmt.format(tot.b)} samples. Widths are B's; `,
     el('span', { class: 'swatch up' }), ' more of B\'s samples, ', el('span', { class: 'swatch down' }), ' fewer, coloured only where significant ',
     `(q < ${tree.alpha}, at least ${(tree.min_change * 100).toFixed(2)} points)`))
+  main.append(notes([prunedNote(tree.tree)].filter(Boolean)) || '')
   const details = el('div', { class: 'details', id: 'details' }, 'Hover a frame for its shares in A and B.')
   main.append(details)
   const box = el('div', { class: 'flame', id: 'diffflame' })
@@ -419,20 +477,34 @@ async function diffView (main, params, seq) {
 
 // --- procedure view ------------------------------------------------------------------------------
 
-function cfgDot (calc) {
+// Graphviz lays a graph out in the page's thread, in time that grows faster than the graph: a few
+// hundred blocks take under a second, an interpreter's dispatch function (thousands) minutes. Larger
+// procedures show their hottest blocks and the edges between them.
+const CFG_MAX_BLOCKS = 200
+
+function cfgBlocks (calc) {
+  const heat = (b) => b.executions || b.frequency || 0
+  const all = calc.blocks.map((b, i) => i)
+  if (all.length <= CFG_MAX_BLOCKS) return new Set(all)
+  return new Set(all.sort((a, b) => heat(calc.blocks[b]) - heat(calc.blocks[a])).slice(0, CFG_MAX_BLOCKS))
+}
+
+function cfgDot (calc, shown) {
   const blocks = calc.blocks
   const maxF = Math.max(1e-9, ...blocks.map((b) => b.executions || b.frequency || 0))
   const lines = ['digraph cfg {', 'node [shape=box, style=filled, fontname="monospace", fontsize=10];', 'edge [fontname="monospace", fontsize=9];']
   blocks.forEach((b, i) => {
+    if (!shown.has(i)) return
     const f = b.executions || b.frequency || 0
     const heat = f > 0 ? Math.log1p(f) / Math.log1p(maxF) : 0
-    const color = `#${Math.round(255).toString(16)}${Math.round(255 - 170 * heat).toString(16).padStart(2, '0')}${Math.round(255 - 220 * heat).toString(16).padStart(2, '0')}`
+    const color = `#ff${Math.round(255 - 170 * heat).toString(16).padStart(2, '0')}${Math.round(255 - 220 * heat).toString(16).padStart(2, '0')}`
     const exec = b.executions !== null && b.executions !== undefined ? fmt.format(Math.round(b.executions)) : '?'
     lines.push(`"b${i}" [label="${hex(b.start)}-${hex(b.end)}\\n${b.instructions.length} insns · ${exec} exec", fillcolor="${color}", tooltip="block ${hex(b.start)}: ${exec} executions (${b.method}, ${b.confidence})"];`)
   })
   lines.push('"entry" [shape=oval, style="", label="entry"]; "exit" [shape=oval, style="", label="return"];')
-  const maxE = Math.max(1e-9, ...calc.edges.map((e) => e.executions || e.frequency || 0))
-  for (const e of calc.edges) {
+  const edges = calc.edges.filter((e) => (e.src < 0 || shown.has(e.src)) && (e.dst < 0 || shown.has(e.dst)))
+  const maxE = Math.max(1e-9, ...edges.map((e) => e.executions || e.frequency || 0))
+  for (const e of edges) {
     const v = e.executions || e.frequency || 0
     const w = 0.5 + 4 * (v / maxE)
     const lab = e.executions !== null && e.executions !== undefined ? fmt.format(Math.round(e.executions)) : ''
@@ -446,10 +518,43 @@ function cfgDot (calc) {
 
 async function drawCfg (box, calc) {
   try {
+    const shown = cfgBlocks(calc)
     const viz = await vizInstance()
-    const svg = viz.renderSVGElement(cfgDot(calc))
-    box.replaceChildren(svg)
+    const svg = viz.renderSVGElement(cfgDot(calc, shown))
+    const kids = [svg]
+    if (shown.size < calc.blocks.length) {
+      kids.unshift(el('p', { class: 'muted' }, `The ${fmt.format(shown.size)} most executed of ${fmt.format(calc.blocks.length)} blocks, and the edges between them (a graph this large takes Graphviz minutes to lay out).`))
+    }
+    box.replaceChildren(...kids)
   } catch (e) { box.replaceChildren(error(e)) }
+}
+
+const FOLD_OVER = 2000 // rows of a listing before its cold runs are folded
+const FOLD_RUN = 40 // the shortest run of rows folded
+const FOLD_CONTEXT = 6 // rows kept on each side of a sampled instruction
+
+function foldCold (rows) {
+  // The rows as parts, {rows, folded}: runs of at least FOLD_RUN rows further than FOLD_CONTEXT rows
+  // from any sampled instruction are folded, in listings of more than FOLD_OVER rows.
+  if (rows.length <= FOLD_OVER) return [{ rows, folded: false }]
+  const near = new Uint8Array(rows.length)
+  rows.forEach((r, i) => {
+    if (r.kind === 'insn' && (r.counts || []).some((c) => c > 0)) {
+      for (let j = Math.max(0, i - FOLD_CONTEXT); j <= Math.min(rows.length - 1, i + FOLD_CONTEXT); j++) near[j] = 1
+    }
+  })
+  const parts = []
+  let i = 0
+  while (i < rows.length) {
+    let j = i
+    while (j < rows.length && near[j] === near[i]) j++
+    const run = rows.slice(i, j)
+    const folded = !near[i] && run.length >= FOLD_RUN
+    const last = parts[parts.length - 1]
+    if (!folded && last && !last.folded) last.rows.push(...run); else parts.push({ rows: run, folded })
+    i = j
+  }
+  return parts
 }
 
 async function procView (main, params, seq) {
@@ -466,14 +571,17 @@ async function procView (main, params, seq) {
     downloads(params, false)))
   main.append(el('p', { class: 'summary' }, evs.map((e) => `${e}: ${fmt.format(lst.samples[e])} samples (${pct(lst.samples[e] / Math.max(1, lst.selection_samples[e]))} of the selection)`).join(' · ')))
   main.append(notes([...lst.problems, ...(lst.value_notes || [])]) || '')
-  const insns = lst.instructions
-  const hot = insns.filter((i) => i.samples[ev0] > 0).sort((a, b) => b.samples[ev0] - a.samples[ev0]).slice(0, 10)
+  // The listing's instruction rows (the server leaves out `list --json`'s instructions array, which
+  // repeats them): counts per event in the order of lst.events.
+  const insns = lst.rows.filter((r) => r.kind === 'insn')
+  const count = (r, i = 0) => (r.counts || [])[i] || 0
+  const hot = insns.filter((r) => count(r) > 0).sort((a, b) => count(b) - count(a)).slice(0, 10)
   main.append(el('h2', {}, 'Hottest instructions'))
   main.append(table([
     { label: 'Address', get: (r) => el('a', { href: '#insn-' + r.address.toString(16), class: 'addr' }, hex(r.address)) },
-    ...evs.map((e) => ({ label: e, num: true, get: (r) => fmt.format(r.samples[e]) })),
-    { label: '%', num: true, get: (r) => pct(r.samples[ev0] / Math.max(1, lst.samples[ev0])) },
-    { label: 'Instruction', get: (r) => r.instruction, class: 'code' },
+    ...evs.map((e, i) => ({ label: e, num: true, get: (r) => fmt.format(count(r, i)) })),
+    { label: '%', num: true, get: (r) => pct(count(r) / Math.max(1, lst.samples[ev0])) },
+    { label: 'Instruction', get: (r) => r.text, class: 'code' },
     { label: 'Source', get: (r) => r.file ? `${r.file.split('/').pop()}:${r.line}` : '' }
   ], hot, { class: 'data hot' }))
   const calcBox = el('section', { class: 'calc' }, el('h2', {}, 'calc: frequency, CPI, culprits'), el('p', { class: 'muted loading' }, 'Running calc (the static model takes a few seconds the first time)…'))
@@ -481,25 +589,46 @@ async function procView (main, params, seq) {
   main.append(calcBox, cfgBox)
   const listBox = el('section', {}, el('h2', {}, 'Annotated listing'))
   main.append(listBox)
-  const maxS = Math.max(1, ...insns.map((i) => i.samples[ev0]))
+  const maxS = insns.reduce((m, r) => Math.max(m, count(r)), 1)
   const valueCols = lst.value_columns || []
   const cols = ['Address', ...evs, 'Exec', 'CPI', 'Culprits', 'Instruction', ...valueCols]
   const t = el('table', { class: 'data listing' }, el('thead', {}, el('tr', {}, cols.map((c, i) => el('th', { class: i > 0 && i <= evs.length + 2 ? 'num' : '' }, c)))))
   const tb = el('tbody')
-  for (const r of lst.rows) {
+  let byAddr = null // calc's per instruction, once it has run
+  const fillCalc = (tr) => {
+    const c = byAddr && byAddr.get(Number(tr.dataset.address))
+    if (!c) return
+    const exec = tr.querySelector('.exec')
+    exec.textContent = c.executions !== null && c.executions !== undefined ? fmt.format(Math.round(c.executions)) : ''
+    exec.title = `block executions estimated by calc (${c.confidence} confidence)`
+    tr.querySelector('.cpi').textContent = c.cpi !== null && c.cpi !== undefined ? Number(c.cpi).toFixed(2) : ''
+    tr.querySelector('.culprits').textContent = (c.culprits || []).join(', ')
+  }
+  const rowOf = (r) => {
     if (r.kind === 'insn') {
       const n = (r.counts || [])[0] || 0
-      tb.append(el('tr', { id: 'insn-' + r.address.toString(16), 'data-address': r.address, class: n ? 'sampled' : '' },
+      const tr = el('tr', { id: 'insn-' + r.address.toString(16), 'data-address': r.address, class: n ? 'sampled' : '' },
         el('td', { class: 'addr' }, hex(r.address)),
         ...evs.map((e, i) => el('td', { class: 'num', title: `${(r.counts || [])[i] || 0} samples of ${e}` }, i === 0 ? [bar(n / maxS), fmt.format(n)] : fmt.format((r.counts || [])[i] || 0))),
         el('td', { class: 'num exec' }), el('td', { class: 'num cpi' }), el('td', { class: 'culprits' }),
         el('td', { class: 'code' }, r.text),
-        ...valueCols.map((_, i) => el('td', { class: 'values' }, (r.values || [])[i] || ''))))
+        ...valueCols.map((_, i) => el('td', { class: 'values' }, (r.values || [])[i] || '')))
+      fillCalc(tr)
+      return tr
     } else if (r.kind === 'source' || r.kind === 'inline') {
-      tb.append(el('tr', { class: 'src' }, el('td', { colspan: cols.length }, r.file ? `${r.file.split('/').pop()}:${r.line}  ` : '', r.text)))
-    } else {
-      tb.append(el('tr', { class: 'gap' }, el('td', { colspan: cols.length }, r.text || r.note || '…')))
+      return el('tr', { class: 'src' }, el('td', { colspan: cols.length }, r.file ? `${r.file.split('/').pop()}:${r.line}  ` : '', r.text))
     }
+    return el('tr', { class: 'gap' }, el('td', { colspan: cols.length }, r.text || r.note || '…'))
+  }
+  // A browser lays out a table of tens of thousands of rows in seconds: in a large procedure, long
+  // runs of rows far from any sample are folded into one row that opens on a click.
+  for (const part of foldCold(lst.rows)) {
+    if (!part.folded) { for (const r of part.rows) tb.append(rowOf(r)); continue }
+    const n = part.rows.filter((r) => r.kind === 'insn').length
+    const tr = el('tr', { class: 'gap folded', title: 'show them' }, el('td', { colspan: cols.length },
+      el('a', { href: '#', onclick: (e) => { e.preventDefault(); tr.replaceWith(...part.rows.map(rowOf)) } },
+        `${fmt.format(n)} instructions without samples (${hex(part.rows.find((r) => r.kind === 'insn')?.address || 0)}…): show`)))
+    tb.append(tr)
   }
   t.append(tb)
   listBox.append(t)
@@ -510,16 +639,9 @@ async function procView (main, params, seq) {
     lastData.calc = calc
     calcBox.replaceChildren(el('h2', {}, 'calc: frequency, CPI, culprits'),
       el('pre', { class: 'figure4' }, (calc.summary_text || []).join('\n')), notes(calc.notes) || '')
-    const byAddr = new Map()
+    byAddr = new Map()
     for (const b of calc.blocks) for (const i of b.instructions) byAddr.set(i.address, { ...i, executions: b.executions, confidence: b.confidence })
-    for (const tr of tb.querySelectorAll('tr[data-address]')) {
-      const c = byAddr.get(Number(tr.dataset.address))
-      if (!c) continue
-      tr.querySelector('.exec').textContent = c.executions !== null && c.executions !== undefined ? fmt.format(Math.round(c.executions)) : ''
-      tr.querySelector('.exec').title = `block executions estimated by calc (${c.confidence} confidence)`
-      tr.querySelector('.cpi').textContent = c.cpi !== null && c.cpi !== undefined ? Number(c.cpi).toFixed(2) : ''
-      tr.querySelector('.culprits').textContent = (c.culprits || []).join(', ')
-    }
+    for (const tr of tb.querySelectorAll('tr[data-address]')) fillCalc(tr)
     drawCfg(cfgBox.appendChild(el('div', { class: 'graph' })), calc).then(() => cfgBox.querySelector('.muted')?.remove())
   } catch (e) {
     calcBox.replaceChildren(el('h2', {}, 'calc'), error(e))
@@ -673,6 +795,9 @@ setInterval(async () => {
     knownEpochs = ids
   } catch (err) { /* the server stopped: say nothing, keep what is shown */ }
 }, 5000)
+
+// For scripts that drive the page (bench/serve.py times zoom and search through these).
+window.cyclescope = { chart: () => chart, search: searchFlame, render }
 
 theme()
 window.addEventListener('hashchange', render)

@@ -151,6 +151,31 @@ def test_a_frame_opens_its_listing_with_the_hot_instruction_first(server: str, b
     screenshot(browser, "procedure")
 
 
+def test_search_marks_the_matching_frames_and_zoom_keeps_them(server: str, browser: Any, recorded: Path) -> None:
+    base = logged_in(browser, server)
+    open_view(browser, base, "flame?epochs=2")
+    box = browser.find_element("css selector", "#search")
+    box.send_keys("^grow")
+
+    def marked() -> set[str]:
+        return {str(g.get_attribute("name")) for g in browser.find_elements("css selector", "#flame g.frame.match")}
+
+    assert marked() == {"grows"}
+    share = browser.find_element("css selector", "#searchinfo").text
+    grows = next(r for r in prof_json(recorded, "--epoch", "2")["rows"] if r["procedure"] == "grows")
+    assert share.startswith("matches "), share
+    assert abs(float(share.split()[1].rstrip("%")) - grows["percent"]["cpu-clock"]) < 2.0, share
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(browser).click(browser.find_element("css selector", '#flame g.frame[name="main"] rect')).perform()
+    assert browser.find_element("css selector", "#details strong").text == "main"  # zoomed in on main
+    assert marked() == {"grows"}
+    box.clear()
+    box.send_keys("grows(")  # not a regular expression: taken literally, matches nothing, no error
+    assert marked() == set()
+    assert browser.find_element("css selector", "#searchinfo").text == "matches 0.00% of the samples"
+
+
 def test_the_diff_view_colours_the_changed_function(server: str, browser: Any) -> None:
     base = logged_in(browser, server)
     open_view(browser, base, "diff?a=1&b=2")

@@ -127,3 +127,11 @@ def test_stats_and_diff_commands(tmp_path: Path) -> None:
     same = json.loads(run("diff", "1", "2", "--db", str(db.root), "--json"))
     assert not any(r["significant"] for r in same["rows"])
     assert "did not change significantly" in run("diff", "1", "2", "--db", str(db.root))
+
+
+def test_erfc_keeps_a_small_relative_error_far_into_the_tail() -> None:
+    from cyclescope.report.compare import erfc
+
+    x = np.linspace(0, 9, 9001)  # erfc(9) is 4e-37: the p-value of z = 12.7
+    ref = np.array([math.erfc(v) for v in x])
+    assert np.max(np.abs(erfc(x) - ref) / ref) < 1.2e-7

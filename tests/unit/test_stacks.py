@@ -11,7 +11,7 @@ import pytest
 
 from cyclescope.collect.stacks import StackAggregator, split_chain
 from cyclescope.db.layout import Database
-from cyclescope.db.stacks import compact_stacks, load_stacks, stacks_dir, write_stacks
+from cyclescope.db.stacks import StackArrays, compact_stacks, load_stack_arrays, load_stacks, stacks_dir, write_stacks
 from cyclescope.errors import DataError
 from cyclescope.perf.abi import PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
 from cyclescope.report.export import SPEEDSCOPE_SCHEMA, collapsed, named_stacks, speedscope
@@ -89,6 +89,39 @@ def test_stack_files_round_trip_and_a_corrupt_one_is_skipped(tmp_path: Path) -> 
             f.unlink()
     with pytest.raises(DataError, match="corrupt"):
         load_stacks(db, [epoch])
+
+
+def _as_counter(a: StackArrays) -> Counter[tuple[str, tuple[tuple[str, int], ...]]]:
+    out: Counter[tuple[str, tuple[tuple[str, int], ...]]] = Counter()
+    for r in range(len(a)):
+        lo, hi = a.splits[r], a.splits[r + 1]
+        frames = tuple((a.keys[int(i)], int(o)) for i, o in zip(a.image[lo:hi], a.offset[lo:hi], strict=True))
+        out[(a.events[int(a.event[r])], frames)] += int(a.count[r])
+    return out
+
+
+def test_stacks_as_columns_hold_what_load_stacks_reads(tmp_path: Path) -> None:
+    db = Database.create_or_open(tmp_path / "db")
+    epoch = db.ensure_epoch()
+    keys = ["[unknown]", "buildid-a", "kernel"]
+    chains = [(PERF_CONTEXT_USER, 0x401000, 0x402005), (PERF_CONTEXT_USER, 0x401000, 0x403005, 0x402005),
+              (PERF_CONTEXT_KERNEL, 0xFFFFFFFF81000000, PERF_CONTEXT_USER, 0x401000)]
+    for i in range(3):
+        agg = StackAggregator()
+        for j, chain in enumerate(chains):
+            n = i + j + 1
+            agg.add(_Mapper(), np.array([7] * n), np.array([0x401000] * n, np.uint64), np.full(n, j % 2),
+                    [chain] * n, [1 + (j == 2)] * n)
+        write_stacks(db, epoch, "h", agg.take(), keys, ["cpu-clock", "page-faults"], {}, ["[unknown]", "prog", "sh"])
+    (stacks_dir(db, epoch, "h") / "stk-00000009-00000009.parquet").write_bytes(b"PAR1 not really")
+    for kw in ({}, {"images": {"buildid-a"}}, {"images": {"other"}}, {"processes": {"sh"}}):
+        rows = load_stacks(db, [epoch], **kw)  # type: ignore[arg-type]
+        cols = load_stack_arrays(db, [epoch], **kw)  # type: ignore[arg-type]
+        assert _as_counter(cols) == rows.counts, kw
+        assert bool(rows.counts) == (kw != {"images": {"other"}})
+        assert cols.files == 3 and len(cols.corrupt) == 1
+    only = load_stack_arrays(db, [epoch], events={"page-faults"})
+    assert set(_as_counter(only)) == {k for k in load_stacks(db, [epoch]).counts if k[0] == "page-faults"}
 
 
 def test_collapsed_and_speedscope_documents() -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cyclescope.app.stacks import diff_tree, fold
+from cyclescope.app.stacks import diff_tree, flame_json, fold, named_arrays
+from cyclescope.report.flame import fold_arrays
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "unit-test-token-0123456789"
@@ -58,6 +59,48 @@ def test_diff_tree_keeps_what_only_a_had_with_no_width() -> None:
     t = diff_tree(Counter({("main", "gone"): 1000, ("main", "x"): 1000}), Counter({("main", "x"): 1000}))
     kids = {k["name"]: k for k in t["children"][0]["children"]}
     assert kids["gone"]["value"] == 0 and kids["gone"]["a"] == 1000 and kids["gone"]["delta"] < 0
+
+
+def _walk(t: dict) -> list[dict]:
+    out, todo = [], [t]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo.extend(n["children"])
+    return out
+
+
+def _pruned(named: Counter[tuple[str, ...]], max_nodes: int) -> dict:
+    names, splits, frames, weights = named_arrays([named])
+    return flame_json(fold_arrays(splits, frames, weights), names, max_nodes)
+
+
+def test_the_flame_tree_keeps_the_widest_frames_as_one_tree() -> None:
+    # 1,000 distinct stacks main -> fI -> gI (I samples each): 2,001 frames below the root.
+    named = Counter({("main", f"f{i}", f"g{i}"): i for i in range(1, 1001)})
+    total = sum(named.values())
+    p = _pruned(named, 101)
+    nodes = _walk(p)
+    assert len(nodes) == 101
+    assert p["value"] == total and p["children"][0]["value"] == total  # callers keep their full width
+    kept = {n["name"] for n in nodes}
+    # below main, the widest: f1000, g1000, f999, g999, ... f952, g952, and of f951 and g951 (tied at
+    # the cut) the caller
+    assert {"f1000", "g1000", "f952", "g952", "f951"} <= kept and not {"g951", "f950"} & kept
+    assert all("f" + n[1:] in kept for n in kept if n.startswith("g"))  # no callee without its caller
+    assert p["pruned"] == {"frames": 2002 - 101, "of": 2002, "largest": 951.0}
+    names = [k["name"] for k in p["children"][0]["children"]]
+    assert names == sorted(names)  # children in name order: the page does not sort them again
+
+
+def test_a_small_tree_is_whole_and_the_diff_tree_pruned_by_either_side() -> None:
+    t = _pruned(Counter({("main", "a"): 3}), 10)
+    assert t["pruned"]["frames"] == 0 and t["children"][0]["children"][0]["name"] == "a"
+    a = Counter({("main", f"only_a{i}"): 100 + i for i in range(50)})
+    b = Counter({("main", f"only_b{i}"): 1 for i in range(50)})
+    d = diff_tree(a, b, max_nodes=12)
+    names = {n["name"] for n in _walk(d)}
+    assert len(names) == 12 and "only_a49" in names  # width 0 in B, kept by its width in A
 
 
 @pytest.fixture(scope="module")

@@ -87,17 +87,17 @@ def resolve_target(p: Profile, spec: str, image_patterns: list[str]) -> tuple[Ta
             raise NotFoundError("no image with samples matches")
         return Target(ps.images[keys[0]], spec, start, end), []
     matches: list[tuple[int, ImageInfo, int, int, str]] = []
-    names_seen: dict[str, int] = {}
     for k in keys:
         info = ps.images[k]
         table = sym.table(info)
         for i, n in enumerate(table.names):
             if n == spec or (n.startswith(spec + "(") and "(" not in spec):
                 matches.append((totals.get(k, 0), info, int(table.starts[i]), int(table.ends[i]), n))
-        if len(names_seen) < 200000:
-            for n in table.names:
-                names_seen.setdefault(n, 0)
     if not matches:
+        names_seen: dict[str, int] = {}
+        for k in keys:
+            if len(names_seen) < 200000:
+                names_seen.update(dict.fromkeys(sym.table(ps.images[k]).names, 0))
         close = difflib.get_close_matches(spec, list(names_seen), n=5, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         where = f" in {', '.join(image_patterns)}" if image_patterns else " in the images with samples"

@@ -13,9 +13,13 @@ from typing import TYPE_CHECKING, Any
 from cyclescope.errors import NotFoundError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from cyclescope.app.profile import Profile
+    from cyclescope.db.stacks import StackArrays
     from cyclescope.images.registry import ImageInfo
     from cyclescope.report.export import Frame, Stacks
+    from cyclescope.report.flame import Trie
 
 FLAT_NOTE = ("no call stacks recorded in the selection (record with -g dwarf or -g fp); "
              "each instruction is a one-frame stack (the flat profile)")
@@ -156,88 +160,252 @@ def _pprof(p: Profile, sel: SelectedStacks, events: list[str], name: Callable[[F
                  period)
 
 
-def flame_tree(p: Profile, sel: SelectedStacks, event: str) -> dict[str, Any]:
-    """The stacks of ``event`` as the nested tree a flame graph draws: {name, value, children}, root
-    first, frames of the same procedure under the same caller merged."""
-    from cyclescope.report.export import named_stacks
+MAX_FLAME_NODES = 20_000  # a flame graph's frames: past it the narrowest go (see flame_json)
 
-    name = frame_namer(p, sel.infos)
-    return fold(named_stacks(sel.stacks, name, event), "all")
+
+@dataclass
+class SelectedArrays:
+    """A selection's stacks as columns (db.stacks.StackArrays) with the images their frames name."""
+
+    arrays: StackArrays
+    infos: dict[str, ImageInfo]
+    flat: bool  # no stacks were recorded: one-frame stacks of the flat profile
+    corrupt: list[str] = field(default_factory=list)
+
+    @property
+    def events(self) -> list[str]:
+        import numpy as np
+
+        return sorted(self.arrays.events[int(i)] for i in np.unique(self.arrays.event))
+
+
+def select_stack_arrays(p: Profile, image_patterns: list[str] | None = None, events: list[str] | None = None
+                        ) -> SelectedArrays:
+    """select_stacks's selection as columns, for the flame graphs: no Python object per frame."""
+    import numpy as np
+
+    from cyclescope.db.query import match_images, query_counts
+    from cyclescope.db.stacks import StackArrays, load_stack_arrays
+    from cyclescope.images.registry import ImageInfo
+
+    ps = p.ps
+    images = set(match_images(ps, list(image_patterns))) if image_patterns else None
+    if image_patterns and not images:
+        raise NotFoundError(f"no image matching {', '.join(image_patterns)} in the selection")
+    sel = ps.selection
+    arr = load_stack_arrays(p.db, ps.epochs, list(sel.hosts) or None, images, set(sel.processes) or None)
+    infos = dict(ps.images)
+    for k, d in arr.images.items():
+        infos.setdefault(k, ImageInfo.from_json(d))
+    flat = not len(arr)
+    if flat:
+        t = query_counts(ps, images=sorted(images) if images else None)
+        keys = sorted(set(t.column("image").to_pylist()))
+        evs = sorted(set(t.column("event").to_pylist()))
+        kx, ex = {k: i for i, k in enumerate(keys)}, {e: i for i, e in enumerate(evs)}
+        img = np.array([kx[k] for k in t.column("image").to_pylist()], np.int32)
+        ev = np.array([ex[e] for e in t.column("event").to_pylist()], np.int32)
+        corrupt = arr.corrupt
+        arr = StackArrays.build(evs, ev, t.column("count").to_numpy().astype(np.float64),
+                                np.ones(len(img), np.int64), keys, img, t.column("offset").to_numpy())
+        arr.corrupt = corrupt
+    if events:
+        want = [i for i, e in enumerate(arr.events) if e in events]
+        if not np.isin(arr.event, want).any():
+            raise NotFoundError(f"no samples of {', '.join(sorted(events))} in the selection")
+    return SelectedArrays(arr, infos, flat, list(arr.corrupt))
+
+
+def name_frames(p: Profile, infos: dict[str, ImageInfo], arr: StackArrays) -> tuple[list[str], np.ndarray]:
+    """Every frame's name as frame_namer gives it (its procedure, else image+offset), as an index
+    into a list of names: each image's offsets looked up at once."""
+    import numpy as np
+
+    names: list[str] = []
+    index: dict[str, int] = {}
+    out = np.zeros(len(arr.image), np.int64)
+
+    def intern(n: str) -> int:
+        i = index.get(n)
+        if i is None:
+            i = index[n] = len(names)
+            names.append(n)
+        return i
+
+    order = np.argsort(arr.image, kind="stable")
+    codes, firsts = np.unique(arr.image[order], return_index=True)
+    for code, lo, hi in zip(codes.tolist(), firsts.tolist(), [*firsts[1:].tolist(), len(order)], strict=True):
+        where = order[lo:hi]
+        offs, inv = np.unique(arr.offset[where], return_inverse=True)
+        info = infos.get(arr.keys[code])
+        if info is None:
+            out[where] = intern("[unknown]")
+            continue
+        t = p.sym.table(info)
+        sym = t.lookup(offs) if len(t) else np.full(len(offs), -1, np.int64)
+        base = os.path.basename(info.path) if info.path else arr.keys[code][:12]
+        ids = np.empty(len(offs), np.int64)
+        found = sym >= 0
+        if found.any():
+            u, back = np.unique(sym[found], return_inverse=True)
+            ids[found] = np.array([intern(t.names[int(i)]) for i in u.tolist()], np.int64)[back]
+        for j in np.nonzero(~found)[0].tolist():
+            ids[j] = intern(f"{base}+{int(offs[j]):#x}")
+        out[where] = ids[inv]
+    return names, out
+
+
+def _rows(arr: StackArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The splits of ``rows`` alone, and the index of their frames in ``arr``."""
+    import numpy as np
+
+    lengths = np.diff(arr.splits)[rows]
+    splits = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths, out=splits[1:])
+    frames = np.repeat(arr.splits[rows] - splits[:-1], lengths) + np.arange(splits[-1])
+    return splits, frames
+
+
+def flame_tree(p: Profile, sel: SelectedArrays, event: str, focus: str | None = None,
+               max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
+    """The stacks of ``event`` as the nested tree a flame graph draws: {name, value, children}, root
+    first, frames of the same procedure under the same caller merged; with ``focus``, only the
+    stacks that pass through a frame of that name (its callers and callees at full resolution);
+    at most ``max_nodes`` frames, the narrowest left out (``pruned`` at the root says how many)."""
+    import numpy as np
+
+    from cyclescope.report.flame import fold_arrays
+
+    arr = sel.arrays
+    names, frame_name = name_frames(p, sel.infos, arr)
+    rows = np.nonzero(arr.event == (arr.events.index(event) if event in arr.events else -1))[0]
+    if focus:
+        fid = names.index(focus) if focus in names else -1
+        row_of = np.repeat(np.arange(len(arr)), np.diff(arr.splits))
+        rows = np.intersect1d(rows, row_of[frame_name == fid])
+    splits, frames = _rows(arr, rows)
+    trie = fold_arrays(splits, frame_name[frames], arr.count[rows])
+    return flame_json(trie, names, max_nodes)
+
+
+def flame_json(trie: Trie, names: list[str], max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
+    """A trie of one side as a flame graph's tree, pruned to ``max_nodes`` frames as Pyroscope and
+    Grafana cap theirs: a browser lays out and searches a few ten thousand frames in milliseconds,
+    not the millions of 100,000 deep, distinct stacks, and at 1,280 pixels the frames left out are
+    far narrower than a pixel. A caller keeps its full width, so what was left out shows as its self
+    time."""
+    import numpy as np
+
+    from cyclescope.report.flame import keep_widest, pruned_stats, to_json
+
+    size = trie.value[:, 0]
+    keep = keep_widest(size, max_nodes)
+    out = to_json(trie, names, keep, {"value": np.rint(size).astype(np.int64)})
+    out["pruned"] = pruned_stats(size, keep)
+    return out
+
+
+def named_arrays(sides: list[Counter[tuple[str, ...]]]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Named stacks (root first) of one or more sides as (names, splits, frame names leaf first,
+    weights: a row per stack, a column per side)."""
+    import numpy as np
+
+    index: dict[str, int] = {}
+    lengths: list[int] = []
+    frames: list[int] = []
+    weights: list[list[float]] = []
+    for k, named in enumerate(sides):
+        for stack, n in named.items():
+            lengths.append(len(stack))
+            frames.extend(index.setdefault(f, len(index)) for f in reversed(stack))
+            w = [0.0] * len(sides)
+            w[k] = float(n)
+            weights.append(w)
+    names = list(index)
+    splits = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(np.array(lengths, np.int64), out=splits[1:])
+    return names, splits, np.array(frames, np.int64), np.array(weights, np.float64).reshape(-1, len(sides))
 
 
 def fold(named: Counter[tuple[str, ...]], root: str) -> dict[str, Any]:
     """Named stacks (root first) -> {name, value, children}: each node's value its samples with
-    every callee's included."""
-    top: dict[str, Any] = {"name": root, "value": 0, "children": {}}
-    for frames, n in named.items():
-        node = top
-        node["value"] += n
-        for f in frames:
-            kids = node["children"]
-            nxt = kids.get(f)
-            if nxt is None:
-                nxt = kids[f] = {"name": f, "value": 0, "children": {}}
-            nxt["value"] += n
-            node = nxt
-    return _lists(top)
+    every callee's included (every frame kept)."""
+    from cyclescope.report.flame import fold_arrays, to_json
 
+    names, splits, frames, weights = named_arrays([named])
+    trie = fold_arrays(splits, frames, weights)
+    import numpy as np
 
-def _lists(node: dict[str, Any]) -> dict[str, Any]:
-    """Children dicts -> lists, iteratively (stacks can be deeper than Python's recursion limit)."""
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        kids = list(n["children"].values())
-        n["children"] = kids
-        todo.extend(kids)
-    return node
+    return to_json(trie, names, np.ones(len(trie), bool), {"value": np.rint(trie.value[:, 0]).astype(np.int64)},
+                   root)
 
 
 def diff_tree(a: Counter[tuple[str, ...]], b: Counter[tuple[str, ...]], alpha: float = 0.05,
-              min_change: float = 0.001) -> dict[str, Any]:
-    """A differential flame graph: B's tree (named stacks root first), each node with ``a`` (its
-    samples in A), ``share_a``/``share_b`` (of each set's total), and ``delta``, B's samples it gained
-    over A's share, set only where `diff`'s test calls the change significant (two-proportion z-test,
-    Benjamini-Hochberg at ``alpha``, and a move of at least ``min_change`` of the total); nodes only
-    A has are kept with value 0 (the graph draws B)."""
+              min_change: float = 0.001, max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
+    """diff_json over named stacks (root first) of A and B."""
+    from cyclescope.report.flame import fold_arrays
+
+    names, splits, frames, weights = named_arrays([a, b])
+    return diff_json(fold_arrays(splits, frames, weights), names, alpha, min_change, max_nodes)
+
+
+def diff_flame_tree(sides: list[tuple[Profile, SelectedArrays]], event: str, alpha: float = 0.05,
+                    min_change: float = 0.001, max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
+    """diff_json over the stacks of ``event`` in two selections (A, B)."""
+    import numpy as np
+
+    from cyclescope.report.flame import fold_arrays
+
+    index: dict[str, int] = {}
+    splits_all: list[np.ndarray] = [np.zeros(1, np.int64)]
+    frames_all: list[np.ndarray] = []
+    weights_all: list[np.ndarray] = []
+    offset = 0
+    for k, (p, sel) in enumerate(sides):
+        arr = sel.arrays
+        own, frame_name = name_frames(p, sel.infos, arr)
+        to_all = np.array([index.setdefault(n, len(index)) for n in own] or [0], np.int64)
+        rows = np.nonzero(arr.event == (arr.events.index(event) if event in arr.events else -1))[0]
+        splits, frames = _rows(arr, rows)
+        splits_all.append(splits[1:] + offset)
+        offset += len(frames)
+        frames_all.append(to_all[frame_name[frames]])
+        w = np.zeros((len(rows), len(sides)))
+        w[:, k] = arr.count[rows]
+        weights_all.append(w)
+    names = list(index)
+    trie = fold_arrays(np.concatenate(splits_all), np.concatenate(frames_all), np.concatenate(weights_all))
+    return diff_json(trie, names, alpha, min_change, max_nodes)
+
+
+def diff_json(trie: Trie, names: list[str], alpha: float = 0.05, min_change: float = 0.001,
+              max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
+    """A differential flame graph from a trie of two sides (A, B): B's tree, each node with ``a``
+    (its samples in A), ``share_a``/``share_b`` (of each set's total), and ``delta``, B's samples it
+    gained over A's share, set only where `diff`'s test calls the change significant (two-proportion
+    z-test, Benjamini-Hochberg at ``alpha``, and a move of at least ``min_change`` of the total);
+    nodes only A has are kept with value 0 (the graph draws B). The test sees every frame; the tree
+    drawn is pruned to ``max_nodes`` (flame_json), by the wider of a frame's two sides."""
     import numpy as np
 
     from cyclescope.report.compare import benjamini_hochberg, two_proportion_z
+    from cyclescope.report.flame import keep_widest, pruned_stats, to_json
 
-    na, nb = sum(a.values()), sum(b.values())
-    top: dict[str, Any] = {"name": "all", "value": 0, "a": 0, "children": {}}
-    for named, key in ((a, "a"), (b, "value")):
-        for frames, n in named.items():
-            node = top
-            node[key] += n
-            for f in frames:
-                kids = node["children"]
-                nxt = kids.get(f)
-                if nxt is None:
-                    nxt = kids[f] = {"name": f, "value": 0, "a": 0, "children": {}}
-                nxt[key] += n
-                node = nxt
-    root = _lists(top)
-    nodes: list[dict[str, Any]] = []
-    todo: list[dict[str, Any]] = [root]
-    while todo:
-        nd = todo.pop()
-        nodes.append(nd)
-        todo.extend(nd["children"])
-    ca = np.array([nd["a"] for nd in nodes], np.float64)
-    cb = np.array([nd["value"] for nd in nodes], np.float64)
+    ca, cb = trie.value[:, 0], trie.value[:, 1]
+    na, nb = round(float(ca[0])), round(float(cb[0]))
     if na and nb:
         _, p = two_proportion_z(ca, cb, na, nb)
         q = benjamini_hochberg(p)
     else:
-        q = np.ones(len(nodes))
-    sa = ca / na if na else np.zeros(len(nodes))
-    sb = cb / nb if nb else np.zeros(len(nodes))
+        q = np.ones(len(trie))
+    sa = ca / na if na else np.zeros(len(trie))
+    sb = cb / nb if nb else np.zeros(len(trie))
     sig = (q < alpha) & (np.abs(sb - sa) >= min_change)
-    for i, nd in enumerate(nodes):
-        nd["share_a"] = float(sa[i])
-        nd["share_b"] = float(sb[i])
-        nd["delta"] = round((sb[i] - sa[i]) * nb) if sig[i] else 0
-        nd["q"] = float(q[i])
+    size = np.maximum(ca, cb)
+    keep = keep_widest(size, max_nodes)
+    root = to_json(trie, names, keep, {
+        "value": np.rint(cb).astype(np.int64), "a": np.rint(ca).astype(np.int64), "share_a": sa, "share_b": sb,
+        "delta": np.where(sig, np.rint((sb - sa) * nb), 0).astype(np.int64), "q": q})
     root["totals"] = {"a": na, "b": nb}
+    root["pruned"] = pruned_stats(size, keep)
     return root

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -220,4 +221,116 @@ def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
                     out.counts[(name, tuple(zip(im, of, strict=True)))] += int(c)
     if not out.files and out.corrupt:
         raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
+    return out
+
+
+@dataclass
+class StackArrays:
+    """The stacks of a selection as columns, one row per stored stack (rows are not summed): what a
+    flame graph folds without a Python object per frame. Row r's frames, leaf first, are
+    ``image[splits[r]:splits[r+1]]`` (indices into ``keys``) and the same slice of ``offset``."""
+
+    events: list[str]
+    event: np.ndarray  # int32 per row, into events
+    count: np.ndarray  # float64 per row
+    splits: np.ndarray  # int64, rows + 1
+    keys: list[str]  # image keys
+    image: np.ndarray  # int32 per frame, into keys
+    offset: np.ndarray  # uint64 per frame
+    images: dict[str, Any] = field(default_factory=dict)  # image key -> ImageInfo JSON (the files' footers)
+    files: int = 0
+    corrupt: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    @staticmethod
+    def build(events: list[str], event: np.ndarray, count: np.ndarray, lengths: np.ndarray, keys: list[str],
+              image: np.ndarray, offset: np.ndarray) -> StackArrays:
+        splits = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        return StackArrays(events, event.astype(np.int32), count.astype(np.float64), splits, keys,
+                           image.astype(np.int32), offset.astype(np.uint64))
+
+
+def _codes(arr: pa.Array, index: dict[str | None, int], names: list[Any]) -> np.ndarray:
+    """A (dictionary-encoded) string column as codes into ``names``, which grows with new strings."""
+    if not pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_encode()
+    local = np.array([index.setdefault(v, len(index)) for v in arr.dictionary.to_pylist()] or [0], np.int32)
+    for v, i in index.items():
+        if i == len(names):
+            names.append(v)
+    idx = arr.indices.fill_null(0).to_numpy(zero_copy_only=False)
+    return local[idx] if len(local) else np.zeros(len(idx), np.int32)
+
+
+def _list_parts(col: pa.ChunkedArray, path: Path) -> tuple[np.ndarray, pa.Array]:
+    """A list column as (row lengths, the values of every row, concatenated)."""
+    arr = col.combine_chunks()
+    if arr.null_count:
+        raise DataError(f"{path}: a stack with no frame list")
+    offs = np.asarray(arr.offsets, np.int64)
+    return np.diff(offs), arr.values.slice(int(offs[0]), int(offs[-1] - offs[0]))
+
+
+def load_stack_arrays(db: Database, epochs: list[int], hosts: list[str] | None = None,
+                      images: set[str] | None = None, processes: set[str] | None = None,
+                      events: set[str] | None = None) -> StackArrays:
+    """load_stacks's selection as columns (``events``: of these events only). Corrupt files are
+    reported and skipped."""
+    ev_index: dict[str | None, int] = {}
+    ev_names: list[str] = []
+    key_index: dict[str | None, int] = {}
+    key_names: list[str] = []
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    out = StackArrays([], np.zeros(0, np.int32), np.zeros(0), np.zeros(1, np.int64), [], np.zeros(0, np.int32),
+                      np.zeros(0, np.uint64))
+    for epoch in epochs:
+        for host in db.hosts(epoch):
+            if hosts is not None and host not in hosts:
+                continue
+            for ref in stack_files(db, epoch, host):
+                try:
+                    meta, t = _read(ref.path)
+                    lengths, im = _list_parts(t.column("images"), ref.path)
+                    olen, of = _list_parts(t.column("offsets"), ref.path)
+                    if not np.array_equal(lengths, olen):
+                        raise DataError(f"{ref.path}: frames with an image and no offset")
+                except DataError as err:
+                    out.corrupt.append(str(err))
+                    continue
+                out.files += 1
+                out.images.update(meta.get("images", {}))
+                ev = _codes(t.column("event").combine_chunks(), ev_index, ev_names)
+                img = _codes(im, key_index, key_names)
+                keep = np.ones(t.num_rows, bool)
+                if events is not None:
+                    keep &= np.isin(ev, [i for n, i in ev_index.items() if n in events])
+                if processes is not None:
+                    if "process" in t.column_names:
+                        pr = t.column("process").combine_chunks().cast(pa.string()).to_pylist()
+                        keep &= np.fromiter((p in processes for p in pr), bool, len(pr))
+                    else:
+                        keep[:] = False
+                starts = np.zeros(len(lengths), np.int64)
+                np.cumsum(lengths[:-1], out=starts[1:])
+                if images is not None:
+                    leaf = np.full(len(lengths), -1, np.int64)
+                    leaf[lengths > 0] = img[starts[lengths > 0]]
+                    want = np.array([i for k, i in key_index.items() if k in images], np.int32)
+                    keep &= (lengths > 0) & np.isin(leaf, want)
+                rows = np.nonzero(keep)[0]
+                n = lengths[rows]
+                frames = np.repeat(starts[rows] - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(n.sum())
+                parts.append((ev[rows], t.column("count").to_numpy().astype(np.float64)[rows], n, img[frames],
+                              of.to_numpy(zero_copy_only=False).astype(np.uint64)[frames]))
+    if not out.files and out.corrupt:
+        raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
+    if parts:
+        cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
+        built = StackArrays.build(ev_names, cols[0], cols[1], cols[2], key_names, cols[3], cols[4])
+        built.images, built.files, built.corrupt = out.images, out.files, out.corrupt
+        return built
+    out.events, out.keys = ev_names, key_names
     return out

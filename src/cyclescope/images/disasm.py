@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any, overload
 
 from cyclescope.errors import DataError
@@ -173,7 +173,15 @@ def _info(ins: Any) -> InsnInfo:
 
 def insn_info(code: bytes, address: int) -> list[InsnInfo]:
     """Register and memory access per instruction of ``code`` (same order as disassemble())."""
-    return [_info(ins) for ins in _cs(True).disasm(code, address)]
+    return list(_insn_info(code, address))
+
+
+@lru_cache(maxsize=32)
+def _insn_info(code: bytes, address: int) -> tuple[InsnInfo, ...]:
+    # Memoized: capstone's details cost about 10 us an instruction, and the web UI's views of one
+    # procedure (its listing, calc, the CFG) ask for the same code again (1.3 s for a 10,000
+    # instruction interpreter loop).
+    return tuple(_info(ins) for ins in _cs(True).disasm(code, address))
 
 
 class LazyInfos(Sequence[InsnInfo]):

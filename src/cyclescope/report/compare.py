@@ -181,8 +181,22 @@ def two_proportion_z(a: np.ndarray, b: np.ndarray, na: int, nb: int) -> tuple[np
     se = np.sqrt(pooled * (1 - pooled) * (1 / na + 1 / nb))
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(se > 0, (pb_ - pa_) / se, 0.0)
-    p = np.array([math.erfc(abs(float(x)) / math.sqrt(2)) for x in z])
-    return z, p
+    return z, erfc(np.abs(z) / math.sqrt(2))
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """The complementary error function of each x >= 0, vectorized, with a relative error under
+    1.2e-7 everywhere (Numerical Recipes' erfcc, a Chebyshev fit: W. H. Press et al., 2nd ed., 6.2),
+    so that the tiny p-values Benjamini-Hochberg ranks among a million frames keep their order.
+    By hand because numpy has no erfc and scipy, which has, is a large dependency for one function;
+    math.erfc per element cost 1.5 s over a flame graph's 1.7 million frames."""
+    x = np.asarray(x, np.float64)
+    t = 1.0 / (1.0 + 0.5 * x)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    out: np.ndarray = t * np.exp(-x * x + poly)
+    return out
 
 
 def benjamini_hochberg(p: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import threading
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from cyclescope.errors import CycleScopeError, NotFoundError, UsageError
 
 if TYPE_CHECKING:
     from cyclescope.app.profile import Profile
+    from cyclescope.app.stacks import SelectedArrays
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
     from cyclescope.db.query import Selection
@@ -164,16 +166,24 @@ def _errors(fn: Callable[[Site, Request], Any]) -> Callable[[Request], Any]:
 
     def route(request: Request) -> Any:
         site: Site = request.app.state.site
+        t0 = time.perf_counter()
         try:
             with site.lock:
+                t1 = time.perf_counter()
                 out = fn(site, request)
+                resp = out if isinstance(out, Response) else _json(out)
         except NotFoundError as e:
-            return _json({"error": str(e)}, 404)
+            resp = _json({"error": str(e)}, 404)
         except (UsageError, ValueError) as e:
-            return _json({"error": str(e)}, 400)
+            resp = _json({"error": str(e)}, 400)
         except CycleScopeError as e:
-            return _json({"error": str(e)}, 422)
-        return out if isinstance(out, Response) else _json(out)
+            resp = _json({"error": str(e)}, 422)
+        else:
+            # The server's share of a request's time, for the browser's resource timing (bench/serve.py):
+            # waiting for the lock, then the work and the JSON.
+            resp.headers["Server-Timing"] = (f"wait;dur={(t1 - t0) * 1e3:.1f}, "
+                                             f"app;dur={(time.perf_counter() - t1) * 1e3:.1f}")
+        return resp
 
     return route
 
@@ -222,27 +232,29 @@ def overview_route(site: Site, request: Request) -> Any:
     return out
 
 
-def _stacks(site: Site, q: Any, prefix: str = "") -> tuple[Profile, Any, str]:
-    from cyclescope.app.stacks import select_stacks
+def _stacks(site: Site, q: Any, prefix: str = "") -> tuple[Profile, SelectedArrays, str]:
+    from cyclescope.app.stacks import select_stack_arrays
 
     sel = selection(q, prefix)
     p = site.profile(sel)
-    st = select_stacks(p, list(sel.images), list(sel.events))
+    st = select_stack_arrays(p, list(sel.images), list(sel.events))
     event = q.get("event") or (st.events[0] if st.events else "")
     return p, st, event
 
 
 def flame_route(site: Site, request: Request) -> Any:
-    from cyclescope.app.stacks import FLAT_NOTE, flame_tree
+    from cyclescope.app.stacks import FLAT_NOTE, MAX_FLAME_NODES, flame_tree
 
-    p, st, event = _stacks(site, request.query_params)
+    q = request.query_params
+    p, st, event = _stacks(site, q)
     return {"event": event, "events": st.events, "flat": st.flat, "note": FLAT_NOTE if st.flat else None,
-            "skipped": st.corrupt, "tree": flame_tree(p, st, event)}
+            "skipped": st.corrupt,
+            "tree": flame_tree(p, st, event, focus=q.get("focus") or None,
+                               max_nodes=_int(q, "max_nodes", MAX_FLAME_NODES, 100, 1_000_000))}
 
 
 def flame_diff_route(site: Site, request: Request) -> Any:
-    from cyclescope.app.stacks import diff_tree, frame_namer
-    from cyclescope.report.export import named_stacks
+    from cyclescope.app.stacks import diff_flame_tree
 
     q = request.query_params
     sides = []
@@ -250,10 +262,10 @@ def flame_diff_route(site: Site, request: Request) -> Any:
     for side in ("a", "b"):
         p, st, ev = _stacks(site, q, side + ".")
         event = event or ev
-        sides.append(named_stacks(st.stacks, frame_namer(p, st.infos), event))
+        sides.append((p, st))
     alpha = _float(q, "alpha", 0.05, 1e-9, 0.999)
     min_change = _float(q, "min_change", 0.1, 0, 100) / 100
-    return {"event": event, "tree": diff_tree(sides[0], sides[1], alpha, min_change), "alpha": alpha,
+    return {"event": event, "tree": diff_flame_tree(sides, event or "", alpha, min_change), "alpha": alpha,
             "min_change": min_change}
 
 
@@ -291,6 +303,7 @@ def listing_route(site: Site, request: Request) -> Any:
     cols, cells, vnotes = listing_values(p, target.info.key, target.start, target.end)
     lst.value_columns, lst.values = cols, cells
     out = lst.to_json()
+    del out["instructions"]  # the rows hold them (with the source lines between): the page reads those
     out["rows"] = [_row(r, cells) for r in lst.rows]
     out["value_columns"] = cols
     out["value_notes"] = vnotes
