@@ -9,7 +9,16 @@ import random
 import numpy as np
 import pytest
 
-from cyclescope.analysis.anchors import CLOSE_S, HIT_COST_S, MAX_TASKS, WINDOW_S, AnchorSet, AnchorStats
+from cyclescope.analysis.anchors import (
+    ALLOWANCE,
+    CLOSE_S,
+    HIT_COST_S,
+    MAX_TASKS,
+    TICK_S,
+    WINDOW_S,
+    AnchorSet,
+    AnchorStats,
+)
 from cyclescope.db.tallies import ANCHORS, merge
 
 MS = 1_000_000
@@ -67,7 +76,7 @@ def test_a_rare_entry_is_counted_all_the_time_and_its_samples_match_its_windows(
     for _ in range(20):
         clock[0] += 50 * MS
         s.tick()
-    assert len(probes.closed) == 1  # never closed again: one window after another
+    assert len(probes.closed) == 1  # never closed again: one window that goes on
     # Samples: 10 in the procedure during the counted second, 3 outside it, 5 in another procedure.
     t_in = np.array([start + k * 90 * MS + 1 for k in range(10)], np.int64)
     t_out = np.array([start - 5 * MS, start - MS, start - 100 * MS], np.int64)
@@ -80,7 +89,7 @@ def test_a_rare_entry_is_counted_all_the_time_and_its_samples_match_its_windows(
     assert d["image"] == ["img1"] and d["entry"] == [0x1000]
     assert d["samples"] == [10]
     assert d["hits"][0] == pytest.approx(200, abs=6)  # a second of entries on each CPU
-    assert d["counted_s"][0] == pytest.approx(1.0, rel=0.01) and d["windows"][0] == 20
+    assert d["counted_s"][0] == pytest.approx(1.0, rel=0.01) and d["windows"][0] == 1
     s.stop()
     assert len(probes.closed) == 3
 
@@ -88,20 +97,66 @@ def test_a_rare_entry_is_counted_all_the_time_and_its_samples_match_its_windows(
 def test_a_frequent_entry_is_counted_in_windows_within_its_budget() -> None:
     rate = 100_000.0  # each counted second would cost 0.95 s of traps
     s, probes, clock = make(per_task=False, rate=rate)
-    seconds = 2000
-    for _ in range(seconds * 20):
+    seconds = 1000
+    tick = round(TICK_S * 1e9)
+    for _ in range(round(seconds / TICK_S)):
         s.tick()
         s.close_pending()
-        clock[0] += 50 * MS
+        clock[0] += tick
     s.stop()
     a = next(iter(s.anchors.values()))
     assert a.rate == pytest.approx(2 * rate, rel=0.01)  # both CPUs' probes count
-    # The probes' registered time (windows of WINDOW_S, then CLOSE_S per fd) is the budget's share.
+    # The probes' registered time (windows of WINDOW_S, ended at a tick, then trapping while the
+    # fds close one after another) is the budget's share, and so is their trap time.
     share = 0.01 / (2 * rate * HIT_COST_S)
-    registered = a.nwindows * (WINDOW_S + 2 * CLOSE_S)
+    registered = a.nwindows * (WINDOW_S + TICK_S + CLOSE_S)
     assert 0.5 * share * seconds < registered < 2 * share * seconds
+    assert 0.5 * 0.01 * seconds < a.cost_s < 2 * 0.01 * seconds
     assert a.counted_ns / 1e9 == pytest.approx(a.nwindows * WINDOW_S, rel=0.3)  # each window about WINDOW_S
     assert len(probes.closed) == 2 * a.nwindows + 1  # each window's probes closed, and the first one's
+
+
+class SwingingProbes(FakeProbes):
+    """Counters whose rate may change while they are open: each read adds the time since the last
+    one at the rate of now."""
+
+    def __init__(self, clock: list[int], rate: float) -> None:
+        super().__init__(clock, rate)
+        self.count: dict[int, tuple[int, float]] = {}
+
+    def read(self, fd: int) -> int:
+        last, n = self.count.get(fd, (self.open_at[fd], 0.0))
+        n += (self.clock[0] - last) / 1e9 * self.rate
+        self.count[fd] = (self.clock[0], n)
+        return int(n)
+
+
+def test_the_traps_stay_within_the_budget_when_a_rate_swings() -> None:
+    # An entry that ran 10 times a second, counted all the time, suddenly runs a million times a
+    # second on each CPU (system-wide, a busy program started): the window ends at the next tick,
+    # and no window opens again until the time since the start has paid for the traps.
+    clock = [10_000 * MS]
+    probes = SwingingProbes(clock, 10.0)
+    s = AnchorSet(False, lambda i: f"img{i}", 0.01, probes, cpus=(0, 1), clock=lambda: clock[0],
+                  rng=random.Random(1))
+    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    tick = round(TICK_S * 1e9)
+    for _ in range(100):
+        s.tick()
+        s.close_pending()
+        clock[0] += tick
+    a = s.anchors[(1, 0x1000)]
+    assert a.window is not None and len(probes.open_at) == 3  # the rate probe, then counting on 2 CPUs
+    windows = a.total_windows
+    probes.rate = 1_000_000.0
+    one_tick = 2 * probes.rate * TICK_S * HIT_COST_S  # a tick of traps on both CPUs: 0.19 s
+    for k in range(round(300 / TICK_S)):
+        s.tick()
+        s.close_pending()
+        clock[0] += tick
+        elapsed = (k + 101) * TICK_S
+        assert a.cost_s <= 0.01 * elapsed + ALLOWANCE + one_tick + 1e-9
+    assert a.total_windows >= windows + 3  # and it goes on counting, in windows
 
 
 def test_per_task_windows_count_only_the_threads_that_ran_the_procedure() -> None:
@@ -186,3 +241,18 @@ def test_stop_ends_every_window_and_closes_every_probe() -> None:
     s.stop()
     assert all(a.window is None and not a.fds for a in s.anchors.values())
     assert len(probes.closed) == len(probes.open_at)
+
+
+def test_anchors_are_off_system_wide_unless_asked() -> None:
+    import argparse
+
+    from cyclescope.cli.sampling import processors
+
+    def names(system_wide: bool, anchors: bool = False, no_anchors: bool = False) -> list[str]:
+        args = argparse.Namespace(no_loop_counts=False, no_anchors=no_anchors, anchors=anchors, anchor_budget=None,
+                                  call_graph=None)
+        return [p.name for p in processors(args, None, system_wide=system_wide)]
+
+    assert "anchors" in names(False) and "anchors" not in names(False, no_anchors=True)
+    assert "anchors" not in names(True)  # system-wide: they count almost nothing (bench/anchors.py)
+    assert "anchors" in names(True, anchors=True)

@@ -4,12 +4,20 @@ calc's frequencies within a procedure rest on loop counters, trip counts and the
 number of times the procedure itself is entered sets the scale of everything straight-line in it,
 and the model gets that wrong wherever stalls hide its cycles. The kernel counts executions of one
 instruction exactly: a uprobe perf event in counting mode (collect/kernel.open_uprobe_counter).
-Each hit traps (about 9.5 us here, HIT_COST_S) and a probe traps as long as its fd is open, enabled
-or not; closing one waits about 0.1 s for the kernel (a grace period, serialized between fds), and
-it traps until then. So an anchor is counted in windows: continuously where its hits are rare, and
-where they are not, in windows of WINDOW_S opened at random ticks so that its traps stay within
-its share of the budget (``--anchor-budget``, a share of one CPU the profiled programs may lose):
-a token bucket grants each anchor its share of the time, and a window opens once it is paid for.
+Each hit traps (about 7-10 us here, HIT_COST_S) and a probe traps from its open until its close
+begins, enabled or not, and closes serialize in the kernel at about 80 ms each, from parallel
+threads too (CLOSE_S; measured on kernel 6.18 with a loop calling the probed function: 0.15 M
+calls/s from the open, disabled or not; per task, full speed again as the probe's close began;
+per CPU, as the last of the function's probes began to close). So a window of n fds traps for
+about (n - 1) CLOSE_S after it ends, and the closer reads each fd's count just before closing it,
+so that those traps are paid for too. An anchor is counted in windows: continuously where its hits
+are rare, and where they are not, in windows of WINDOW_S opened at random ticks so that its traps
+stay within its share of the budget (``--anchor-budget``, a share of one CPU the profiled programs
+may lose): a token bucket grants each anchor its share of the time, and a window opens once it is
+paid for. An anchor's first window measures its rate and lasts one tick (TICK_S). Over all
+anchors, a hard cap: no window opens, and an open one ends, while the traps counted exceed the
+budget of the time since the first tick (where a rate swings, as system-wide when processes come
+and go, shares alone overran it).
 
 What a window's count means: the entries during the window, against the procedure's own samples
 (of the time event) taken during the same window by the same tasks. Their ratio, entries per
@@ -42,15 +50,16 @@ from cyclescope.analysis.loopcount import procedure_index
 from cyclescope.errors import CycleScopeError
 
 HIT_COST_S = 9.5e-6  # a uprobe hit's cost to the probed task (../shared/MACHINE-NOTES.md; 9.5 s per 1M here)
-CLOSE_S = 0.1  # wall time a probe's fd takes to close, trapping all along (measured: 90-100 ms each)
+CLOSE_S = 0.085  # a probe's close (measured 70-100 ms); closes serialize, and the fds still open trap
 DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to anchors' traps
 ANCHOR_AFTER = 64  # samples of a procedure before it gets an anchor
 MAX_ANCHORS = 16
-TICK_S = 0.05
+TICK_S = 0.01  # the scheduling step, and so the length of the first window, which measures the rate
 WINDOW_S = 0.2  # a window's length where an anchor cannot be counted all the time
 KEEP_NS = 30_000_000_000  # windows kept for samples that arrive late
 RECENT_NS = 5_000_000_000  # a thread that sampled the procedure this recently is counted
-MAX_TASKS = 4  # threads per window in per-task mode (each fd costs CLOSE_S to close)
+MAX_TASKS = 4  # threads per window in per-task mode
+ALLOWANCE = 0.05  # trap seconds the budget grants ahead of time (first windows, which measure the rates)
 
 
 @dataclass
@@ -59,6 +68,9 @@ class Window:
     end: int | None = None  # None: still counting
     tids: frozenset[int] | None = None  # None: every task
     probe: bool = False  # measures the rate only (system-wide, on one CPU): counts nothing
+    hits: int = 0  # counted so far
+    tallied_hits: int = 0  # of those, already in the anchor's tallies (take() reaches into open windows)
+    tallied_ns: int | None = None  # counting time tallied up to here (None: from the start)
 
 
 @dataclass
@@ -91,6 +103,13 @@ class Anchor:
         if self.rate is None or self.rate <= 0:
             return 1.0
         return min(1.0, budget / (self.rate * HIT_COST_S))
+
+
+def _tally(a: Anchor, w: Window, now: int) -> None:
+    """What ``w`` counted since it was last tallied, into ``a``'s tallies (under the set's lock)."""
+    a.hits += w.hits - w.tallied_hits
+    a.counted_ns += now - (w.tallied_ns if w.tallied_ns is not None else w.start)
+    w.tallied_hits, w.tallied_ns = w.hits, now
 
 
 class Probes:
@@ -135,9 +154,11 @@ class AnchorSet:
         self.anchors: dict[tuple[int, int], Anchor] = {}
         self.refused: set[tuple[int, int]] = set()  # procedures that cannot be anchored
         self.lock = threading.Lock()
-        self._closing: deque[list[int]] = deque()
+        self._closing: deque[tuple[Anchor, dict[int, int]]] = deque()  # (anchor, fd -> count read)
+        self.wake = threading.Event()  # set when fds wait to be closed
         self.opened = 0
         self.failures = 0
+        self.started: int | None = None  # the first tick's time: the budget accrues from it
 
     # --- choosing ------------------------------------------------------------------------------
     def want(self, img: int, start: int) -> bool:
@@ -194,35 +215,45 @@ class AnchorSet:
         windows at random for the others."""
         with self.lock:
             anchors = [a for a in self.anchors.values() if a.failed is None]
+        now = self.clock()
+        if self.started is None:
+            self.started = now
+        # The hard cap: the traps counted so far (hits times HIT_COST_S) stay within the budget of
+        # the time since the first tick, plus ALLOWANCE. The shares below keep each anchor's windows
+        # within its part when its rate holds; where it does not (system-wide, a function's rate
+        # swings as processes come and go), no window opens until time has paid for the overrun.
+        cap = self.budget * (now - self.started) / 1e9 + ALLOWANCE
+        spent = sum(a.cost_s for a in anchors)
         for a in anchors:
             share = a.share(self.budget / max(1, len(anchors)))
-            if a.window is not None and share < 1.0 and self.clock() - a.window.start < WINDOW_S * 1e9:
-                continue  # a window of an anchor that cannot count all the time lasts WINDOW_S
             if a.window is not None:
+                # Read every tick, so that the cap can end a window early: where a rate swings, a
+                # window of WINDOW_S could cost many times what its share allowed.
                 hits = self._read(a)
                 now = self.clock()
                 w = a.window
+                with self.lock:
+                    w.hits += hits
+                    a.cost_s += hits * HIT_COST_S
+                spent += hits * HIT_COST_S
+                over = spent >= cap
                 span = now - w.start
+                if a.rate is not None and not w.probe and span >= 1e9:
+                    a.rate = w.hits / (span / 1e9)  # a long window's own rate, as it goes
+                share = a.share(self.budget / max(1, len(anchors)))
+                if a.rate is not None and not over and (
+                        (share < 1.0 and span < WINDOW_S * 1e9)  # a costly anchor's window lasts WINDOW_S
+                        or (share >= 1.0 and self._tids(a, now) == w.tids)):  # a cheap one's goes on
+                    continue
                 with self.lock:
                     w.end = now
-                    a.cost_s += hits * HIT_COST_S
                     a.window = None
                     if not w.probe:
-                        a.hits += hits
-                        a.counted_ns += span
-                        a.nwindows += 1
-                        a.total_windows += 1
-                    if span >= 10_000_000:
-                        rate = hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
+                        _tally(a, w, now)
+                    if span >= 5_000_000 and (a.rate is None or span < 1e9):
+                        rate = w.hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
                         a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
-                tids = self._tids(a, now)
-                if not w.probe and a.share(self.budget / max(1, len(anchors))) >= 1.0 and tids == w.tids:
-                    self._read(a)  # go on counting with the same fds: a new window from now
-                    with self.lock:
-                        a.window = Window(self.clock(), None, tids)
-                        a.windows.append(a.window)
-                else:
-                    self._retire(a)
+                self._retire(a)
             else:
                 # A token bucket: the anchor earns its share of each tick, and a window (with the
                 # probes' close) spends what it registers; windows open once it is paid for, at a
@@ -231,9 +262,10 @@ class AnchorSet:
                 now = self.clock()
                 a.credit = min(a.credit + share * (now - (a.last_tick or now)) / 1e9, 4 * WINDOW_S + 1.0)
                 a.last_tick = now
+                # A window traps until it ends at a tick, then while its fds close one after another.
                 nfds = len(self._tids(a, now) or ()) if self.per_task else len(self.cpus)
-                registered = WINDOW_S + CLOSE_S * max(1, nfds)
-                if share < 1.0 and (a.credit < registered or self.rng.random() >= 0.5):
+                registered = WINDOW_S + TICK_S + CLOSE_S * max(0, nfds - 1)
+                if spent >= cap or (share < 1.0 and (a.credit < registered or self.rng.random() >= 0.5)):
                     continue
                 a.credit -= registered
                 tids = self._tids(a, self.clock())
@@ -248,27 +280,36 @@ class AnchorSet:
                         a.window = Window(self.clock(), None, tids, probe)
                         if not probe:
                             a.windows.append(a.window)
+                            a.nwindows += 1
+                            a.total_windows += 1
             with self.lock:
                 horizon = self.clock() - KEEP_NS
                 while a.windows and a.windows[0].end is not None and a.windows[0].end < horizon:
                     a.windows.popleft()
 
     def _retire(self, a: Anchor) -> None:
-        fds = list(a.fds)
+        fds = dict(a.fds)
         a.fds = {}
         if fds:
             with self.lock:
-                a.cost_s += (a.rate or 0.0) * CLOSE_S * len(fds) * HIT_COST_S
-                self._closing.append(fds)
+                self._closing.append((a, fds))
+            self.wake.set()
 
     def close_pending(self) -> None:
-        """Close the fds of ended windows (slow: the closer thread calls this)."""
+        """Close the fds of ended windows (slow: the closer thread calls this). Each fd's count is
+        read just before its close: the hits since the window ended are traps it cost too."""
         while True:
             with self.lock:
                 if not self._closing:
                     return
-                fds = self._closing.popleft()
-            for fd in fds:
+                a, fds = self._closing.popleft()
+            for fd, last in fds.items():
+                try:
+                    late = self.probes.read(fd) - last
+                except OSError:
+                    late = 0
+                with self.lock:
+                    a.cost_s += max(0, late) * HIT_COST_S
                 self.probes.close(fd)
 
     def stop(self) -> None:
@@ -282,11 +323,11 @@ class AnchorSet:
                 with self.lock:
                     w = a.window
                     w.end = now
+                    w.hits += hits
+                    a.cost_s += hits * HIT_COST_S
                     a.window = None
                     if not w.probe:
-                        a.hits += hits
-                        a.counted_ns += now - w.start
-                        a.nwindows += 1
+                        _tally(a, w, now)
                         a.total_windows += 1
             self._retire(a)
         self.close_pending()
@@ -328,8 +369,11 @@ class AnchorSet:
         from cyclescope.db.tallies import ANCHORS, build
 
         rows: list[tuple[str, int, int, int, int, int]] = []
+        now = self.clock()
         with self.lock:
             for a in self.anchors.values():
+                if a.window is not None and not a.window.probe:
+                    _tally(a, a.window, now)  # a window that goes on: what it counted so far
                 if a.hits or a.samples or a.nwindows:
                     rows.append((self.image_key(a.img), a.start, a.hits, a.samples, a.counted_ns, a.nwindows))
                 a.hits = a.samples = a.counted_ns = a.nwindows = 0
@@ -422,9 +466,12 @@ class AnchorProcessor:
                     self.set.tick()
 
         def closer() -> None:
-            while not self._stop.wait(TICK_S):
-                if self.set is not None:
-                    self.set.close_pending()
+            while not self._stop.is_set():
+                if self.set is None:
+                    return
+                self.set.wake.wait(TICK_S)  # woken as soon as a window ends: its probes trap until closed
+                self.set.wake.clear()
+                self.set.close_pending()
 
         for fn in (ticker, closer):
             t = threading.Thread(target=fn, name=f"anchors-{fn.__name__}", daemon=True)

@@ -99,7 +99,7 @@ class Daemon(Command):
         if args.flush_interval <= 0:
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
-        procs = processors(args, vopts)
+        procs = processors(args, vopts, system_wide=True)
         session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
                           call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))

@@ -111,7 +111,7 @@ class Record(Command):
                 raise UsageError("--exact does not record call stacks; leave out --call-graph")
             assert vopts is not None
             return int(run_exact(args, cmd, events, rate, vopts))
-        procs = processors(args, vopts)
+        procs = processors(args, vopts, system_wide=bool(args.all_cpus))
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
                           user_stack=vopts.stack if vopts is not None else None,
                           call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))

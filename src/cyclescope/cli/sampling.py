@@ -171,24 +171,34 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-anchors", action="store_true",
                    help="do not count hot procedures' entries exactly with uprobes (calc then scales "
                         "straight-line code by its model)")
+    g.add_argument("--anchors", action="store_true",
+                   help="count hot procedures' entries with uprobes also when sampling system-wide (-a, "
+                        "daemon), where they are off by default: there they count almost nothing (see "
+                        "the README's limitations)")
     g.add_argument("--anchor-budget", type=finite_float, default=None, metavar="SHARE",
                    help="most of one CPU the profiled programs may lose to the anchors' traps (default: "
                         "0.01); anchors whose entries run often are counted in random windows to stay "
                         "within it")
 
 
-def processors(args: argparse.Namespace, vopts: ValueOptions | None) -> list[Processor]:
+def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
     """What the collector computes from each drain besides the flat counts (collect/processor.py),
     as the options ask: loop counts and anchors (calc's evidence; on unless --no-loop-counts or
-    --no-anchors: anchors need the loop counter's procedure bounds), call stacks
-    (--call-graph), values (--values)."""
+    --no-anchors: anchors need the loop counter's procedure bounds; off by default when
+    ``system_wide``, unless --anchors), call stacks (--call-graph), values (--values).
+
+    Anchors are off system-wide because there they count almost nothing at a cost: with gcc
+    compiling in a loop under `record -a -F 5000`, 0-2 entries counted in 30 s for 1-2% of the
+    compiles (hot libc and cc1 entries, run 50,000-500,000 times a second by processes that live a
+    fraction of a second, reach the budget's cap at once). An earlier session also saw cc1 and the
+    recorder die with SIGSEGV under system-wide anchors; ten runs since crashed nothing."""
     out: list[Processor] = []
     if not getattr(args, "no_loop_counts", False):
         from cyclescope.analysis.loopcount import LoopCountProcessor
 
         loops = LoopCountProcessor()
         out.append(loops)
-        if not getattr(args, "no_anchors", False):
+        if not getattr(args, "no_anchors", False) and (getattr(args, "anchors", False) or not system_wide):
             from cyclescope.analysis.anchors import DEFAULT_BUDGET, AnchorProcessor
 
             budget = getattr(args, "anchor_budget", None)
