@@ -261,7 +261,9 @@ def request(db_root: Path, cmd: str, timeout_s: float = ANSWER_TIMEOUT_S, **args
         if uid not in (0, os.geteuid(), owner):
             raise CycleScopeError(f"{path}: answered by uid {uid}, neither root, you, nor the database's owner; "
                                   "not trusting it")
-        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        # A busy daemon answers at once and closes (too many requests): its answer is still to read.
+        with contextlib.suppress(BrokenPipeError):
+            s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         raw = _read_line(s, MAX_REPLY, time.monotonic() + timeout_s)
     except ValueError as e:
         raise CycleScopeError(f"the daemon did not answer '{cmd}' properly: {e}") from None
