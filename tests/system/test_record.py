@@ -230,6 +230,15 @@ def test_record_into_an_existing_epoch_with_append(compile_c: Callable[..., Path
     assert one + two == both and one > 1.5 * two
 
 
+def test_samples_are_filed_under_the_host_asked_for(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    exe = compile_c("hotcold")
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "-F", "1000", "--host", "container-3", "--", str(exe), "20000000")
+    assert [p.name for p in (db / "epoch=000001").iterdir() if p.name.startswith("host=")] == ["host=container-3"]
+    mine = prof_json(db, "--host", "container-3")["summary"]["samples"]["cpu-clock"]
+    assert mine > 0 and mine == prof_json(db)["summary"]["samples"]["cpu-clock"]
+
+
 def test_record_handles_a_process_that_exits_immediately(tmp_path: Path) -> None:
     t0 = time.monotonic()
     p = cs("record", "--db", str(tmp_path / "db"), "--", "true")

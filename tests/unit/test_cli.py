@@ -89,3 +89,27 @@ def test_optimize_measures_on_the_cpu_asked_for() -> None:
     assert out.decode().strip() == f"[{cpu}]"
     _, out = run_cpu([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], None)
     assert out.decode().strip() == str(sorted(os.sched_getaffinity(0)))
+
+
+def test_the_host_samples_are_filed_under(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from cyclescope.cli.sampling import host_name_arg, host_of
+    from cyclescope.errors import UsageError
+    from cyclescope.images.procfs import hostname
+
+    monkeypatch.delenv("CYCLESCOPE_HOST", raising=False)
+    assert host_of(argparse.Namespace(host=None)) == hostname()
+    monkeypatch.setenv("CYCLESCOPE_HOST", "web-7.dc1")
+    assert host_of(argparse.Namespace(host=None)) == "web-7.dc1"
+    assert host_of(argparse.Namespace(host="db_2")) == "db_2"  # the option wins
+    monkeypatch.setenv("CYCLESCOPE_HOST", "../etc")
+    with pytest.raises(UsageError, match="CYCLESCOPE_HOST"):
+        host_of(argparse.Namespace(host=None))
+    for bad in ("", "a b", "../x", "-x", "x" * 64, "a/b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            host_name_arg(bad)
+    args = build_parser().parse_args(["record", "--host", "container-3", "--", "true"])
+    assert args.host == "container-3"
+    args = build_parser().parse_args(["daemon", "--host", "clone-1"])
+    assert args.host == "clone-1"

@@ -13,6 +13,7 @@ from cyclescope.cli.sampling import (
     add_sampling_options,
     add_value_options,
     drain_interval,
+    host_of,
     list_value_modules,
     make_events,
     processors,
@@ -21,7 +22,6 @@ from cyclescope.cli.sampling import (
 from cyclescope.collect import control
 from cyclescope.db.layout import Database
 from cyclescope.errors import CycleScopeError, UsageError
-from cyclescope.images.procfs import hostname
 from cyclescope.report.render import fmt_count
 
 DEFAULT_DAEMON_HZ = 1000.0
@@ -104,9 +104,10 @@ class Daemon(Command):
                           user_stack=vopts.stack if vopts is not None else None,
                           call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))
         db = Database.create_or_open(db_path(args))
-        cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, compact_after=args.compact_after,
-                              new_epoch=args.new_epoch, archive=args.archive, follow_epochs=True, lean_memory=True,
-                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs)
+        cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval,
+                              compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,
+                              follow_epochs=True, lean_memory=True, rerandomize_s=args.redraw / 1000,
+                              drain_s=drain_interval(vopts), processors=procs)
         c = Collector(session, db, cfg)
         c.listen()
         try:

@@ -35,12 +35,11 @@ HAND_OVER_S = 0.5  # drain the rings and hand the stops over to value capture at
 
 def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec], rate: float | None,
               vopts: ValueOptions) -> int:
-    from cyclescope.cli.sampling import exit_code, progress_printer, summary_line
+    from cyclescope.cli.sampling import exit_code, host_of, progress_printer, summary_line
     from cyclescope.collect.daemon import Collector, CollectorConfig
     from cyclescope.collect.session import Command as CommandTarget
     from cyclescope.collect.session import Session
     from cyclescope.db.layout import Database
-    from cyclescope.images.procfs import hostname
     from cyclescope.values.exact import WALL, ExactTracer
     from cyclescope.values.processor import ValueProcessor
 
@@ -54,7 +53,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     session = Session(events, CommandTarget(tuple(cmd)), rate_hz=hz if args.period is None else None,
                       band=args.band, force=args.force, traceme=True)
     db = Database.create_or_open(db_path(args))
-    cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
+    cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                           epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
                           rerandomize_s=args.redraw / 1000, drain_s=HAND_OVER_S, processors=[values])
     show = not args.quiet and stderr_tty()

@@ -15,6 +15,7 @@ from cyclescope.cli.sampling import (
     add_value_options,
     drain_interval,
     exit_code,
+    host_of,
     list_value_modules,
     make_events,
     processors,
@@ -68,7 +69,6 @@ class Record(Command):
         from cyclescope.collect.session import Command as CommandTarget
         from cyclescope.collect.session import Processes, Session, SystemWide, online_cpus
         from cyclescope.db.layout import Database
-        from cyclescope.images.procfs import hostname
 
         cmd = list(args.command)
         if cmd and cmd[0] == "--":
@@ -116,7 +116,7 @@ class Record(Command):
                           user_stack=vopts.stack if vopts is not None else None,
                           call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))
         db = Database.create_or_open(db_path(args))
-        cfg = CollectorConfig(host=hostname(), flush_interval_s=args.flush_interval, new_epoch=not args.append,
+        cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
                               rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs)
         show = not args.quiet and stderr_tty()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -48,11 +49,41 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
     g.add_argument("--redraw", type=finite_float, default=200.0, metavar="MS",
                    help="draw a new random period every MS milliseconds (default: 200)")
     g.add_argument("--force", action="store_true", help="allow sampling rates above the safe ceiling")
+    g.add_argument("--host", type=host_name_arg, default=None, metavar="NAME",
+                   help="file the samples under host NAME (default: $CYCLESCOPE_HOST, else this machine's host "
+                        "name): for containers, cloned machines and fleets, where the host name does not say "
+                        "which machine it is")
     g.add_argument("-g", "--call-graph", type=call_graph_arg, default=None, metavar="fp|dwarf[,SIZE]",
                    help="record call stacks, counted in the database for `export`: 'fp' has the kernel walk "
                         "frame pointers (code built with -fno-omit-frame-pointer); 'dwarf' copies SIZE bytes "
                         "of user stack per sample (default: 8192) and unwinds them with the binaries' "
                         ".eh_frame (any code with unwind tables: most distribution binaries)")
+
+
+HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def host_name_arg(text: str) -> str:
+    """A host name as the database files it (a directory name: letters, digits, '.', '_', '-')."""
+    if not HOST_NAME_RE.match(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a host name: letters, digits, '.', '_' and '-', "
+                                         "at most 63, starting with a letter or digit")
+    return text
+
+
+def host_of(args: argparse.Namespace) -> str:
+    """The host the samples are filed under: --host, else $CYCLESCOPE_HOST, else this machine's name."""
+    from cyclescope.images.procfs import hostname
+
+    if getattr(args, "host", None):
+        return str(args.host)
+    env = os.environ.get("CYCLESCOPE_HOST")
+    if env:
+        try:
+            return host_name_arg(env)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"$CYCLESCOPE_HOST: {e}") from None
+    return hostname()
 
 
 def call_graph_arg(text: str) -> CallGraph:
