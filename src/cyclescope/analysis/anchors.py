@@ -328,7 +328,6 @@ class AnchorSet:
                     a.window = None
                     if not w.probe:
                         _tally(a, w, now)
-                        a.total_windows += 1
             self._retire(a)
         self.close_pending()
 

@@ -255,17 +255,6 @@ def name_frames(p: Profile, infos: dict[str, ImageInfo], arr: StackArrays) -> tu
     return names, out
 
 
-def _rows(arr: StackArrays, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The splits of ``rows`` alone, and the index of their frames in ``arr``."""
-    import numpy as np
-
-    lengths = np.diff(arr.splits)[rows]
-    splits = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(lengths, out=splits[1:])
-    frames = np.repeat(arr.splits[rows] - splits[:-1], lengths) + np.arange(splits[-1])
-    return splits, frames
-
-
 def flame_tree(p: Profile, sel: SelectedArrays, event: str, focus: str | None = None,
                max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
     """The stacks of ``event`` as the nested tree a flame graph draws: {name, value, children}, root
@@ -274,16 +263,17 @@ def flame_tree(p: Profile, sel: SelectedArrays, event: str, focus: str | None = 
     at most ``max_nodes`` frames, the narrowest left out (``pruned`` at the root says how many)."""
     import numpy as np
 
+    from cyclescope.db.stacks import select_rows
     from cyclescope.report.flame import fold_arrays
 
     arr = sel.arrays
     names, frame_name = name_frames(p, sel.infos, arr)
-    rows = np.nonzero(arr.event == (arr.events.index(event) if event in arr.events else -1))[0]
+    rows = arr.rows_of(event)
     if focus:
         fid = names.index(focus) if focus in names else -1
         row_of = np.repeat(np.arange(len(arr)), np.diff(arr.splits))
         rows = np.intersect1d(rows, row_of[frame_name == fid])
-    splits, frames = _rows(arr, rows)
+    splits, frames = select_rows(arr.splits, rows)
     trie = fold_arrays(splits, frame_name[frames], arr.count[rows])
     return flame_json(trie, names, max_nodes)
 
@@ -330,12 +320,12 @@ def named_arrays(sides: list[Counter[tuple[str, ...]]]) -> tuple[list[str], np.n
 def fold(named: Counter[tuple[str, ...]], root: str) -> dict[str, Any]:
     """Named stacks (root first) -> {name, value, children}: each node's value its samples with
     every callee's included (every frame kept)."""
+    import numpy as np
+
     from cyclescope.report.flame import fold_arrays, to_json
 
     names, splits, frames, weights = named_arrays([named])
     trie = fold_arrays(splits, frames, weights)
-    import numpy as np
-
     return to_json(trie, names, np.ones(len(trie), bool), {"value": np.rint(trie.value[:, 0]).astype(np.int64)},
                    root)
 
@@ -354,6 +344,7 @@ def diff_flame_tree(sides: list[tuple[Profile, SelectedArrays]], event: str, alp
     """diff_json over the stacks of ``event`` in two selections (A, B)."""
     import numpy as np
 
+    from cyclescope.db.stacks import select_rows
     from cyclescope.report.flame import fold_arrays
 
     index: dict[str, int] = {}
@@ -365,8 +356,8 @@ def diff_flame_tree(sides: list[tuple[Profile, SelectedArrays]], event: str, alp
         arr = sel.arrays
         own, frame_name = name_frames(p, sel.infos, arr)
         to_all = np.array([index.setdefault(n, len(index)) for n in own] or [0], np.int64)
-        rows = np.nonzero(arr.event == (arr.events.index(event) if event in arr.events else -1))[0]
-        splits, frames = _rows(arr, rows)
+        rows = arr.rows_of(event)
+        splits, frames = select_rows(arr.splits, rows)
         splits_all.append(splits[1:] + offset)
         offset += len(frames)
         frames_all.append(to_all[frame_name[frames]])

@@ -16,6 +16,7 @@ import contextlib
 import json
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,12 +196,10 @@ class StackSelection:
     corrupt: list[str] = field(default_factory=list)
 
 
-def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
-                images: set[str] | None = None, processes: set[str] | None = None) -> StackSelection:
-    """Every stack of the selection, summed. ``images``: keep the stacks whose leaf is in one of
-    these images; ``processes``: those of these commands (files written before stacks recorded
-    the command have none to match). Corrupt files are reported and skipped."""
-    out = StackSelection()
+def _readable(db: Database, epochs: list[int], hosts: list[str] | None, corrupt: list[str],
+              parse: Callable[[Path, pa.Table], Any] | None = None) -> Iterator[tuple[dict[str, Any], pa.Table, Any]]:
+    """Each readable stack file of the selection's epochs and hosts: (footer, rows, what
+    ``parse(path, rows)`` made of them); a file that cannot be read or parsed goes to ``corrupt``."""
     for epoch in epochs:
         for host in db.hosts(epoch):
             if hosts is not None and host not in hosts:
@@ -208,17 +207,28 @@ def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
             for ref in stack_files(db, epoch, host):
                 try:
                     meta, t = _read(ref.path)
+                    parsed = parse(ref.path, t) if parse is not None else None
                 except DataError as err:
-                    out.corrupt.append(str(err))
+                    corrupt.append(str(err))
                     continue
-                out.files += 1
-                out.images.update(meta.get("images", {}))
-                for name, c, im, of, pr in _rows(t):
-                    if images is not None and (not im or im[0] not in images):
-                        continue
-                    if processes is not None and pr not in processes:
-                        continue
-                    out.counts[(name, tuple(zip(im, of, strict=True)))] += int(c)
+                yield meta, t, parsed
+
+
+def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
+                images: set[str] | None = None, processes: set[str] | None = None) -> StackSelection:
+    """Every stack of the selection, summed. ``images``: keep the stacks whose leaf is in one of
+    these images; ``processes``: those of these commands (files written before stacks recorded
+    the command have none to match). Corrupt files are reported and skipped."""
+    out = StackSelection()
+    for meta, t, _ in _readable(db, epochs, hosts, out.corrupt):
+        out.files += 1
+        out.images.update(meta.get("images", {}))
+        for name, c, im, of, pr in _rows(t):
+            if images is not None and (not im or im[0] not in images):
+                continue
+            if processes is not None and pr not in processes:
+                continue
+            out.counts[(name, tuple(zip(im, of, strict=True)))] += int(c)
     if not out.files and out.corrupt:
         raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
     return out
@@ -243,6 +253,10 @@ class StackArrays:
 
     def __len__(self) -> int:
         return len(self.count)
+
+    def rows_of(self, event: str) -> np.ndarray:
+        """The rows of ``event``'s stacks."""
+        return np.nonzero(self.event == (self.events.index(event) if event in self.events else -1))[0]
 
     @staticmethod
     def build(events: list[str], event: np.ndarray, count: np.ndarray, lengths: np.ndarray, keys: list[str],
@@ -274,6 +288,24 @@ def _list_parts(col: pa.ChunkedArray, path: Path) -> tuple[np.ndarray, pa.Array]
     return np.diff(offs), arr.values.slice(int(offs[0]), int(offs[-1] - offs[0]))
 
 
+def _frames(path: Path, t: pa.Table) -> tuple[np.ndarray, pa.Array, pa.Array]:
+    """A stack file's frames: (frames per row, every row's image keys, every row's offsets)."""
+    lengths, im = _list_parts(t.column("images"), path)
+    olen, of = _list_parts(t.column("offsets"), path)
+    if not np.array_equal(lengths, olen):
+        raise DataError(f"{path}: frames with an image and no offset")
+    return lengths, im, of
+
+
+def select_rows(splits: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For stacks whose row r holds frames ``splits[r]:splits[r+1]``: the splits of ``rows`` alone,
+    and the index of their frames among all."""
+    lengths = np.diff(splits)[rows]
+    out = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out, np.repeat(splits[rows] - out[:-1], lengths) + np.arange(out[-1])
+
+
 def load_stack_arrays(db: Database, epochs: list[int], hosts: list[str] | None = None,
                       images: set[str] | None = None, processes: set[str] | None = None,
                       events: set[str] | None = None) -> StackArrays:
@@ -286,45 +318,31 @@ def load_stack_arrays(db: Database, epochs: list[int], hosts: list[str] | None =
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     out = StackArrays([], np.zeros(0, np.int32), np.zeros(0), np.zeros(1, np.int64), [], np.zeros(0, np.int32),
                       np.zeros(0, np.uint64))
-    for epoch in epochs:
-        for host in db.hosts(epoch):
-            if hosts is not None and host not in hosts:
-                continue
-            for ref in stack_files(db, epoch, host):
-                try:
-                    meta, t = _read(ref.path)
-                    lengths, im = _list_parts(t.column("images"), ref.path)
-                    olen, of = _list_parts(t.column("offsets"), ref.path)
-                    if not np.array_equal(lengths, olen):
-                        raise DataError(f"{ref.path}: frames with an image and no offset")
-                except DataError as err:
-                    out.corrupt.append(str(err))
-                    continue
-                out.files += 1
-                out.images.update(meta.get("images", {}))
-                ev = _codes(t.column("event").combine_chunks(), ev_index, ev_names)
-                img = _codes(im, key_index, key_names)
-                keep = np.ones(t.num_rows, bool)
-                if events is not None:
-                    keep &= np.isin(ev, [i for n, i in ev_index.items() if n in events])
-                if processes is not None:
-                    if "process" in t.column_names:
-                        pr = t.column("process").combine_chunks().cast(pa.string()).to_pylist()
-                        keep &= np.fromiter((p in processes for p in pr), bool, len(pr))
-                    else:
-                        keep[:] = False
-                starts = np.zeros(len(lengths), np.int64)
-                np.cumsum(lengths[:-1], out=starts[1:])
-                if images is not None:
-                    leaf = np.full(len(lengths), -1, np.int64)
-                    leaf[lengths > 0] = img[starts[lengths > 0]]
-                    want = np.array([i for k, i in key_index.items() if k in images], np.int32)
-                    keep &= (lengths > 0) & np.isin(leaf, want)
-                rows = np.nonzero(keep)[0]
-                n = lengths[rows]
-                frames = np.repeat(starts[rows] - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(n.sum())
-                parts.append((ev[rows], t.column("count").to_numpy().astype(np.float64)[rows], n, img[frames],
-                              of.to_numpy(zero_copy_only=False).astype(np.uint64)[frames]))
+    for meta, t, (lengths, im, of) in _readable(db, epochs, hosts, out.corrupt, _frames):
+        out.files += 1
+        out.images.update(meta.get("images", {}))
+        ev = _codes(t.column("event").combine_chunks(), ev_index, ev_names)
+        img = _codes(im, key_index, key_names)
+        keep = np.ones(t.num_rows, bool)
+        if events is not None:
+            keep &= np.isin(ev, [i for n, i in ev_index.items() if n in events])
+        if processes is not None:
+            if "process" in t.column_names:
+                pr = t.column("process").combine_chunks().cast(pa.string()).to_pylist()
+                keep &= np.fromiter((p in processes for p in pr), bool, len(pr))
+            else:
+                keep[:] = False
+        splits = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        if images is not None:
+            leaf = np.full(len(lengths), -1, np.int64)
+            leaf[lengths > 0] = img[splits[:-1][lengths > 0]]
+            want = np.array([i for k, i in key_index.items() if k in images], np.int32)
+            keep &= (lengths > 0) & np.isin(leaf, want)
+        rows = np.nonzero(keep)[0]
+        _, frames = select_rows(splits, rows)
+        parts.append((ev[rows], t.column("count").to_numpy().astype(np.float64)[rows], lengths[rows], img[frames],
+                      of.to_numpy(zero_copy_only=False).astype(np.uint64)[frames]))
     if not out.files and out.corrupt:
         raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
     if parts:
