@@ -12,12 +12,22 @@ The marginal user-space cost per sample is the slope of the profiler's own
 user time against its sample count over two workload lengths (so the fixed
 start-up of a Python process is separated from the per-sample cost).
 
+With stacks and system-wide (issue 28): --system-wide samples every CPU (-a) while --copies
+workloads run, and these contenders compare the collection paths:
+  perf-fp, perf-dwarf   perf record -g (frame pointers) / --call-graph dwarf
+  bpf, bpf-fp           cyclescope counting in the kernel (--collector bpf), flat / with -g fp
+  ring, ring-fp         cyclescope reading every sample from the rings (--collector perf)
+(all cyclescope contenders with --no-loop-counts, which need each sample's registers), e.g.
+  python bench/overhead.py --system-wide --copies 2 --rates 5000 \
+      --contenders perf,perf-fp,perf-dwarf,bpf,bpf-fp,ring,ring-fp --marginal-lengths 4
+
 Usage: python bench/overhead.py [--rates 1000,5000,10000] [--runs 5] [--seconds 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,25 +48,52 @@ from common import (
     workload_cpu,
 )
 
+PATHS = {"bpf": ["--collector", "bpf"], "bpf-fp": ["--collector", "bpf", "-g", "fp"],
+         "ring": ["--collector", "perf"], "ring-fp": ["--collector", "perf", "-g", "fp"]}
+PERF_STACKS = {"perf": [], "perf-fp": ["-g"], "perf-dwarf": ["--call-graph", "dwarf"]}
 
-def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path) -> list[str]:
+
+def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path, system_wide: bool = False,
+                  copies: int = 1) -> list[str]:
     wl = [str(exe), str(secs)]
+    if copies > 1:  # the workloads in parallel; each prints its own rusage
+        wl = ["sh", "-c", " & ".join([f"{exe} {secs}"] * copies) + "; wait"]
+    a = ["-a"] if system_wide else []
     if name == "none":
         return wl
-    if name == "perf":
-        return ["perf", "record", "-e", "cpu-clock", "-F", str(rate), "-o", str(tmp / "perf.data"), "--", *wl]
+    if name in PERF_STACKS:
+        return ["perf", "record", *a, "-e", "cpu-clock", "-F", str(rate), *PERF_STACKS[name],
+                "-o", str(tmp / "perf.data"), "--", *wl]
     if name == "plain":  # cyclescope without calc's evidence: flat samples only
-        return cyclescope_cmd("record", "--db", str(tmp / "plain.db"), "-F", str(rate), "--no-loop-counts", "--", *wl)
-    return cyclescope_cmd("record", "--db", str(tmp / "cs.db"), "-F", str(rate), "--", *wl)
+        return cyclescope_cmd("record", "--db", str(tmp / "plain.db"), *a, "-F", str(rate), "--no-loop-counts",
+                              "--", *wl)
+    if name in PATHS:
+        return cyclescope_cmd("record", "--db", str(tmp / f"{name}.db"), *a, "-F", str(rate), "--no-loop-counts",
+                              *PATHS[name], "--", *wl)
+    return cyclescope_cmd("record", "--db", str(tmp / "cs.db"), *a, "-F", str(rate), "--", *wl)
 
 
-def measure(name: str, rate: int, exe: Path, secs: float, tmp: Path) -> dict[str, Any]:
-    r: Run = run(contender_cmd(name, rate, exe, secs, tmp))
+def lost_of(name: str, stderr: str) -> int:
+    """Samples lost (cyclescope's summary line), or chunks lost (perf's warning: it counts no samples)."""
+    m = re.search(r"lost (\d+) chunks" if name.startswith("perf") else r"; lost ([\d,]+);", stderr)
+    return int(m.group(1).replace(",", "")) if m else 0
+
+
+def measure(name: str, rate: int, exe: Path, secs: float, tmp: Path, system_wide: bool = False,
+            copies: int = 1) -> dict[str, Any]:
+    r: Run = run(contender_cmd(name, rate, exe, secs, tmp, system_wide, copies))
     if r.returncode != 0:
         raise RuntimeError(f"{name} failed: {r.stderr[-500:]}")
-    tcpu, tuser = workload_cpu(r.stdout)
-    samples = perf_samples(r.stderr) if name == "perf" else cyclescope_samples(r.stderr) if name != "none" else 0
-    return {
+    tcpu = tuser = 0.0
+    for line in r.stdout.splitlines():
+        if "cpu_ns" in line:
+            c, u = workload_cpu(line)
+            tcpu, tuser = tcpu + c, tuser + u
+    if name.startswith("perf"):
+        samples = perf_samples(r.stderr)
+    else:
+        samples = cyclescope_samples(r.stderr) if name != "none" else 0
+    return {"lost": lost_of(name, r.stderr),
         "contender": name, "rate": rate, "seconds": secs, "target_cpu": tcpu, "target_user": tuser,
         "own_cpu": max(0.0, r.cpu_s - tcpu), "own_user": max(0.0, r.user_s - tuser), "wall": r.wall_s,
         "samples": samples, "maxrss_kib": r.maxrss_kib,
@@ -71,7 +108,11 @@ def main() -> None:
     ap.add_argument("--marginal-rate", type=int, default=5000)
     ap.add_argument("--marginal-lengths", default="4,16")
     ap.add_argument("--contenders", default="none,perf,cyclescope",
-                    help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts)")
+                    help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts), and the "
+                         "collection paths: perf-fp, perf-dwarf, bpf, bpf-fp, ring, ring-fp")
+    ap.add_argument("--system-wide", action="store_true", help="profilers sample every CPU (-a)")
+    ap.add_argument("--save-as", default="overhead", help="name of the results file in bench/out/")
+    ap.add_argument("--copies", type=int, default=1, help="workloads run in parallel (default: 1)")
     args = ap.parse_args()
     need("perf")
     rates = [int(x) for x in args.rates.split(",")]
@@ -82,32 +123,32 @@ def main() -> None:
         contenders.insert(0, "none")
     # Warm-up: the first cyclescope run into a database stores kernel symbols; perf fills its caches.
     for c in contenders:
-        measure(c, rates[0], exe, 0.5, tmp)
+        measure(c, rates[0], exe, 0.5, tmp, args.system_wide, args.copies)
     rows: list[dict[str, Any]] = []
     for rnd in range(args.runs):
         for rate in rates:
             k = rnd % len(contenders)
             order = contenders[k:] + contenders[:k]
             for c in order:
-                m = measure(c, rate, exe, args.seconds, tmp)
+                m = measure(c, rate, exe, args.seconds, tmp, args.system_wide, args.copies)
                 m["round"] = rnd
                 rows.append(m)
                 print(f"round {rnd} {rate:>6} Hz {c:>10}: target {m['target_cpu']:.3f} s, own {m['own_cpu']:.3f} s"
-                      f", {m['samples']} samples", flush=True)
+                      f", {m['samples']} samples, {m['lost']} lost", flush=True)
     # Marginal cost per sample: two workload lengths, alternated.
     lengths = [float(x) for x in args.marginal_lengths.split(",")]
     marg: list[dict[str, Any]] = []
     for rnd in range(args.runs if len(lengths) > 1 else 0):
         for secs in lengths:
             for c in [x for x in contenders if x != "none"]:
-                m = measure(c, args.marginal_rate, exe, secs, tmp)
+                m = measure(c, args.marginal_rate, exe, secs, tmp, args.system_wide, args.copies)
                 m["round"] = rnd
                 marg.append(m)
                 print(f"marginal round {rnd} {secs:>5} s {c:>10}: own user {m['own_user']:.3f} s, "
                       f"{m['samples']} samples", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     report = summarize(rows, marg, rates, lengths, contenders)
-    path = save("overhead", {"machine": machine(), "args": vars(args), "rows": rows, "marginal": marg,
+    path = save(args.save_as, {"machine": machine(), "args": vars(args), "rows": rows, "marginal": marg,
                              "summary": report})
     print("\n".join(report["lines"]))
     print(f"raw data: {path}")
@@ -118,7 +159,7 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
     lines = ["", "Overhead (median [quartiles] over rounds; CPU seconds)", ""]
     out: dict[str, Any] = {"rates": {}}
     hdr = (f"{'rate':>6} {'contender':>10} {'target CPU':>24} {'profiler CPU':>24} {'extra CPU':>24} "
-           f"{'samples':>8} {'own us/sample':>14}")
+           f"{'samples':>8} {'lost':>7} {'own us/sample':>14}")
     lines.append(hdr)
     for rate in rates:
         base = {r["round"]: r["target_cpu"] for r in rows if r["rate"] == rate and r["contender"] == "none"}
@@ -128,14 +169,17 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
             extra = [r["target_cpu"] + r["own_cpu"] - base[r["round"]] for r in rs]
             per[c] = {
                 "target": [r["target_cpu"] for r in rs], "own": [r["own_cpu"] for r in rs], "extra": extra,
-                "samples": [r["samples"] for r in rs],
+                "samples": [r["samples"] for r in rs], "lost": [r.get("lost", 0) for r in rs],
                 "own_us_per_sample": [1e6 * r["own_user"] / r["samples"] for r in rs if r["samples"]],
                 "target_slowdown": [r["target_cpu"] / base[r["round"]] - 1 for r in rs],
             }
             lines.append(f"{rate:>6} {c:>10} {fmt_spread(per[c]['target']):>24} {fmt_spread(per[c]['own']):>24} "
                          f"{fmt_spread(per[c]['extra']):>24} {median(per[c]['samples']):>8.0f} "
+                         f"{median(per[c]['lost']):>7.0f} "
                          f"{median(per[c]['own_us_per_sample']) if per[c]['own_us_per_sample'] else 0:>14.1f}")
-        for a, b in (("cyclescope", "perf"), ("cyclescope", "plain"), ("plain", "perf")):
+        for a, b in (("cyclescope", "perf"), ("cyclescope", "plain"), ("plain", "perf"), ("bpf", "perf"),
+                     ("bpf", "ring"), ("bpf-fp", "perf-dwarf"), ("bpf-fp", "perf-fp"), ("bpf-fp", "bpf"),
+                     ("ring-fp", "perf-fp")):
             if a not in contenders or b not in contenders:
                 continue
             ratio = []

@@ -12,6 +12,7 @@ from cyclescope.cli.sampling import (
     add_count_options,
     add_sampling_options,
     add_value_options,
+    bpf_collector,
     drain_interval,
     host_of,
     list_value_modules,
@@ -100,14 +101,21 @@ class Daemon(Command):
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
         procs = processors(args, vopts, system_wide=True)
-        session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
-                          user_stack=vopts.stack if vopts is not None else None,
-                          call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))
-        db = Database.create_or_open(db_path(args))
+        bpf = bpf_collector(args, procs, rate, len(cpus), "daemon")
+        try:
+            session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
+                              user_stack=vopts.stack if vopts is not None else None,
+                              call_graph=None if bpf is not None else args.call_graph,
+                              user_regs=any(p.needs_regs for p in procs))
+            db = Database.create_or_open(db_path(args))
+        except BaseException:
+            if bpf is not None:
+                bpf.close()
+            raise
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval,
                               compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,
                               follow_epochs=True, lean_memory=True, rerandomize_s=args.redraw / 1000,
-                              drain_s=drain_interval(vopts), processors=procs)
+                              drain_s=drain_interval(vopts), processors=procs, bpf=bpf)
         c = Collector(session, db, cfg)
         c.listen()
         try:
@@ -120,7 +128,8 @@ class Daemon(Command):
             eprint(f"cyclescope daemon: {w}")
         evs = ", ".join(s.label for s in session.events)
         eprint(f"cyclescope daemon: pid {os.getpid()} sampling {evs} at {rate:g} Hz on "
-               f"{len(cpus)} CPU(s) into {db.root} (epoch {c.epoch}, host {cfg.host})")
+               f"{len(cpus)} CPU(s) into {db.root} (epoch {c.epoch}, host {cfg.host}; "
+               f"{'counted in the kernel by eBPF' if bpf is not None else 'every sample read from the rings'})")
         t0 = time.monotonic()
         totals = c.run(duration_s=args.duration)
         lost = totals.lost_records + totals.lost_samples

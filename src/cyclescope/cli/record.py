@@ -13,6 +13,7 @@ from cyclescope.cli.sampling import (
     add_count_options,
     add_sampling_options,
     add_value_options,
+    bpf_collector,
     drain_interval,
     exit_code,
     host_of,
@@ -112,13 +113,22 @@ class Record(Command):
             assert vopts is not None
             return int(run_exact(args, cmd, events, rate, vopts))
         procs = processors(args, vopts, system_wide=bool(args.all_cpus))
-        session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
-                          user_stack=vopts.stack if vopts is not None else None,
-                          call_graph=args.call_graph, user_regs=any(p.needs_regs for p in procs))
-        db = Database.create_or_open(db_path(args))
+        ncpus = len(target.cpus) if isinstance(target, SystemWide) else len(online_cpus())
+        bpf = bpf_collector(args, procs, rate, ncpus, "record")
+        try:
+            session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
+                              user_stack=vopts.stack if vopts is not None else None,
+                              call_graph=None if bpf is not None else args.call_graph,
+                              user_regs=any(p.needs_regs for p in procs))
+            db = Database.create_or_open(db_path(args))
+        except BaseException:
+            if bpf is not None:
+                bpf.close()
+            raise
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs)
+                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs,
+                              bpf=bpf)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()
         collector = Collector(session, db, cfg, progress=progress_printer(start) if show else None)

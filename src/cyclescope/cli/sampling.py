@@ -12,13 +12,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import finite_float
+from cyclescope.cli.base import eprint, finite_float
 from cyclescope.collect.events import DEFAULT_BAND, KNOWN_EVENTS, SAFE_MAX_RATE_HZ, EventSpec, parse_events
 from cyclescope.errors import UsageError
 from cyclescope.report.render import fmt_count
 
 if TYPE_CHECKING:
     from cyclescope.collect.daemon import Collector, RunTotals
+    from cyclescope.collect.ebpf import BpfAggregator
     from cyclescope.collect.processor import Processor
     from cyclescope.collect.session import CallGraph
     from cyclescope.values.capture import ValueOptions
@@ -58,6 +59,12 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
                         "frame pointers (code built with -fno-omit-frame-pointer); 'dwarf' copies SIZE bytes "
                         "of user stack per sample (default: 8192) and unwinds them with the binaries' "
                         ".eh_frame (any code with unwind tables: most distribution binaries)")
+    g.add_argument("--collector", choices=("auto", "bpf", "perf"), default="auto",
+                   help="how samples reach the database: 'bpf' counts them in the kernel with an eBPF program "
+                        "(user space reads one row per distinct process, address and stack: the cheapest, with "
+                        "-g fp for stacks); 'perf' reads every sample from perf's ring buffers (needed by loop "
+                        "counts, values and -g dwarf); 'auto' (default) takes bpf where the options and the "
+                        "kernel allow it")
 
 
 HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -245,6 +252,42 @@ def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide
 
         out.append(ValueProcessor(vopts))
     return out
+
+
+def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: float | None, ncpus: int,
+                  who: str) -> BpfAggregator | None:
+    """The eBPF program loaded for this run, or None for the perf ring path, as --collector asks:
+    'auto' takes bpf when every processor asked for can work on counted rows (call stacks walked
+    with frame pointers; not loop counts, values or dwarf stacks, which need each sample's
+    registers) and the kernel loads the program; otherwise perf, with a line on stderr when
+    the kernel is why. 'bpf' fails in one line where 'auto' would fall back."""
+    from cyclescope.collect.stacks import StackProcessor
+
+    choice = getattr(args, "collector", "auto")
+    if choice == "perf":
+        return None
+    needs = [p.name for p in procs if not (isinstance(p, StackProcessor) and p.call_graph.mode == "fp")]
+    if needs:
+        if choice == "bpf":
+            flags = {"loops": "--no-loop-counts", "anchors": "--no-anchors", "values": "no --values",
+                     "stacks": "-g fp instead of -g dwarf"}
+            raise UsageError("--collector bpf counts samples in the kernel, without their registers: "
+                             f"{', '.join(needs)} need them (use {', '.join(flags.get(n, n) for n in needs)})")
+        return None
+    from cyclescope.collect.ebpf import BpfUnavailable, load
+
+    # A generation holds a drain's distinct keys (the loop drains every second): room for every
+    # sample of two seconds, within bounds.
+    per_s = (rate_hz or 1000.0) * ncpus
+    entries = int(min(max(2 * per_s, 1 << 16), 1 << 20))
+    stacks = int(min(max(2 * per_s, 1 << 14), 1 << 16)) if getattr(args, "call_graph", None) else 0
+    try:
+        return load(entries, stacks)
+    except BpfUnavailable as e:
+        if choice == "bpf":
+            raise
+        eprint(f"cyclescope {who}: reading every sample from perf's rings: {e}")
+        return None
 
 
 def drain_interval(vopts: ValueOptions | None) -> float:

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from cyclescope.perf.records import (
     TaskRecord,
     ThrottleRecord,
 )
+
+if TYPE_CHECKING:
+    from cyclescope.collect.ebpf import BpfAggregator
 
 # A ring's wake-up is acted on only when the fullest ring holds at least this share of its size
 # (a quarter: half a watermark). Skipping a wake-up below it leaves the ring at most three
@@ -77,6 +80,11 @@ class CollectorConfig:
     # What else is computed from each drain's samples (loop-iteration counts, call stacks, values
     # at the interrupt), each writing its own files at every flush.
     processors: list[Processor] = field(default_factory=list)
+    # Samples counted in the kernel by the eBPF program (collect/ebpf.py), loaded by the caller;
+    # None: every sample is read from the rings. The processors then see one row per distinct
+    # (process, ip, event, stack) with its count, so only those that need nothing else (call
+    # stacks walked with frame pointers) may be given.
+    bpf: BpfAggregator | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ class RunTotals:
     flushes: int = 0
     per_event: dict[str, int] = field(default_factory=dict)
     unknown_reasons: dict[str, int] = field(default_factory=dict)
+    lost_stacks: int = 0  # eBPF path: samples whose stack did not fit in the program's map
 
 
 class Collector:
@@ -148,6 +157,10 @@ class Collector:
         # the wake-up that reported it, never polled again (poll would report it at once forever).
         self._hung_up: set[int] = set()
         self.processors = list(config.processors)
+        self.bpf = config.bpf
+        self._bpf_attached = 0
+        self._bpf_stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._bpf_stats: dict[str, int] = {}
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -174,9 +187,11 @@ class Collector:
                                                                       or X86_REGS_USER_MASK))}
         cols = {("r" + n if len(n) == 2 and not n[1].isdigit() else n): k for n, k in cols.items()}
         ctx = Context(self.table, self.mapper, tuple(s.label for s in self.session.events),
-                      not isinstance(self.session.target, SystemWide), time_event, cols, self.vdso_bytes)
+                      not isinstance(self.session.target, SystemWide), time_event, cols, self.vdso_bytes,
+                      self.flusher.store_symbols)
         for p in self.processors:
             p.bind(ctx)
+        self._attach_bpf()
         self.session.start()
         if isinstance(self.session.target, SystemWide):
             # DCPI's third source: processes that were running before we started.
@@ -298,6 +313,8 @@ class Collector:
         return ring and (hup or self.session.fullest() >= WAKE_MIN_FILL)
 
     def close(self) -> None:
+        if self.bpf is not None:
+            self.bpf.close()
         self.flusher.close()
         for p in self.processors:
             p.close()
@@ -312,6 +329,8 @@ class Collector:
         them to the processors. Returns how many samples it took."""
         samples, side, regs, stack, slen, chains = self._decode(self.session.drain())
         self._side_records(side)
+        if self.bpf is not None:
+            return self._step_bpf(side)
         if samples is None:
             if side:
                 self.mapper.map_batch(np.zeros(0, dtype=SAMPLE_DTYPE), side)
@@ -336,6 +355,66 @@ class Collector:
         if unk.any():
             self.totals.unknown += int(unk.sum())
         return n
+
+    def _attach_bpf(self) -> None:
+        """Attach the eBPF program to the events opened since the last call (all, at start)."""
+        if self.bpf is None:
+            return
+        for ev in self.session.open_events[self._bpf_attached:]:
+            self.bpf.attach(ev.fd, ev.index)
+        self._bpf_attached = len(self.session.open_events)
+
+    def _step_bpf(self, side: list[SideRecord]) -> int:
+        """One drain of the eBPF path: the program's counts of the generation it filled until
+        now, one row per distinct (process, ip, event, stack), mapped after the side records
+        that came before each row's last sample."""
+        from cyclescope.collect.ebpf import to_rows
+
+        assert self.bpf is not None
+        self._attach_bpf()
+        d = self.bpf.drain()
+        rows = to_rows(d, self._chains_bpf, self._bpf_stacks)
+        self._bpf_stacks = d.stacks
+        self._note_bpf_stats()
+        samples = rows.samples
+        if not len(samples):
+            if side:
+                self.mapper.map_batch(samples, side)
+            return 0
+        self.session.account_counted(rows.event, rows.count, rows.period)
+        mapped = self.mapper.map_batch(samples, side)
+        self.agg.add(mapped.image, mapped.offset, rows.event, mapped.comm, count=rows.count, weight=rows.period)
+        if self.processors:
+            drain = Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
+                          chains=rows.chains, count=rows.count)
+            for p in self.processors:
+                p.process(drain)
+        n = int(rows.count.sum())
+        self.totals.samples += n
+        unk = mapped.image == 0
+        if unk.any():
+            self.totals.unknown += int(rows.count[unk].sum())
+        return n
+
+    @property
+    def _chains_bpf(self) -> bool:
+        return self.bpf is not None and self.bpf.stack_entries > 0
+
+    def _note_bpf_stats(self) -> None:
+        """The program's losses since the last look: samples its full map could not count (as
+        lost samples, charged to the first event: the program does not tell events apart there)
+        and stacks it could not keep."""
+        assert self.bpf is not None
+        now = self.bpf.stats()
+        lost = now["lost"] - self._bpf_stats.get("lost", 0)
+        stacks = now["lost_stacks"] - self._bpf_stats.get("lost_stacks", 0)
+        self._bpf_stats = now
+        if lost:
+            self.totals.lost_samples += lost
+            self._flush_meta.lost_samples += lost
+            if self.session.stats:
+                self.session.stats[0].lost += lost
+        self.totals.lost_stacks += stacks
 
     def _decode(self, chunks: list[bytes]) -> tuple[np.ndarray | None, list[SideRecord], np.ndarray | None,
                                                     np.ndarray | None, np.ndarray | None,
@@ -502,12 +581,17 @@ class Collector:
             "unknown": self.totals.unknown, "pending_rows": len(self.agg), "processes": len(self.mapper.procs),
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
+            "collector": "bpf" if self.bpf is not None else "perf",
             **{p.name: p.status() for p in self.processors},
         }
 
     def summaries(self) -> list[str]:
-        """The processors' lines for the end of a run."""
-        return [line for p in self.processors if (line := p.summary()) is not None]
+        """The processors' lines for the end of a run, and the eBPF path's stack losses."""
+        out = [line for p in self.processors if (line := p.summary()) is not None]
+        if self.totals.lost_stacks:
+            out.append(f"{self.totals.lost_stacks:,} samples were counted without their stacks (the eBPF "
+                       "program's stack map was full; fewer distinct stacks a second, or a lower rate)")
+        return out
 
 
 def rss_kib() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ class Flusher:
         n = len(counts)
         parts = Chunks(n, (part(lo, lo + CHUNK_ROWS) for lo in range(0, max(n, 1), CHUNK_ROWS)))
         path = str(write_segment(self.db, epoch, self.host, parts, meta))
-        self._store_symbols(counts)
+        self.store_symbols(np.unique(counts.image).tolist())
         if self.archive != "none":
             self._archive(counts)
         return path
@@ -76,9 +77,11 @@ class Flusher:
         top = np.argsort(by_comm)[::-1][:200]
         meta.processes = {self.mapper.comms.names[i]: int(by_comm[i]) for i in top.tolist() if by_comm[i] > 0}
 
-    def _store_symbols(self, counts: Counts) -> None:
-        """Kernel, module, vdso and JIT symbols go into the database (their sources are transient)."""
-        for i in np.unique(counts.image).tolist():
+    def store_symbols(self, images: Iterable[int]) -> None:
+        """The symbols of these images that have no file to read them from later (kernel, module,
+        vdso, JIT) go into the database: the images of the flat counts, and those that only the
+        frames of call stacks name (a JIT's trampolines, say)."""
+        for i in images:
             info = self.table[i]
             if info.kind in ("kernel", "module"):
                 if info.key in self._symbols_written or symstore.has_symbols(self.db, info.key):

@@ -9,6 +9,7 @@ collector does not grow with each thing computed from samples.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,6 +37,9 @@ class Drain:
     stack: np.ndarray | None = None  # uint8 [rows, bytes]: the user stack snapshots, rows as regs
     stack_len: np.ndarray | None = None  # the bytes of each snapshot that hold stack
     chains: list[tuple[int, ...] | None] | None = None  # callchains (PERF_SAMPLE_CALLCHAIN), if sampled
+    # uint64: the samples each row stands for (the eBPF path counts equal samples in the kernel);
+    # None: one each
+    count: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -52,6 +56,9 @@ class Context:
     time_event: int  # index of the event whose samples measure time (cycles or a clock), or -1
     regs_columns: dict[str, int]  # register name (rax, ..., r15) -> column of Drain.regs
     vdso: bytes | None = None  # the vDSO's image (the same in every process)
+    # Store the symbols of these images where they have no file to be read from later (kernel,
+    # vdso, JIT maps): for images a processor's files name that the flat counts may not
+    keep_symbols: Callable[[Iterable[int]], None] | None = None
 
 
 class Processor(Protocol):

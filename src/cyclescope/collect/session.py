@@ -545,6 +545,15 @@ class Session:
             periods[mask] = p
         return periods
 
+    def account_counted(self, ev_idx: np.ndarray, count: np.ndarray, period: np.ndarray) -> None:
+        """Add samples counted elsewhere (the eBPF path: ``count`` samples per row, whose periods
+        sum to ``period``, as the kernel reported each sample's) to the per-event totals."""
+        for i in range(len(self.events)):
+            mask = ev_idx == i
+            if mask.any():
+                self.stats[i].samples += int(count[mask].sum())
+                self.stats[i].period_sum += int(period[mask].sum())
+
     def read_counters(self) -> None:
         """Counter values and enabled/running times, for the multiplexing share.
 

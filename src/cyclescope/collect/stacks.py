@@ -58,9 +58,11 @@ class StackAggregator:
         self.frames = 0
 
     def add(self, mapper: Any, pids: np.ndarray, ips: np.ndarray, events: np.ndarray,
-            chains: Sequence[tuple[int, ...] | None], comms: Sequence[int] | None = None) -> None:
+            chains: Sequence[tuple[int, ...] | None], comms: Sequence[int] | None = None,
+            counts: Sequence[int] | None = None) -> None:
         """One drain: per sample, its pid, ip, event index, callchain (None: none recorded) and
-        command when it was taken (a CommTable index)."""
+        command when it was taken (a CommTable index); ``counts``: the samples each row stands for
+        (None: one)."""
         per: list[list[tuple[int, bool, bool]]] = []
         fp, fa, fk = [], [], []
         for pid, ip, ch in zip(pids.tolist(), ips.tolist(), chains, strict=True):
@@ -77,15 +79,16 @@ class StackAggregator:
         pos = 0
         cur = self.cur
         cm = list(comms) if comms is not None else [-1] * len(per)
-        for frames, e, comm in zip(per, events.tolist(), cm, strict=True):
+        ns = list(counts) if counts is not None else [1] * len(per)
+        for frames, e, comm, c in zip(per, events.tolist(), cm, ns, strict=True):
             n = len(frames)
             if not n:
                 continue
             stack = tuple(zip(img_l[pos : pos + n], off_l[pos : pos + n], strict=True))
             pos += n
-            cur.counts[(cur.intern(stack), e, int(comm))] += 1
-            self.samples += 1
-            self.frames += n
+            cur.counts[(cur.intern(stack), e, int(comm))] += c
+            self.samples += c
+            self.frames += n * c
 
     def take(self) -> StackCounts:
         out, self.cur = self.cur, StackCounts()
@@ -124,7 +127,7 @@ class StackProcessor:
             return
         if self.dwarf is None:
             self.agg.add(self._ctx.mapper, d.samples["pid"].astype(np.int64), d.samples["ip"], d.event, d.chains,
-                         d.comm.tolist())
+                         d.comm.tolist(), d.count.tolist() if d.count is not None else None)
             return
         rows = d.samples["regs"].tolist() if d.regs is not None else [-1] * len(d)
         self._unwound(self.dwarf.chains(self._ctx.mapper, d.samples["pid"].tolist(), d.samples["ip"].tolist(),
@@ -167,6 +170,8 @@ class StackProcessor:
             return []
         table = self._ctx.table
         used = {i for st in sc.stacks for i, _ in st}
+        if self._ctx.keep_symbols is not None:
+            self._ctx.keep_symbols(i for i in used if i > 0)
         images = {table[i].key: table[i].to_json() for i in used if i > 0}
         return [write_stacks(db, epoch, host, sc, table.keys(), list(self._ctx.events), images,
                              self._ctx.mapper.comms.names)]

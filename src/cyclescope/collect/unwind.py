@@ -8,9 +8,10 @@ each PC falls in (images/cfi.py), as perf does at report time with libunwind or 
 collection time because the database keeps aggregated stacks, not raw snapshots.
 
 A walk stops where the information ends: the outermost frame (a return address rule of
-"undefined", as _start has), a PC in no mapping or in code without CFI (JIT code, hand-written
-assembly), a saved word outside the snapshot (a deep stack: raise the snapshot size), a rule we do
-not follow, or the depth limit. Why each walk stopped is counted.
+"undefined", as _start has), a PC in no mapping or in code without CFI (hand-written assembly; JIT
+code named by a perf map is stepped over by its frame pointer, or as CPython's trampolines), a
+saved word outside the snapshot (a deep stack: raise the snapshot size), a rule we do not follow,
+or the depth limit. Why each walk stopped is counted.
 
 Reading an image's CFI takes up to seconds (python3.11: 4 s) the first time, before the per-user
 cache has it. It runs on a worker thread; samples that need a table still loading wait in a
@@ -47,6 +48,12 @@ MAX_PENDING = 8192  # samples waiting for a table (8 KiB each at most: 64 MiB)
 
 
 PENDING = object()
+# What the loader gives for JIT code (an image named by /tmp/perf-PID.map): no CFI, but frame
+# pointers. JITs that publish a perf map keep an rbp frame in their code so that perf's
+# frame-pointer walk passes through it (CPython 3.12's -X perf trampolines are `push %rbp; mov
+# %rsp,%rbp; call *%rcx`; V8, the JVM and LuaJIT's maps likewise), so the walk steps over such a
+# frame by its rbp and goes on with CFI in the interpreter below.
+FRAME_POINTER = object()
 
 
 @dataclass
@@ -106,6 +113,18 @@ class Unwinder:
                     return None
                 reason = "loading"
                 break
+            if got is FRAME_POINTER:
+                step = self._jit_step(pc, sp, bp, read, proc)
+                if step is None:
+                    reason = "no-cfi"
+                    break
+                pc, sp, bp = step
+                if pc == 0:
+                    reason = "end"
+                    break
+                frames.append(pc)
+                first = False
+                continue
             table = cast("cfi.CfiTable | None", got)
             # A return address points after its call: look up the call itself.
             row = table.lookup(pc - biases[i] - (0 if first else 1)) if table is not None else None
@@ -157,6 +176,33 @@ class Unwinder:
             first = False
         return frames, reason
 
+    @staticmethod
+    def _jit_step(pc: int, sp: int, bp: int | None, read: Callable[[int], int | None],
+                  proc: ProcessState) -> tuple[int, int, int | None] | None:
+        """The caller's (pc, sp, bp) of a frame in JIT code, which has no CFI: by its frame
+        pointer where rbp points into the stack at a return address into mapped code (V8, the
+        JVM, LuaJIT's maps); else as CPython's perf trampolines (3.12 and 3.13, `-X perf`) lay out
+        their frame, `sub $8, %rsp; call *%rcx`: the return address 8 bytes above the callee's
+        CFA, rbp untouched. Each guess is taken only if the return address it reads is in an
+        image of the process; None when neither is."""
+
+        def mapped(a: int | None) -> bool:
+            if not a:
+                return False
+            j = bisect.bisect_right(proc.starts, a) - 1
+            return j >= 0 and a < proc.ends[j] and proc.images[j] > 0
+
+        if bp is not None and bp >= sp and not bp & 7:
+            ra = read(bp + 8)
+            if mapped(ra):
+                assert ra is not None
+                return ra, bp + 16, read(bp)
+        ra = read(sp + 8)
+        if mapped(ra):
+            assert ra is not None
+            return ra, sp + 16, bp
+        return None
+
 
 class TableLoader:
     """CFI tables per image index, loaded on a worker thread through the per-user cache."""
@@ -172,6 +218,8 @@ class TableLoader:
         self.pids: dict[int, int] = {}  # image -> a pid that maps it (its /proc/PID/root: containers)
 
     def __call__(self, image: int, pid: int = 0) -> object:
+        if self.images[image].kind == "jit":
+            return FRAME_POINTER
         t = self.tables.get(image, PENDING)
         if t is not PENDING:
             return t

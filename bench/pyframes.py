@@ -1,0 +1,109 @@
+"""Python frames in stacks: CPython programs with known function shares, recorded with -g dwarf.
+
+tests/programs/pyshares.py runs three functions with the same work per iteration, 70/20/10
+iterations in every 100, and (--time) prints the wall time each one took: the truth of the
+run. Each interpreter records it with `record --no-loop-counts -g dwarf,32768 -F 2000` (CPython
+3.12 and 3.13 with `-X perf`, which writes the perf map that names Python frames; 3.11 has no
+such option). From `export collapsed`: each function's share of the samples under the three
+(its frames inclusive), the error against the truth in points, and how complete the stacks are
+(the share of samples under `py::main` whose outermost frame is `_start`, and of frames no
+image names).
+
+Usage: python bench/pyframes.py [--rounds 3] [--iterations 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import re
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from common import cyclescope_cmd, fmt_spread, machine, run, save
+
+PROGRAM = Path(__file__).resolve().parents[1] / "tests" / "programs" / "pyshares.py"
+FUNCS = ("seventy", "twenty", "ten")
+
+
+def interpreters() -> list[tuple[str, str, list[str]]]:
+    out = []
+    for v, flags in (("3.11", []), ("3.12", ["-X", "perf"]), ("3.13", ["-X", "perf"])):
+        found = sorted(glob.glob(f"/root/.pyenv/versions/{v}*/bin/python{v}")) or [shutil.which(f"python{v}") or ""]
+        if found[0] and "/shims/" not in found[0]:
+            out.append((v, found[0], flags))
+    return out
+
+
+def one(exe: str, flags: list[str], iterations: int, tmp: Path) -> dict[str, Any]:
+    db = tmp / "db"
+    shutil.rmtree(db, ignore_errors=True)
+    r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--no-loop-counts", "-g", "dwarf,32768", "-F", "2000",
+                           "--", exe, *flags, str(PROGRAM), str(iterations), "--time"))
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-400:])
+    m = re.search(r"seventy ([\d.]+) twenty ([\d.]+) ten ([\d.]+)", r.stdout)
+    assert m, r.stdout
+    t = [float(x) for x in m.groups()]
+    truth = {f: v / sum(t) for f, v in zip(FUNCS, t, strict=True)}
+    ex = run(cyclescope_cmd("export", "collapsed", "--db", str(db)))
+    stacks: Counter[str] = Counter()
+    for line in ex.stdout.splitlines():
+        s, n = line.rsplit(" ", 1)
+        stacks[s] += int(n)
+    tag = f":{PROGRAM}"
+    per = {f: sum(n for s, n in stacks.items() if f"py::{f}{tag}" in s.split(";")) for f in FUNCS}
+    inside = sum(per.values())
+    under_main = [(s.split(";"), n) for s, n in stacks.items() if f"py::main{tag}" in s.split(";")]
+    total = sum(stacks.values())
+    frames = sum(len(s.split(";")) * n for s, n in stacks.items())
+    unnamed = sum(sum(1 for f in s.split(";") if f.startswith(("[unknown]", "perf-")) or ".map+" in f) * n
+                  for s, n in stacks.items())
+    out: dict[str, Any] = {"samples": total, "truth": truth, "named": inside / total if total else 0.0,
+                           "unnamed_frames": unnamed / frames if frames else 0.0}
+    if inside:
+        out["shares"] = {f: per[f] / inside for f in FUNCS}
+        out["error_points"] = {f: 100 * (per[f] / inside - truth[f]) for f in FUNCS}
+        out["complete"] = sum(n for fr, n in under_main if fr[0] == "_start") / sum(n for _, n in under_main)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=300)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="cs-bench-py-"))
+    found = interpreters()
+    rows: dict[str, list[dict[str, Any]]] = {v: [] for v, _, _ in found}
+    for rnd in range(args.rounds):
+        for v, exe, flags in found:  # alternated
+            r = one(exe, flags, args.iterations, tmp)
+            rows[v].append(r)
+            got = r.get("error_points")
+            print(f"round {rnd} python {v}: {r['samples']} samples, "
+                  + (", ".join(f"{f} {r['shares'][f]:.3f} (truth {r['truth'][f]:.3f})" for f in FUNCS)
+                     + f", complete {r['complete']:.3f}" if got else "no Python frames named"), flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    lines = ["", "Python frames (median [min, max] over rounds)", ""]
+    for v, _, flags in found:
+        rs = rows[v]
+        if not any("error_points" in r for r in rs):
+            lines.append(f"python {v} {' '.join(flags) or '(no -X perf)'}: no Python frames named "
+                         f"(unnamed frames {fmt_spread([100 * r['unnamed_frames'] for r in rs], '%', 2)})")
+            continue
+        err = [abs(e) for r in rs for e in r["error_points"].values()]
+        complete = fmt_spread([100 * r["complete"] for r in rs], "%", 1)
+        lines.append(f"python {v} {' '.join(flags)}: worst share error {max(err):.2f} points, per function "
+                     f"{fmt_spread(err, ' points', 2)}; stacks from _start {complete}; "
+                     f"unnamed frames {fmt_spread([100 * r['unnamed_frames'] for r in rs], '%', 2)}")
+    path = save("pyframes", {"machine": machine(), "args": vars(args), "rows": rows, "lines": lines})
+    print("\n".join(lines))
+    print(f"raw data: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+// SPDX-License-Identifier: GPL-2.0
+/* cyclescope's in-kernel sample aggregation (collect/ebpf.py loads it).
+ *
+ * Attached to every sampling perf event (the event's index in the session is the link's cookie),
+ * it runs at each overflow instead of writing a sample record: it counts the sample under
+ * (process, ip, kernel or user, event, stack) in a hash map, with the sum of the events' periods
+ * and the time of the last one, and returns 0 so that the ring buffer carries only the side
+ * records (mmap, comm, fork, exit). User space reads and empties the maps of one generation while
+ * the program fills the other's (control.gen), so that nothing is read while it is written.
+ *
+ * Stacks (control.stacks): the kernel frames and the user frames (walked with frame pointers, as
+ * PERF_SAMPLE_CALLCHAIN does) copied with bpf_get_stack, hashed, and stored once per generation
+ * under their hash. The kernel's stack-trace map is not used: it drops a stack whose bucket holds
+ * another, a loss that grows with the number of distinct stacks.
+ *
+ * Only uapi headers: the program reads the perf context (struct bpf_perf_event_data) and calls
+ * helpers, never a kernel structure, so it needs no relocation and runs on any kernel with
+ * bpf_get_attach_cookie (5.15) and bounded loops (5.3).
+ */
+#include <linux/bpf.h>
+#include <linux/bpf_perf_event.h>
+#include <linux/ptrace.h>
+#include <bpf/bpf_helpers.h>
+
+#define MAX_KERNEL 32
+#define MAX_USER 96
+#define MAX_FRAMES (MAX_KERNEL + MAX_USER)
+
+struct control {
+	__u32 gen;    /* the generation being filled: 0 or 1 */
+	__u32 stacks; /* copy and count stacks */
+};
+
+struct key {
+	__u32 pid;   /* thread group id (0: the idle task) */
+	__u16 event; /* index of the event in the session (the link's cookie) */
+	__u16 kernel; /* 1: the sample interrupted kernel code */
+	__u64 ip;
+	__u64 stack; /* hash of the stack (0: none) */
+};
+
+struct val {
+	__u64 count;
+	__u64 period; /* sum of the samples' periods, in the event's units */
+	__u64 last_ns; /* CLOCK_MONOTONIC of the last sample (perf's clock in the session) */
+};
+
+struct trace {
+	__u32 nkernel; /* bytes of kernel frames (bpf_get_stack's return; 0 when it failed) */
+	__u32 nuser;   /* bytes of user frames */
+	__u64 ip[MAX_FRAMES]; /* kernel frames from 0, user frames from MAX_KERNEL; zeros after */
+};
+
+/* Counters since load, per CPU: samples seen, samples not counted (their generation's map was
+ * full), stacks not kept (the stack map was full), stacks that could not be copied. */
+enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, NSTATS };
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct control);
+} control SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, NSTATS);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct trace);
+} scratch SEC(".maps");
+
+/* Preallocated (perf_event programs may run in NMI context, where a hash map cannot allocate);
+ * user space sets the sizes before loading. */
+struct counts_map {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct key);
+	__type(value, struct val);
+};
+struct counts_map counts0 SEC(".maps");
+struct counts_map counts1 SEC(".maps");
+
+struct stacks_map {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1);
+	__type(key, __u64);
+	__type(value, struct trace);
+};
+struct stacks_map stacks0 SEC(".maps");
+struct stacks_map stacks1 SEC(".maps");
+
+static __always_inline void bump(__u32 which)
+{
+	__u64 *n = bpf_map_lookup_elem(&stats, &which);
+	if (n)
+		*n += 1; /* per CPU: no other writer */
+}
+
+static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen)
+{
+	__u32 zero = 0;
+	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
+	if (!t)
+		return 0;
+	/* Both calls write their whole area (frames, then zeros; zeros on failure): the hash below
+	 * reads no byte of an earlier sample. In user mode the kernel part is empty. */
+	long nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
+	long nu = bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+	if (nk < 0)
+		nk = 0;
+	if (nu < 0)
+		nu = 0;
+	if (nk == 0 && nu == 0) {
+		bump(STAT_STACK_ERRORS);
+		return 0;
+	}
+	t->nkernel = nk;
+	t->nuser = nu;
+	/* FNV-1a over the frames, mixed once more: collisions between two stacks seen in one
+	 * generation are about n^2 / 2^65 */
+	__u64 h = 0xcbf29ce484222325ULL ^ ((__u64)nk << 32) ^ (__u64)nu;
+	for (int i = 0; i < MAX_FRAMES; i++) {
+		h ^= t->ip[i];
+		h *= 0x100000001b3ULL;
+	}
+	h ^= h >> 33;
+	h |= 1; /* 0 means no stack */
+	long err = bpf_map_update_elem(gen ? (void *)&stacks1 : (void *)&stacks0, &h, t, BPF_NOEXIST);
+	if (err && err != -17 /* EEXIST: seen already in this generation */) {
+		bump(STAT_LOST_STACKS);
+		return 0;
+	}
+	return h;
+}
+
+SEC("perf_event")
+int cyclescope_sample(struct bpf_perf_event_data *ctx)
+{
+	__u32 zero = 0;
+	struct control *c = bpf_map_lookup_elem(&control, &zero);
+	if (!c)
+		return 0;
+	__u32 gen = c->gen & 1;
+	bump(STAT_SAMPLES);
+
+	struct key k = {};
+	k.pid = bpf_get_current_pid_tgid() >> 32;
+	k.event = bpf_get_attach_cookie(ctx);
+	k.kernel = (ctx->regs.cs & 3) == 0;
+	k.ip = ctx->regs.rip; /* uapi names (asm/ptrace.h) */
+	if (c->stacks)
+		k.stack = stack_of(ctx, gen);
+
+	__u64 period = ctx->sample_period;
+	__u64 now = bpf_ktime_get_ns();
+	void *map = gen ? (void *)&counts1 : (void *)&counts0;
+	struct val *v = bpf_map_lookup_elem(map, &k);
+	if (!v) {
+		struct val nv = {1, period, now};
+		long err = bpf_map_update_elem(map, &k, &nv, BPF_NOEXIST);
+		if (!err)
+			return 0;
+		v = bpf_map_lookup_elem(map, &k); /* another CPU made it meanwhile */
+		if (!v) {
+			bump(STAT_LOST);
+			return 0;
+		}
+	}
+	__sync_fetch_and_add(&v->count, 1);
+	__sync_fetch_and_add(&v->period, period);
+	if (v->last_ns < now)
+		v->last_ns = now;
+	return 0;
+}
+
+char LICENSE[] SEC("license") = "GPL";

@@ -1,0 +1,348 @@
+"""In-kernel aggregation of samples with eBPF (the program: collect/bpf/profile.bpf.c).
+
+The program is attached to each sampling perf event and counts samples in kernel hash maps,
+keyed by (process, ip, kernel or user, event, stack), instead of writing a record per sample: the
+rings carry only the side records (mmaps, comms, forks, exits) and user space reads one row per
+distinct key per drain. This module loads the program through libbpf, attaches it, flips the
+generation the program fills, and reads the other generation's maps into numpy arrays.
+
+libbpf is called through ctypes: there is no maintained Python binding of libbpf (BCC compiles
+its programs at run time against the kernel's headers, which many kernels, this one among them,
+do not ship), and the part used here is a dozen plain C functions. With `collect/kernel.py`
+this is the only module that makes perf or BPF system calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cyclescope.errors import CycleScopeError
+
+OBJECT = Path(__file__).parent / "bpf" / "profile.bpf.o"
+MAX_KERNEL = 32  # as profile.bpf.c
+MAX_USER = 96
+MAX_FRAMES = MAX_KERNEL + MAX_USER
+
+KEY_DTYPE = np.dtype([("pid", "<u4"), ("event", "<u2"), ("kernel", "<u2"), ("ip", "<u8"), ("stack", "<u8")])
+VAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8"), ("last_ns", "<u8")])
+TRACE_DTYPE = np.dtype([("nkernel", "<u4"), ("nuser", "<u4"), ("ip", "<u8", (MAX_FRAMES,))])
+STATS = ("samples", "lost", "lost_stacks", "stack_errors")  # profile.bpf.c's enum, in order
+
+_BPF_PERF_EVENT = 41  # enum bpf_attach_type
+_BPF_ANY = 0
+_BPF_F_NO_PREALLOC = 1
+
+
+class BpfUnavailable(CycleScopeError):
+    """The eBPF path cannot run here (why, in one line); the perf ring path is used instead."""
+
+
+class _LinkOpts(ctypes.Structure):  # struct bpf_link_create_opts (libbpf 1.x)
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32), ("iter_info", ctypes.c_void_p),
+                ("iter_info_len", ctypes.c_uint32), ("target_btf_id", ctypes.c_uint32),
+                ("bpf_cookie", ctypes.c_uint64), ("_rest", ctypes.c_uint64 * 3)]
+
+
+class _BatchOpts(ctypes.Structure):  # struct bpf_map_batch_opts
+    _fields_ = [("sz", ctypes.c_size_t), ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+_PRINT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+class _Lib:
+    """libbpf's functions that are used, with their signatures; libbpf's messages (the verifier's
+    log among them) go to ``messages`` instead of stderr."""
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError as e:
+            raise BpfUnavailable(f"libbpf is not installed ({e})") from None
+        libc = ctypes.CDLL(None)
+        self.messages: list[str] = []
+        buf = ctypes.create_string_buffer(4096)
+
+        def on_print(level: int, fmt: bytes, args: int) -> int:
+            # va_list is passed by reference on x86-64: libc's vsnprintf formats it.
+            libc.vsnprintf(buf, ctypes.c_size_t(len(buf)), ctypes.c_char_p(fmt), ctypes.c_void_p(args))
+            self.messages.append(buf.value.decode(errors="replace").rstrip())
+            del self.messages[:-200]
+            return 0
+
+        self._print = _PRINT_FN(on_print)  # kept alive as long as libbpf may call it
+        lib.libbpf_set_print(self._print)
+        vp, i, u32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32
+        for fn, res, args in (
+            ("bpf_object__open_mem", vp, [vp, ctypes.c_size_t, vp]),
+            ("bpf_object__load", i, [vp]),
+            ("bpf_object__close", None, [vp]),
+            ("bpf_object__find_map_by_name", vp, [vp, ctypes.c_char_p]),
+            ("bpf_object__find_program_by_name", vp, [vp, ctypes.c_char_p]),
+            ("bpf_map__set_max_entries", i, [vp, u32]),
+            ("bpf_map__set_map_flags", i, [vp, u32]),
+            ("bpf_map__map_flags", u32, [vp]),
+            ("bpf_map__fd", i, [vp]),
+            ("bpf_program__fd", i, [vp]),
+            ("bpf_link_create", i, [i, i, i, ctypes.POINTER(_LinkOpts)]),
+            ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
+            ("bpf_map_lookup_elem", i, [i, vp, vp]),
+            ("bpf_map_lookup_and_delete_batch", i, [i, vp, vp, vp, vp, ctypes.POINTER(u32),
+                                                    ctypes.POINTER(_BatchOpts)]),
+            ("libbpf_get_error", ctypes.c_long, [vp]),
+        ):
+            f = getattr(lib, fn)
+            f.restype, f.argtypes = res, args
+        self.lib = lib
+
+    def last_message(self) -> str:
+        """libbpf's last non-empty message (the verifier's last line when loading failed)."""
+        return next((m for m in reversed(self.messages) if m.strip()), "")
+
+
+_lib: _Lib | None = None
+
+
+def _libbpf() -> _Lib:
+    global _lib
+    if _lib is None:
+        _lib = _Lib()
+    return _lib
+
+
+@dataclass
+class Drained:
+    """One generation's aggregated samples: one row per distinct key, and the stacks they name."""
+
+    keys: np.ndarray  # KEY_DTYPE
+    values: np.ndarray  # VAL_DTYPE
+    stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]  # hash -> (kernel frames, user frames)
+
+
+def load(entries: int, stack_entries: int) -> BpfAggregator:
+    """The program loaded with maps that allocate as they fill where the kernel allows it (6.1),
+    else preallocated."""
+    try:
+        return BpfAggregator(entries, stack_entries)
+    except BpfUnavailable as e:
+        if "not permitted" in str(e):
+            raise
+        return BpfAggregator(entries, stack_entries, prealloc=True)
+
+
+class BpfAggregator:
+    """The loaded program and its maps. ``entries``: the most distinct keys one generation holds
+    (samples beyond it are counted as lost); ``stack_entries``: the most distinct stacks (0: no
+    stacks)."""
+
+    def __init__(self, entries: int = 1 << 16, stack_entries: int = 0, prealloc: bool = False) -> None:
+        if os.uname().machine != "x86_64":
+            raise BpfUnavailable(f"the BPF program reads x86-64 registers; this machine is {os.uname().machine}")
+        if not OBJECT.is_file():
+            raise BpfUnavailable(f"{OBJECT} is missing (scripts/build-bpf builds it)")
+        self._l = _libbpf()
+        lib = self._l.lib
+        data = OBJECT.read_bytes()
+        self._data = ctypes.create_string_buffer(data, len(data))
+        obj = lib.bpf_object__open_mem(self._data, len(data), None)
+        if not obj or lib.libbpf_get_error(obj):
+            raise BpfUnavailable(f"libbpf could not open {OBJECT.name}: {self._l.last_message()}")
+        self._obj = obj
+        self._links: list[int] = []
+        try:
+            for name in ("counts0", "counts1"):
+                lib.bpf_map__set_max_entries(self._map(name), entries)
+            for name in ("stacks0", "stacks1"):
+                lib.bpf_map__set_max_entries(self._map(name), max(1, stack_entries))
+            if not prealloc:
+                # Since Linux 6.1 a perf_event program may use hash maps that allocate as they
+                # fill (bpf_mem_alloc, safe in NMI): kernel memory then follows the distinct keys,
+                # not the sizes above (64 MiB of stacks, preallocated). Older kernels refuse it.
+                for name in ("counts0", "counts1", "stacks0", "stacks1"):
+                    m = self._map(name)
+                    lib.bpf_map__set_map_flags(m, lib.bpf_map__map_flags(m) | _BPF_F_NO_PREALLOC)
+            if lib.bpf_object__load(obj):
+                err = ctypes.get_errno()
+                why = self._l.last_message() or os.strerror(err)
+                if err == errno.EPERM:
+                    why = "not permitted (loading BPF programs needs root or CAP_BPF and CAP_PERFMON)"
+                raise BpfUnavailable(f"the kernel refused the BPF program: {why}")
+            prog = lib.bpf_object__find_program_by_name(obj, b"cyclescope_sample")
+            self.prog_fd = lib.bpf_program__fd(prog)
+            self.fds = {n: lib.bpf_map__fd(self._map(n)) for n in
+                        ("control", "stats", "counts0", "counts1", "stacks0", "stacks1")}
+        except BaseException:
+            lib.bpf_object__close(obj)
+            self._obj = None
+            raise
+        self.entries = entries
+        self.stack_entries = stack_entries
+        self.prealloc = prealloc
+        self.gen = 0
+        self._ncpus = _possible_cpus()
+        self._set_control()
+
+    def _map(self, name: str) -> int:
+        m = self._l.lib.bpf_object__find_map_by_name(self._obj, name.encode())
+        if not m:
+            raise BpfUnavailable(f"{OBJECT.name} has no map {name} (rebuild it with scripts/build-bpf)")
+        return int(m)
+
+    def _set_control(self) -> None:
+        key = ctypes.c_uint32(0)
+        val = (ctypes.c_uint32 * 2)(self.gen, 1 if self.stack_entries else 0)
+        if self._l.lib.bpf_map_update_elem(self.fds["control"], ctypes.byref(key), val, _BPF_ANY):
+            raise OSError(ctypes.get_errno(), "updating the BPF program's control map")
+
+    def attach(self, perf_fd: int, event: int) -> None:
+        """Run the program at each overflow of ``perf_fd``, counting its samples as event ``event``."""
+        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts), bpf_cookie=event)
+        fd = self._l.lib.bpf_link_create(self.prog_fd, perf_fd, _BPF_PERF_EVENT, ctypes.byref(opts))
+        if fd < 0:
+            err = -fd if fd < -1 else ctypes.get_errno()
+            raise BpfUnavailable(f"attaching the BPF program to a perf event failed: {os.strerror(err)}")
+        self._links.append(fd)
+
+    def flip(self) -> int:
+        """Make the program fill the other generation; returns the one it filled until now."""
+        old = self.gen
+        self.gen ^= 1
+        self._set_control()
+        return old
+
+    def drain(self) -> Drained:
+        """Flip generations and empty the one just left. A sample the program was counting on
+        another CPU while the generation flipped may land in the emptied maps after this read: it
+        is read two drains later, never lost; its stack, if that was read (and deleted) now, is
+        looked up in the stacks kept from this drain (``Drained.stacks`` of the caller's previous
+        call: the caller keeps one drain of them)."""
+        old = self.flip()
+        keys, vals = self._take(self.fds[f"counts{old}"], KEY_DTYPE, VAL_DTYPE, self.entries)
+        stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        if self.stack_entries:
+            hk, tr = self._take(self.fds[f"stacks{old}"], np.dtype("<u8"), TRACE_DTYPE, self.stack_entries)
+            for h, nk, nu, ips in zip(hk.tolist(), tr["nkernel"].tolist(), tr["nuser"].tolist(), tr["ip"],
+                                      strict=True):
+                stacks[h] = (tuple(ips[: nk // 8].tolist()), tuple(ips[MAX_KERNEL : MAX_KERNEL + nu // 8].tolist()))
+        return Drained(keys, vals, stacks)
+
+    def _take(self, fd: int, kdt: np.dtype, vdt: np.dtype, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry of a hash map, deleted as read (bpf_map_lookup_and_delete_batch)."""
+        step = min(capacity, 8192)
+        kparts, vparts = [], []
+        in_b = ctypes.create_string_buffer(max(8, kdt.itemsize))
+        out_b = ctypes.create_string_buffer(max(8, kdt.itemsize))
+        opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+        first = True
+        while True:
+            ks = np.zeros(step, kdt)
+            vs = np.zeros(step, vdt)
+            n = ctypes.c_uint32(step)
+            rc = self._l.lib.bpf_map_lookup_and_delete_batch(
+                fd, None if first else in_b, out_b, ks.ctypes.data, vs.ctypes.data, ctypes.byref(n),
+                ctypes.byref(opts))
+            err = ctypes.get_errno() if rc else 0
+            if n.value:
+                kparts.append(ks[: n.value])
+                vparts.append(vs[: n.value])
+            if rc and err == errno.ENOENT:
+                break  # the end of the map
+            if rc:
+                raise OSError(err, f"reading the BPF program's counts: {os.strerror(err)}")
+            ctypes.memmove(in_b, out_b, len(in_b))
+            first = False
+        if not kparts:
+            return np.zeros(0, kdt), np.zeros(0, vdt)
+        return np.concatenate(kparts), np.concatenate(vparts)
+
+    def stats(self) -> dict[str, int]:
+        """The program's counters since it was loaded, summed over CPUs."""
+        out = {}
+        for i, name in enumerate(STATS):
+            key = ctypes.c_uint32(i)
+            vals = (ctypes.c_uint64 * self._ncpus)()
+            if self._l.lib.bpf_map_lookup_elem(self.fds["stats"], ctypes.byref(key), vals):
+                raise OSError(ctypes.get_errno(), "reading the BPF program's statistics")
+            out[name] = int(sum(vals))
+        return out
+
+    def close(self) -> None:
+        for fd in self._links:
+            os.close(fd)
+        self._links = []
+        if self._obj is not None:
+            self._l.lib.bpf_object__close(self._obj)
+            self._obj = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _possible_cpus() -> int:
+    """Per-CPU map values come one per possible CPU (not online: /sys/devices/system/cpu/possible)."""
+    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+    n = 0
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        n = max(n, int(b or a) + 1)
+    return n
+
+
+@dataclass
+class Rows:
+    """A drain's aggregated samples in the shape the collection loop maps and counts: one row of
+    records.SAMPLE_DTYPE per key (its time is the key's last sample, so that mmaps and execs
+    apply in order), with the samples and summed period each row stands for."""
+
+    samples: np.ndarray
+    event: np.ndarray  # int64
+    count: np.ndarray  # uint64
+    period: np.ndarray  # float64
+    chains: list[tuple[int, ...] | None] | None  # perf-style callchains (None: no stacks asked)
+
+
+def to_rows(d: Drained, stacks: bool, older: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+            ) -> Rows:
+    """``d`` as rows; stack hashes resolve in ``d.stacks``, then in ``older`` (the previous
+    drain's, for a sample counted while the generations flipped). A stack found in neither (the
+    stack map was full) leaves the sampled ip alone, as a callchain that could not be walked."""
+    from cyclescope.perf.abi import MISC_KERNEL, MISC_USER, PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
+    from cyclescope.perf.records import SAMPLE_DTYPE
+
+    k, v = d.keys, d.values
+    n = len(k)
+    s = np.zeros(n, SAMPLE_DTYPE)
+    s["ip"] = k["ip"]
+    s["pid"] = k["pid"].astype(np.int32)
+    s["tid"] = s["pid"]
+    s["time"] = v["last_ns"]
+    s["cpumode"] = np.where(k["kernel"] != 0, MISC_KERNEL, MISC_USER)
+    s["extra"] = -1
+    s["regs"] = -1
+    chains: list[tuple[int, ...] | None] | None = None
+    if stacks:
+        chains = []
+        old = older or {}
+        for h in k["stack"].tolist():
+            st = d.stacks.get(h) or old.get(h)
+            if st is None:
+                chains.append(None)
+                continue
+            kf, uf = st
+            chain: tuple[int, ...] = ()
+            if kf:
+                chain = (PERF_CONTEXT_KERNEL, *kf)
+            if uf:
+                chain = (*chain, PERF_CONTEXT_USER, *uf)
+            chains.append(chain)
+    return Rows(s, k["event"].astype(np.int64), v["count"].copy(), v["period"].astype(np.float64), chains)

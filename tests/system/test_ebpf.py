@@ -1,0 +1,114 @@
+"""The eBPF collection path against the ring path on the same programs, and Python frames from
+CPython's perf maps (`python -X perf`) in stacks."""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.system.helpers import cs, prof_json, samples_of
+
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
+PROGRAMS = Path(__file__).parents[1] / "programs"
+
+
+def folded(text: str) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        stack, n = line.rsplit(" ", 1)
+        out[stack] += int(n)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bpf_loads() -> None:
+    from cyclescope.collect.ebpf import BpfUnavailable, load
+
+    try:
+        load(1 << 10, 0).close()
+    except (BpfUnavailable, OSError) as e:
+        pytest.skip(f"the eBPF path cannot run here: {e}")
+
+
+@pytest.fixture(scope="module")
+def callgraph(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    exe = tmp_path_factory.mktemp("cg") / "callgraph"
+    subprocess.run(["gcc", "-O2", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", "-o", str(exe),
+                    str(PROGRAMS / "callgraph.c")], check=True, capture_output=True)
+    return exe
+
+
+def under(stacks: Counter[str], frame: str) -> float:
+    total = sum(stacks.values())
+    return sum(n for s, n in stacks.items() if frame in s.split(";")) / total
+
+
+@pytest.mark.usefixtures("bpf_loads")
+def test_the_kernel_side_counts_what_the_rings_count(callgraph: Path, tmp_path: Path) -> None:
+    """Same program, both paths, frame-pointer stacks: the same shares of procedures and stacks."""
+    shares = {}
+    for path in ("bpf", "perf"):
+        db = tmp_path / path
+        p = cs("record", "--db", str(db), "--collector", path, "--no-loop-counts", "-g", "fp", "--",
+               str(callgraph), "600000", timeout=300)
+        assert "lost 0;" in p.stderr
+        rep = prof_json(db)
+        total = sum(r["samples"]["cpu-clock"] for r in rep["rows"])
+        assert total > 1000
+        st = folded(cs("export", "collapsed", "--db", str(db), "--process", "callgraph").stdout)
+        assert sum(st.values()) >= 0.95 * total  # every sample has its stack
+        shares[path] = (samples_of(rep, "leaf") / total, under(st, "outer"), under(st, "main"))
+    (leaf_b, outer_b, main_b), (leaf_p, outer_p, main_p) = shares["bpf"], shares["perf"]
+    assert leaf_b > 0.8 and abs(leaf_b - leaf_p) < 0.05
+    assert outer_b > 0.5 and abs(outer_b - outer_p) < 0.05  # leaf is called under outer two times in three
+    assert main_b > 0.95 and main_p > 0.95
+
+
+@pytest.mark.usefixtures("bpf_loads")
+def test_system_wide_through_the_kernel_side_and_the_daemons_status(callgraph: Path, tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    p = cs("record", "--db", str(db), "-a", "--collector", "bpf", "--no-loop-counts", "--", str(callgraph),
+           "400000", timeout=300)
+    assert "lost 0;" in p.stderr
+    rep = prof_json(db, "--process", "callgraph")
+    assert samples_of(rep, "leaf") > 500
+    # Without -g, --collector bpf with loop counts on is refused in one line.
+    bad = cs("record", "--db", str(db), "-a", "--collector", "bpf", "-d", "1", check=False)
+    assert bad.returncode == 2 and "--no-loop-counts" in bad.stderr.strip().splitlines()[-1]
+
+
+def pythons() -> list[str]:
+    """CPython 3.12 and 3.13 interpreters here (-X perf came with 3.12): on PATH or under pyenv."""
+    out = []
+    for v in ("3.12", "3.13"):
+        found = sorted(glob.glob(f"/root/.pyenv/versions/{v}*/bin/python{v}"))  # pyenv's shims may refuse
+        exe = found[0] if found else shutil.which(f"python{v}")
+        if exe and "/shims/" not in exe:
+            out.append(exe)
+    return out
+
+
+@pytest.mark.parametrize("python", pythons() or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no CPython 3.12 or 3.13 here (their -X perf writes the perf maps)"))])
+def test_python_frames_from_perf_maps_are_named_and_stacks_are_complete(python: str, tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "--no-loop-counts", "-g", "dwarf,32768", "-F", "2000", "--",
+       python, "-X", "perf", str(PROGRAMS / "pyshares.py"), "40", timeout=300)
+    st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+    script = str(PROGRAMS / "pyshares.py")
+    py = {f: under(st, f"py::{f}:{script}") for f in ("main", "seventy", "twenty", "ten")}
+    assert py["main"] > 0.85, st.most_common(5)
+    # Shares among the three (70/20/10 of the work; generous margins for a busy machine).
+    inside = py["seventy"] + py["twenty"] + py["ten"]
+    assert abs(py["seventy"] / inside - 0.7) < 0.1 and abs(py["ten"] / inside - 0.1) < 0.07
+    # Complete: from _start through the interpreter's C frames to the Python frames.
+    under_main = [s.split(";") for s in st.elements() if f"py::main:{script}" in s]
+    assert sum(f[0] == "_start" for f in under_main) / len(under_main) > 0.9
+    assert not any("perf-" in s and ".map+" in s for s in st)  # every JIT frame is named
