@@ -178,17 +178,45 @@ function timelineChart (box, data, params) {
     scales: { x: { time: true } },
     axes: [{ stroke: css.getPropertyValue('--fg') }, { stroke: css.getPropertyValue('--fg'), label: 'samples/s' }],
     series: [{}, ...hosts.map((h, i) => ({ label: h, stroke: colors[i % colors.length], width: 1.5, paths: uPlot.paths.stepped({ align: 1 }), fill: colors[i % colors.length] + '33' }))],
-    hooks: {
-      setSelect: [(u) => {
-        if (u.select.width < 3) return
-        const a = u.posToVal(u.select.left, 'x'); const b = u.posToVal(u.select.left + u.select.width, 'x')
-        const eps = [...new Set(tl.filter((t) => t.end >= a && t.start <= b).map((t) => t.epoch))].sort((x, y) => x - y)
-        if (eps.length) go('overview', { ...Object.fromEntries(params), epochs: eps.join(',') })
-      }]
-    }
+    hooks: { setSelect: [selectEpochs(tl, params)] }
   }
   // eslint-disable-next-line no-new
   new uPlot(opts, [xs, ...series], box)
+}
+
+// Drag over a chart of time: the epochs whose segments overlap the range.
+function selectEpochs (tl, params) {
+  return (u) => {
+    if (u.select.width < 3) return
+    const a = u.posToVal(u.select.left, 'x'); const b = u.posToVal(u.select.left + u.select.width, 'x')
+    const eps = [...new Set(tl.filter((t) => t.end >= a && t.start <= b).map((t) => t.epoch))].sort((x, y) => x - y)
+    if (eps.length) go('overview', { ...Object.fromEntries(params), epochs: eps.join(',') })
+  }
+}
+
+// The collector's timeline (100 ms windows per thread), summed per process at the step the
+// server picked: CPUs busy (clock events) or samples per step, the total and the busiest processes.
+function processChart (box, data, params) {
+  const pt = data.processes_over_time
+  const val = pt.total.cpus ? 'cpus' : 'samples'
+  const css = getComputedStyle(document.documentElement)
+  const colors = ['--c1', '--c2', '--c3', '--c4'].map((v) => css.getPropertyValue(v).trim())
+  const fg = css.getPropertyValue('--fg')
+  const stepped = uPlot.paths.stepped({ align: 1 })
+  const opts = {
+    width: Math.min(box.clientWidth || 1200, 1400),
+    height: 200,
+    cursor: { drag: { x: true, y: false } },
+    select: { show: true },
+    scales: { x: { time: true } },
+    axes: [{ stroke: fg }, { stroke: fg, label: val === 'cpus' ? 'CPUs busy' : `samples per ${pt.step_ms} ms` }],
+    series: [{},
+      { label: 'total', stroke: fg, width: 1, paths: stepped },
+      ...pt.series.map((s, i) => ({ label: s.name, stroke: colors[i % colors.length], width: 1.5, paths: stepped, dash: i >= colors.length ? [4, 3] : undefined }))],
+    hooks: { setSelect: [selectEpochs(data.timeline, params)] }
+  }
+  // eslint-disable-next-line no-new
+  new uPlot(opts, [pt.times_ms.map((t) => t / 1000), pt.total[val], ...pt.series.map((s) => s[val])], box)
 }
 
 async function overviewView (main, params, seq) {
@@ -206,8 +234,11 @@ async function overviewView (main, params, seq) {
     `lost ${fmt.format(lost)} · unknown ${fmt.format(s.unknown_samples || 0)} (${pct(s.unknown_share || 0)})`))
   main.append(notes([...(data.warnings || []), ...(data.notes || [])].filter((x, i, a) => a.indexOf(x) === i)) || '')
   const chart = el('div', { class: 'chart', id: 'timeline' })
-  main.append(el('h2', {}, 'Samples over time ', el('small', {}, 'drag to select the epochs of a time range')), chart)
-  timelineChart(chart, data, params)
+  const pt = data.processes_over_time
+  const title = pt ? (pt.total.cpus ? 'CPUs busy over time, by process ' : 'Samples over time, by process ') : 'Samples over time '
+  main.append(el('h2', {}, title, el('small', {}, 'drag to select the epochs of a time range')), chart)
+  if (pt) processChart(chart, data, params)
+  else timelineChart(chart, data, params)
   const epochs = el('div', { class: 'epochs' }, 'Epochs: ',
     el('a', { href: '#/overview?' + new URLSearchParams({ ...selParams(params), epochs: 'all' }) }, 'all'),
     ...data.epochs.map((e) => [' · ', el('a', { href: '#/overview?' + new URLSearchParams({ ...selParams(params), epochs: String(e.epoch) }), title: 'hosts: ' + e.hosts.join(', ') }, String(e.epoch) + (e.name ? ' ' + e.name : ''))]).flat())

@@ -4,6 +4,7 @@ CPython's perf maps (`python -X perf`) in stacks."""
 from __future__ import annotations
 
 import glob
+import json
 import shutil
 import subprocess
 from collections import Counter
@@ -65,6 +66,12 @@ def test_the_kernel_side_counts_what_the_rings_count(callgraph: Path, tmp_path: 
         st = folded(cs("export", "collapsed", "--db", str(db), "--process", "callgraph").stdout)
         assert sum(st.values()) >= 0.95 * total  # every sample has its stack
         shares[path] = (samples_of(rep, "leaf") / total, under(st, "outer"), under(st, "main"))
+        # The timeline holds the same samples, per 100 ms window: about one CPU busy throughout.
+        tl = json.loads(cs("timeline", "--db", str(db), "--json", "--process", "callgraph", "--step", "100").stdout)
+        own = sum(samples_of(rep, r["procedure"]) for r in prof_json(db, "--process", "callgraph")["rows"])
+        assert abs(sum(tl["total"]["samples"]) - own) <= 0.02 * own
+        busy = sorted(tl["total"]["cpus"])
+        assert 0.8 < busy[len(busy) // 2] < 1.2
     (leaf_b, outer_b, main_b), (leaf_p, outer_p, main_p) = shares["bpf"], shares["perf"]
     assert leaf_b > 0.8 and abs(leaf_b - leaf_p) < 0.05
     assert outer_b > 0.5 and abs(outer_b - outer_p) < 0.05  # leaf is called under outer two times in three

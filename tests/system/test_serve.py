@@ -124,6 +124,10 @@ def test_the_overview_lists_the_hot_procedure(server: str, browser: Any, recorde
     assert first == top
     assert "token" not in browser.current_url  # taken out of the address bar
     assert browser.find_elements("css selector", "#timeline canvas")  # the samples over time, drawn
+    # From the collector's timeline: CPUs busy per process, the recorded program among them.
+    assert "CPUs busy over time, by process" in browser.find_element("css selector", "main").text
+    legend = [e.text for e in browser.find_elements("css selector", "#timeline .u-legend .u-label")]
+    assert "total" in legend and "shift" in legend, legend
     screenshot(browser, "overview")
 
 

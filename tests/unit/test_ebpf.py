@@ -43,7 +43,9 @@ def drained() -> Drained:
     vals["period"] = [5_000, 2_000, 3_000, 7]
     vals["last_ns"] = [100, 90, 95, 80]
     stacks = {11: ((), (0x401000, 0x402005)), 17: ((0xFFFF0010, 0xFFFF0020), ())}
-    return Drained(keys, vals, stacks)
+    tl = np.zeros(2, ebpf.TIMELINE_DTYPE)
+    tl["pid"], tl["tid"], tl["window_ns"], tl["count"] = [7, 7], [7, 8], [100_000_000, 200_000_000], [6, 1]
+    return Drained(keys, vals, stacks, tl)
 
 
 def test_counted_rows_become_samples_with_their_counts_periods_and_callchains() -> None:

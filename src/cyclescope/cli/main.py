@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prof": ("prof", "samples per procedure (or per image): where have all the cycles gone?"),
     "list": ("listing", "a procedure's instructions with samples and source lines (or a source file's lines)"),
     "calc": ("calc", "instruction frequency, CPI and stall culprits of a procedure, from samples alone (dcpicalc)"),
+    "timeline": ("timeline", "samples over time per process or thread: CPUs busy, step by step"),
     "stats": ("compare", "statistics per procedure across sample sets (epochs, hosts or databases): DCPI's dcpistats"),
     "diff": ("compare", "procedures (or instructions) whose share of samples changed significantly between two sets"),
     "values": ("values", "hotlists of the values instructions saw, per instruction (value sampling)"),

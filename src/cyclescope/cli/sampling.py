@@ -221,16 +221,18 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
 
 def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
     """What the collector computes from each drain besides the flat counts (collect/processor.py),
-    as the options ask: loop counts and anchors (calc's evidence; on unless --no-loop-counts or
-    --no-anchors: anchors need the loop counter's procedure bounds; off by default when
-    ``system_wide``, unless --anchors), call stacks (--call-graph), values (--values).
+    as the options ask: the timeline (always), loop counts and anchors (calc's evidence; on unless
+    --no-loop-counts or --no-anchors: anchors need the loop counter's procedure bounds; off by
+    default when ``system_wide``, unless --anchors), call stacks (--call-graph), values (--values).
 
     Anchors are off system-wide because there they count almost nothing at a cost: with gcc
     compiling in a loop under `record -a -F 5000`, 0-2 entries counted in 30 s for 1-2% of the
     compiles (hot libc and cc1 entries, run 50,000-500,000 times a second by processes that live a
     fraction of a second, reach the budget's cap at once). An earlier session also saw cc1 and the
     recorder die with SIGSEGV under system-wide anchors; ten runs since crashed nothing."""
-    out: list[Processor] = []
+    from cyclescope.collect.timeline import TimelineProcessor
+
+    out: list[Processor] = [TimelineProcessor()]  # samples over time, per thread (cheap: always)
     if not getattr(args, "no_loop_counts", False):
         from cyclescope.analysis.loopcount import LoopCountProcessor
 
@@ -262,11 +264,13 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
     registers) and the kernel loads the program; otherwise perf, with a line on stderr when
     the kernel is why. 'bpf' fails in one line where 'auto' would fall back."""
     from cyclescope.collect.stacks import StackProcessor
+    from cyclescope.collect.timeline import TimelineProcessor
 
     choice = getattr(args, "collector", "auto")
     if choice == "perf":
         return None
-    needs = [p.name for p in procs if not (isinstance(p, StackProcessor) and p.call_graph.mode == "fp")]
+    needs = [p.name for p in procs if not (isinstance(p, StackProcessor) and p.call_graph.mode == "fp")
+             and not isinstance(p, TimelineProcessor)]
     if needs:
         if choice == "bpf":
             flags = {"loops": "--no-loop-counts", "anchors": "--no-anchors", "values": "no --values",

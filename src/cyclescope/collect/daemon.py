@@ -117,6 +117,7 @@ class RunTotals:
     per_event: dict[str, int] = field(default_factory=dict)
     unknown_reasons: dict[str, int] = field(default_factory=dict)
     lost_stacks: int = 0  # eBPF path: samples whose stack did not fit in the program's map
+    lost_timeline: int = 0  # eBPF path: samples left out of the timeline (its map was full)
 
 
 class Collector:
@@ -386,7 +387,7 @@ class Collector:
         self.agg.add(mapped.image, mapped.offset, rows.event, mapped.comm, count=rows.count, weight=rows.period)
         if self.processors:
             drain = Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
-                          chains=rows.chains, count=rows.count)
+                          chains=rows.chains, count=rows.count, timeline=rows.timeline)
             for p in self.processors:
                 p.process(drain)
         n = int(rows.count.sum())
@@ -403,11 +404,12 @@ class Collector:
     def _note_bpf_stats(self) -> None:
         """The program's losses since the last look: samples its full map could not count (as
         lost samples, charged to the first event: the program does not tell events apart there)
-        and stacks it could not keep."""
+        and stacks and timeline windows it could not keep."""
         assert self.bpf is not None
         now = self.bpf.stats()
         lost = now["lost"] - self._bpf_stats.get("lost", 0)
         stacks = now["lost_stacks"] - self._bpf_stats.get("lost_stacks", 0)
+        self.totals.lost_timeline += now["lost_timeline"] - self._bpf_stats.get("lost_timeline", 0)
         self._bpf_stats = now
         if lost:
             self.totals.lost_samples += lost
@@ -591,6 +593,9 @@ class Collector:
         if self.totals.lost_stacks:
             out.append(f"{self.totals.lost_stacks:,} samples were counted without their stacks (the eBPF "
                        "program's stack map was full; fewer distinct stacks a second, or a lower rate)")
+        if self.totals.lost_timeline:
+            out.append(f"{self.totals.lost_timeline:,} samples were left out of the timeline (the eBPF program's "
+                       "timeline map was full)")
         return out
 
 

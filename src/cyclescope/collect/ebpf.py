@@ -34,7 +34,13 @@ MAX_FRAMES = MAX_KERNEL + MAX_USER
 KEY_DTYPE = np.dtype([("pid", "<u4"), ("event", "<u2"), ("kernel", "<u2"), ("ip", "<u8"), ("stack", "<u8")])
 VAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8"), ("last_ns", "<u8")])
 TRACE_DTYPE = np.dtype([("nkernel", "<u4"), ("nuser", "<u4"), ("ip", "<u8", (MAX_FRAMES,))])
-STATS = ("samples", "lost", "lost_stacks", "stack_errors")  # profile.bpf.c's enum, in order
+TKEY_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("window", "<u4"), ("event", "<u4")])
+TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
+WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
+STATS = ("samples", "lost", "lost_stacks", "stack_errors", "lost_timeline")  # profile.bpf.c's enum, in order
+# A timeline row (both paths; collect/timeline.py): samples of one thread in one window of one event.
+TIMELINE_DTYPE = np.dtype([("pid", "<i4"), ("tid", "<i4"), ("window_ns", "<u8"), ("event", "<i4"),
+                           ("count", "<u8"), ("period", "<f8")])
 
 _BPF_PERF_EVENT = 41  # enum bpf_attach_type
 _BPF_ANY = 0
@@ -126,6 +132,7 @@ class Drained:
     keys: np.ndarray  # KEY_DTYPE
     values: np.ndarray  # VAL_DTYPE
     stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]  # hash -> (kernel frames, user frames)
+    timeline: np.ndarray  # TIMELINE_DTYPE
 
 
 def load(entries: int, stack_entries: int) -> BpfAggregator:
@@ -161,13 +168,15 @@ class BpfAggregator:
         try:
             for name in ("counts0", "counts1"):
                 lib.bpf_map__set_max_entries(self._map(name), entries)
+            for name in ("timeline0", "timeline1"):
+                lib.bpf_map__set_max_entries(self._map(name), max(1 << 12, entries // 4))
             for name in ("stacks0", "stacks1"):
                 lib.bpf_map__set_max_entries(self._map(name), max(1, stack_entries))
             if not prealloc:
                 # Since Linux 6.1 a perf_event program may use hash maps that allocate as they
                 # fill (bpf_mem_alloc, safe in NMI): kernel memory then follows the distinct keys,
                 # not the sizes above (64 MiB of stacks, preallocated). Older kernels refuse it.
-                for name in ("counts0", "counts1", "stacks0", "stacks1"):
+                for name in ("counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1"):
                     m = self._map(name)
                     lib.bpf_map__set_map_flags(m, lib.bpf_map__map_flags(m) | _BPF_F_NO_PREALLOC)
             if lib.bpf_object__load(obj):
@@ -179,12 +188,13 @@ class BpfAggregator:
             prog = lib.bpf_object__find_program_by_name(obj, b"cyclescope_sample")
             self.prog_fd = lib.bpf_program__fd(prog)
             self.fds = {n: lib.bpf_map__fd(self._map(n)) for n in
-                        ("control", "stats", "counts0", "counts1", "stacks0", "stacks1")}
+                        ("control", "stats", "counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1")}
         except BaseException:
             lib.bpf_object__close(obj)
             self._obj = None
             raise
         self.entries = entries
+        self.timeline_entries = max(1 << 12, entries // 4)
         self.stack_entries = stack_entries
         self.prealloc = prealloc
         self.gen = 0
@@ -233,7 +243,12 @@ class BpfAggregator:
             for h, nk, nu, ips in zip(hk.tolist(), tr["nkernel"].tolist(), tr["nuser"].tolist(), tr["ip"],
                                       strict=True):
                 stacks[h] = (tuple(ips[: nk // 8].tolist()), tuple(ips[MAX_KERNEL : MAX_KERNEL + nu // 8].tolist()))
-        return Drained(keys, vals, stacks)
+        tk, tv = self._take(self.fds[f"timeline{old}"], TKEY_DTYPE, TVAL_DTYPE, self.timeline_entries)
+        tl = np.zeros(len(tk), TIMELINE_DTYPE)
+        tl["pid"], tl["tid"], tl["event"] = tk["pid"], tk["tid"], tk["event"]
+        tl["window_ns"] = tk["window"].astype(np.uint64) * np.uint64(WINDOW_NS)
+        tl["count"], tl["period"] = tv["count"], tv["period"]
+        return Drained(keys, vals, stacks, tl)
 
     def _take(self, fd: int, kdt: np.dtype, vdt: np.dtype, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         """Every entry of a hash map, deleted as read (bpf_map_lookup_and_delete_batch)."""
@@ -309,6 +324,7 @@ class Rows:
     count: np.ndarray  # uint64
     period: np.ndarray  # float64
     chains: list[tuple[int, ...] | None] | None  # perf-style callchains (None: no stacks asked)
+    timeline: np.ndarray  # TIMELINE_DTYPE: samples per thread and window
 
 
 def to_rows(d: Drained, stacks: bool, older: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
@@ -345,4 +361,5 @@ def to_rows(d: Drained, stacks: bool, older: dict[int, tuple[tuple[int, ...], tu
             if uf:
                 chain = (*chain, PERF_CONTEXT_USER, *uf)
             chains.append(chain)
-    return Rows(s, k["event"].astype(np.int64), v["count"].copy(), v["period"].astype(np.float64), chains)
+    return Rows(s, k["event"].astype(np.int64), v["count"].copy(), v["period"].astype(np.float64), chains,
+                d.timeline)

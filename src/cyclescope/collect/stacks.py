@@ -63,30 +63,37 @@ class StackAggregator:
         """One drain: per sample, its pid, ip, event index, callchain (None: none recorded) and
         command when it was taken (a CommTable index); ``counts``: the samples each row stands for
         (None: one)."""
+        # Equal samples (same process, chain, event and command) are mapped and interned once:
+        # in a hot loop most samples repeat a few chains.
+        cm = list(comms) if comms is not None else [-1] * len(pids)
+        ns = list(counts) if counts is not None else [1] * len(pids)
+        groups: dict[tuple[int, int, tuple[int, ...], int, int], int] = {}
+        for pid, ip, ch, e, comm, c in zip(pids.tolist(), ips.tolist(), chains, events.tolist(), cm, ns,
+                                           strict=True):
+            k = (pid, ip if len(ch or ()) <= 2 else 0, ch or (), e, int(comm))  # short: maybe no frame
+            groups[k] = groups.get(k, 0) + c
         per: list[list[tuple[int, bool, bool]]] = []
         fp, fa, fk = [], [], []
-        for pid, ip, ch in zip(pids.tolist(), ips.tolist(), chains, strict=True):
-            frames = split_chain(ch or (), ip)  # no callchain: the sampled ip alone
+        for pid, ip, ch, _, _ in groups:
+            frames = split_chain(ch, ip)  # no callchain: the sampled ip alone
             per.append(frames)
-            for a, k, ret in frames:
+            for a, kern, ret in frames:
                 fp.append(pid)
                 fa.append(a - 1 if ret else a)
-                fk.append(k)
+                fk.append(kern)
         if not fa:
             return
         img, off = mapper.map_frames(np.array(fp, np.int64), np.array(fa, np.uint64), np.array(fk, bool))
         img_l, off_l = img.tolist(), off.tolist()
         pos = 0
         cur = self.cur
-        cm = list(comms) if comms is not None else [-1] * len(per)
-        ns = list(counts) if counts is not None else [1] * len(per)
-        for frames, e, comm, c in zip(per, events.tolist(), cm, ns, strict=True):
+        for frames, ((_, _, _, e, comm), c) in zip(per, groups.items(), strict=True):
             n = len(frames)
             if not n:
                 continue
             stack = tuple(zip(img_l[pos : pos + n], off_l[pos : pos + n], strict=True))
             pos += n
-            cur.counts[(cur.intern(stack), e, int(comm))] += c
+            cur.counts[(cur.intern(stack), e, comm)] += c
             self.samples += c
             self.frames += n * c
 

@@ -42,17 +42,18 @@ class TallyKind:
     prefix: str  # file name prefix
     keys: tuple[tuple[str, pa.DataType], ...]
     sums: tuple[tuple[str, pa.DataType], ...]
+    first: str = "image"  # the leading key, a string column stored as a dictionary
 
     @property
     def schema(self) -> pa.Schema:
-        fields = [("image", pa.dictionary(pa.int32(), pa.string()))]
-        fields += [(n, t) for n, t in self.keys if n != "image"]
+        fields = [(self.first, pa.dictionary(pa.int32(), pa.string()))]
+        fields += [(n, t) for n, t in self.keys if n != self.first]
         fields += list(self.sums)
         return pa.schema(fields)
 
     @property
     def key_names(self) -> list[str]:
-        return ["image", *[n for n, _ in self.keys if n != "image"]]
+        return [self.first, *[n for n, _ in self.keys if n != self.first]]
 
     @property
     def sum_names(self) -> list[str]:
@@ -86,7 +87,18 @@ ANCHORS = TallyKind(
     sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64())),
 )
 
-KINDS = {k.name: k for k in (LOOPS, ANCHORS)}
+# Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
+# the Unix epoch), process, thread and event, the samples and the sum of their periods (event
+# units: nanoseconds of CPU for the clock events).
+TIMELINE = TallyKind(
+    "timeline", "tl",
+    keys=(("process", pa.string()), ("window_ms", pa.int64()), ("pid", pa.int32()), ("tid", pa.int32()),
+          ("event", pa.string())),
+    sums=(("samples", pa.uint64()), ("period", pa.float64())),
+    first="process",
+)
+
+KINDS = {k.name: k for k in (LOOPS, ANCHORS, TIMELINE)}
 
 
 def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:
@@ -221,7 +233,8 @@ class TallySelection:
 def load_tally(db: Database, kind: TallyKind, epochs: list[int], hosts: list[str] | None = None,
                images: set[str] | None = None) -> TallySelection:
     """The selection's rows of ``kind`` summed over flushes, epochs and hosts; ``images``: only
-    these image keys. Corrupt files are skipped and listed."""
+    these values of its first key (image keys; process names for TIMELINE). Corrupt files are
+    skipped and listed."""
     import pyarrow.compute as pc
 
     tables = []
@@ -238,7 +251,8 @@ def load_tally(db: Database, kind: TallyKind, epochs: list[int], hosts: list[str
                     continue
                 out.files += 1
                 if images is not None:
-                    t = t.filter(pc.is_in(t.column("image").cast(pa.string()), pa.array(sorted(images), pa.string())))
+                    wanted = pa.array(sorted(images), pa.string())
+                    t = t.filter(pc.is_in(t.column(kind.first).cast(pa.string()), wanted))
                 tables.append(t)
     out.table = merge(kind, tables)
     return out

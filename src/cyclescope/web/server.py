@@ -220,6 +220,17 @@ def epochs_route(site: Site, request: Request) -> Any:
     return {"db": str(site.db.root), "epochs": [vars(e) for e in epochs_of(site.db)]}
 
 
+def _processes_over_time(p: Profile) -> dict[str, Any] | None:
+    """The selection's timeline per process (about 200 steps), or None where it has none (older
+    recordings): the page then draws the samples of each segment."""
+    from cyclescope.app.timeline import timeline
+
+    try:
+        return timeline(p, "process", None, top=6, buckets=200).to_json()
+    except NotFoundError:
+        return None
+
+
 def overview_route(site: Site, request: Request) -> Any:
     from cyclescope.app.overview import overview
 
@@ -227,6 +238,7 @@ def overview_route(site: Site, request: Request) -> Any:
     warnings: list[str] = []
     p = site.profile(selection(request.query_params), warnings)
     out = overview(p).to_json(limit=limit)
+    out["processes_over_time"] = _processes_over_time(p)
     out["db"] = str(site.db.root)
     out["warnings"] = warnings
     return out

@@ -45,6 +45,20 @@ struct val {
 	__u64 last_ns; /* CLOCK_MONOTONIC of the last sample (perf's clock in the session) */
 };
 
+/* Timelines: samples per thread per 100 ms window (of CLOCK_MONOTONIC), per event. */
+#define WINDOW_NS 100000000ULL
+struct tkey {
+	__u32 pid;
+	__u32 tid;
+	__u32 window; /* bpf_ktime_get_ns() / WINDOW_NS */
+	__u32 event;
+};
+
+struct tval {
+	__u64 count;
+	__u64 period;
+};
+
 struct trace {
 	__u32 nkernel; /* bytes of kernel frames (bpf_get_stack's return; 0 when it failed) */
 	__u32 nuser;   /* bytes of user frames */
@@ -52,8 +66,9 @@ struct trace {
 };
 
 /* Counters since load, per CPU: samples seen, samples not counted (their generation's map was
- * full), stacks not kept (the stack map was full), stacks that could not be copied. */
-enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, NSTATS };
+ * full), stacks not kept (the stack map was full), stacks that could not be copied, samples left
+ * out of the timeline (its map was full). */
+enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, STAT_LOST_TIMELINE, NSTATS };
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -95,6 +110,15 @@ struct stacks_map {
 };
 struct stacks_map stacks0 SEC(".maps");
 struct stacks_map stacks1 SEC(".maps");
+
+struct timeline_map {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct tkey);
+	__type(value, struct tval);
+};
+struct timeline_map timeline0 SEC(".maps");
+struct timeline_map timeline1 SEC(".maps");
 
 static __always_inline void bump(__u32 which)
 {
@@ -151,7 +175,8 @@ int cyclescope_sample(struct bpf_perf_event_data *ctx)
 	bump(STAT_SAMPLES);
 
 	struct key k = {};
-	k.pid = bpf_get_current_pid_tgid() >> 32;
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	k.pid = pid_tgid >> 32;
 	k.event = bpf_get_attach_cookie(ctx);
 	k.kernel = (ctx->regs.cs & 3) == 0;
 	k.ip = ctx->regs.rip; /* uapi names (asm/ptrace.h) */
@@ -160,6 +185,25 @@ int cyclescope_sample(struct bpf_perf_event_data *ctx)
 
 	__u64 period = ctx->sample_period;
 	__u64 now = bpf_ktime_get_ns();
+
+	struct tkey tk = {k.pid, (__u32)pid_tgid, (__u32)(now / WINDOW_NS), k.event};
+	void *tmap = gen ? (void *)&timeline1 : (void *)&timeline0;
+	struct tval *tv = bpf_map_lookup_elem(tmap, &tk);
+	if (tv) {
+		__sync_fetch_and_add(&tv->count, 1);
+		__sync_fetch_and_add(&tv->period, period);
+	} else {
+		struct tval ntv = {1, period};
+		if (bpf_map_update_elem(tmap, &tk, &ntv, BPF_NOEXIST)) {
+			tv = bpf_map_lookup_elem(tmap, &tk);
+			if (tv) {
+				__sync_fetch_and_add(&tv->count, 1);
+				__sync_fetch_and_add(&tv->period, period);
+			} else {
+				bump(STAT_LOST_TIMELINE);
+			}
+		}
+	}
 	void *map = gen ? (void *)&counts1 : (void *)&counts0;
 	struct val *v = bpf_map_lookup_elem(map, &k);
 	if (!v) {
