@@ -1,15 +1,18 @@
-"""Python frames in stacks: CPython programs with known function shares, recorded with -g dwarf.
+"""Python frames in stacks: CPython programs with known function shares, two ways.
 
 tests/programs/pyshares.py runs three functions with the same work per iteration, 70/20/10
 iterations in every 100, and (--time) prints the wall time each one took: the truth of the
-run. Each interpreter records it with `record --no-loop-counts -g dwarf,32768 -F 2000` (CPython
-3.12 and 3.13 with `-X perf`, which writes the perf map that names Python frames; 3.11 has no
-such option). From `export collapsed`: each function's share of the samples under the three
-(its frames inclusive), the error against the truth in points, and how complete the stacks are
-(the share of samples under `py::main` whose outermost frame is `_start`, and of frames no
-image names).
+run. Two ways of naming Python frames, alternated:
+- perfmap: `record --no-loop-counts -g dwarf,32768 -F 2000 -- pythonX.Y -X perf` (3.12 and 3.13
+  write the perf map that names their trampolines; 3.11 has no such option);
+- bpf: `record --collector bpf --no-loop-counts -g fp -F 2000 -- pythonX.Y` (no option: the eBPF
+  program reads the frames from the interpreter's memory; 3.11 to 3.13).
+From `export collapsed`: each function's share of the samples under the three (its frames
+inclusive), the error against the truth in points, how complete the stacks are (perfmap: the
+share of samples under `py::main` whose outermost frame is `_start`; bpf: whose outermost is
+`py::<module>`), the share of samples with Python frames, and of frames no image names.
 
-Usage: python bench/pyframes.py [--rounds 3] [--iterations 300]
+Usage: python bench/pyframes.py [--rounds 3] [--iterations 300] [--modes perfmap,bpf]
 """
 
 from __future__ import annotations
@@ -29,19 +32,21 @@ PROGRAM = Path(__file__).resolve().parents[1] / "tests" / "programs" / "pyshares
 FUNCS = ("seventy", "twenty", "ten")
 
 
-def interpreters() -> list[tuple[str, str, list[str]]]:
+def interpreters(mode: str) -> list[tuple[str, str, list[str]]]:
     out = []
-    for v, flags in (("3.11", []), ("3.12", ["-X", "perf"]), ("3.13", ["-X", "perf"])):
+    perf = ["-X", "perf"] if mode == "perfmap" else []
+    for v, flags in (("3.11", []), ("3.12", perf), ("3.13", perf)):
         found = sorted(glob.glob(f"/root/.pyenv/versions/{v}*/bin/python{v}")) or [shutil.which(f"python{v}") or ""]
         if found[0] and "/shims/" not in found[0]:
             out.append((v, found[0], flags))
     return out
 
 
-def one(exe: str, flags: list[str], iterations: int, tmp: Path) -> dict[str, Any]:
+def one(mode: str, exe: str, flags: list[str], iterations: int, tmp: Path) -> dict[str, Any]:
     db = tmp / "db"
     shutil.rmtree(db, ignore_errors=True)
-    r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--no-loop-counts", "-g", "dwarf,32768", "-F", "2000",
+    how = ["-g", "dwarf,32768"] if mode == "perfmap" else ["--collector", "bpf", "-g", "fp"]
+    r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--no-loop-counts", *how, "-F", "2000",
                            "--", exe, *flags, str(PROGRAM), str(iterations), "--time"))
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-400:])
@@ -62,12 +67,14 @@ def one(exe: str, flags: list[str], iterations: int, tmp: Path) -> dict[str, Any
     frames = sum(len(s.split(";")) * n for s, n in stacks.items())
     unnamed = sum(sum(1 for f in s.split(";") if f.startswith(("[unknown]", "perf-")) or ".map+" in f) * n
                   for s, n in stacks.items())
-    out: dict[str, Any] = {"samples": total, "truth": truth, "named": inside / total if total else 0.0,
+    root = "_start" if mode == "perfmap" else f"py::<module>{tag}"
+    named = sum(n for _, n in under_main) / total if total else 0.0
+    out: dict[str, Any] = {"samples": total, "truth": truth, "named": named,
                            "unnamed_frames": unnamed / frames if frames else 0.0}
     if inside:
         out["shares"] = {f: per[f] / inside for f in FUNCS}
         out["error_points"] = {f: 100 * (per[f] / inside - truth[f]) for f in FUNCS}
-        out["complete"] = sum(n for fr, n in under_main if fr[0] == "_start") / sum(n for _, n in under_main)
+        out["complete"] = sum(n for fr, n in under_main if fr[0] == root) / sum(n for _, n in under_main)
     return out
 
 
@@ -75,30 +82,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--modes", default="perfmap,bpf")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cs-bench-py-"))
-    found = interpreters()
-    rows: dict[str, list[dict[str, Any]]] = {v: [] for v, _, _ in found}
+    runs = [(m, v, exe, flags) for m in args.modes.split(",") for v, exe, flags in interpreters(m)]
+    rows: dict[str, list[dict[str, Any]]] = {f"{m} {v}": [] for m, v, _, _ in runs}
     for rnd in range(args.rounds):
-        for v, exe, flags in found:  # alternated
-            r = one(exe, flags, args.iterations, tmp)
-            rows[v].append(r)
+        for m, v, exe, flags in runs:  # alternated
+            r = one(m, exe, flags, args.iterations, tmp)
+            rows[f"{m} {v}"].append(r)
             got = r.get("error_points")
-            print(f"round {rnd} python {v}: {r['samples']} samples, "
+            print(f"round {rnd} {m} python {v}: {r['samples']} samples, "
                   + (", ".join(f"{f} {r['shares'][f]:.3f} (truth {r['truth'][f]:.3f})" for f in FUNCS)
-                     + f", complete {r['complete']:.3f}" if got else "no Python frames named"), flush=True)
+                     + f", complete {r['complete']:.3f}, named {r['named']:.3f}" if got else "no Python frames named"),
+                  flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     lines = ["", "Python frames (median [min, max] over rounds)", ""]
-    for v, _, flags in found:
-        rs = rows[v]
+    for m, v, _, flags in runs:
+        rs = rows[f"{m} {v}"]
+        label = f"{m} python {v} {' '.join(flags)}".rstrip()
         if not any("error_points" in r for r in rs):
-            lines.append(f"python {v} {' '.join(flags) or '(no -X perf)'}: no Python frames named "
+            lines.append(f"{label}: no Python frames named "
                          f"(unnamed frames {fmt_spread([100 * r['unnamed_frames'] for r in rs], '%', 2)})")
             continue
         err = [abs(e) for r in rs for e in r["error_points"].values()]
         complete = fmt_spread([100 * r["complete"] for r in rs], "%", 1)
-        lines.append(f"python {v} {' '.join(flags)}: worst share error {max(err):.2f} points, per function "
-                     f"{fmt_spread(err, ' points', 2)}; stacks from _start {complete}; "
+        root = "_start" if m == "perfmap" else "<module>"
+        lines.append(f"{label}: worst share error {max(err):.2f} points, per function "
+                     f"{fmt_spread(err, ' points', 2)}; stacks from {root} {complete}; samples with Python "
+                     f"frames {fmt_spread([100 * r['named'] for r in rs], '%', 1)}; "
                      f"unnamed frames {fmt_spread([100 * r['unnamed_frames'] for r in rs], '%', 2)}")
     path = save("pyframes", {"machine": machine(), "args": vars(args), "rows": rows, "lines": lines})
     print("\n".join(lines))

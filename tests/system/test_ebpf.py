@@ -119,3 +119,38 @@ def test_python_frames_from_perf_maps_are_named_and_stacks_are_complete(python: 
     under_main = [s.split(";") for s in st.elements() if f"py::main:{script}" in s]
     assert sum(f[0] == "_start" for f in under_main) / len(under_main) > 0.9
     assert not any("perf-" in s and ".map+" in s for s in st)  # every JIT frame is named
+
+
+def interpreters_without_perf_maps() -> list[str]:
+    """CPython 3.11-3.13 interpreters here: this one (3.11 on these machines) and pyenv's."""
+    import os
+    import sys
+
+    out = [os.path.realpath(sys.executable)] if (3, 11) <= sys.version_info[:2] <= (3, 13) else []
+    return out + [p for p in pythons() if os.path.realpath(p) not in out]
+
+
+@pytest.mark.usefixtures("bpf_loads")
+@pytest.mark.parametrize("python", interpreters_without_perf_maps())
+def test_python_frames_read_from_the_interpreter_without_x_perf(python: str, tmp_path: Path) -> None:
+    """No -X perf: the eBPF program reads the thread's frames from the interpreter's memory."""
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "--collector", "bpf", "--no-loop-counts", "-g", "fp", "--",
+       python, str(PROGRAMS / "pyshares.py"), "300", timeout=300)
+    st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+    script = str(PROGRAMS / "pyshares.py")
+    named = {s: n for s, n in st.items() if f"py::main:{script}" in s.split(";")}
+    # The first drain (a quarter second) describes the process to the program; samples before it
+    # have no Python frames.
+    assert sum(named.values()) > 0.6 * sum(st.values()), st.most_common(5)
+    # Root first: the module, main, then one of the three functions.
+    assert all(s.split(";")[:2] == [f"py::<module>:{script}", f"py::main:{script}"] for s in named)
+    share = {f: sum(n for s, n in named.items() if f"py::{f}:{script}" in s.split(";")) for f in ("seventy", "ten")}
+    inside = sum(n for s, n in named.items() if any(f"py::{f}:" in s for f in ("seventy", "twenty", "ten")))
+    assert abs(share["seventy"] / inside - 0.7) < 0.1 and abs(share["ten"] / inside - 0.1) < 0.07
+    # Lines: every sample in seventy() is on one of its lines.
+    text = (PROGRAMS / "pyshares.py").read_text().splitlines()
+    first = text.index("def seventy(n: int) -> int:") + 1
+    with_lines = folded(cs("export", "collapsed", "--db", str(db), "--offsets").stdout)
+    lines = {int(f.rsplit(":", 1)[1]) for s in with_lines for f in s.split(";") if f.startswith("py::seventy:")}
+    assert lines and lines <= set(range(first, first + 5)), (lines, first)  # its def line: entering it

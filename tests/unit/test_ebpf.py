@@ -28,7 +28,8 @@ def test_the_committed_object_is_built_from_the_committed_source() -> None:
         "profile.bpf.c changed: run scripts/build-bpf and commit profile.bpf.o")
     assert (d / "profile.bpf.o").read_bytes()[:4] == b"\x7fELF"
     # The dtypes here are the C structs' layouts.
-    assert (KEY_DTYPE.itemsize, VAL_DTYPE.itemsize, ebpf.TRACE_DTYPE.itemsize) == (24, 24, 8 + 8 * ebpf.MAX_FRAMES)
+    assert (KEY_DTYPE.itemsize, VAL_DTYPE.itemsize, ebpf.TRACE_DTYPE.itemsize) == (
+        24, 24, 8 + 8 * ebpf.MAX_FRAMES + 8 + 16 * ebpf.MAX_PY)
 
 
 def drained() -> Drained:
@@ -42,14 +43,14 @@ def drained() -> Drained:
     vals["count"] = [5, 2, 3, 1]
     vals["period"] = [5_000, 2_000, 3_000, 7]
     vals["last_ns"] = [100, 90, 95, 80]
-    stacks = {11: ((), (0x401000, 0x402005)), 17: ((0xFFFF0010, 0xFFFF0020), ())}
+    stacks = {11: ((), (0x401000, 0x402005), (0x7F00, 0x7F10)), 17: ((0xFFFF0010, 0xFFFF0020), (), ())}
     tl = np.zeros(2, ebpf.TIMELINE_DTYPE)
     tl["pid"], tl["tid"], tl["window_ns"], tl["count"] = [7, 7], [7, 8], [100_000_000, 200_000_000], [6, 1]
     return Drained(keys, vals, stacks, tl)
 
 
 def test_counted_rows_become_samples_with_their_counts_periods_and_callchains() -> None:
-    rows = to_rows(drained(), True, {13: ((0xFFFF0010,), (0x401000, 0x403009))})
+    rows = to_rows(drained(), True, {13: ((0xFFFF0010,), (0x401000, 0x403009), ())})
     s = rows.samples
     assert s["pid"].tolist() == s["tid"].tolist() == [7, 7, 0, 7]
     assert s["cpumode"].tolist() == [MISC_USER, MISC_USER, MISC_KERNEL, MISC_USER]
@@ -63,6 +64,7 @@ def test_counted_rows_become_samples_with_their_counts_periods_and_callchains() 
         (PERF_CONTEXT_KERNEL, 0xFFFF0010, 0xFFFF0020),
         None,  # its stack did not fit: the sampled ip alone
     ]
+    assert rows.python == [(0x7F00, 0x7F10), (), (), ()]  # the Python frames the program read, per row
     assert to_rows(drained(), False).chains is None
 
 
@@ -149,3 +151,4 @@ def test_jit_frames_are_walked_by_frame_pointer_or_as_cpython_trampolines() -> N
 def test_max_kernel_matches_the_program() -> None:
     src = (Path(ebpf.__file__).parent / "bpf" / "profile.bpf.c").read_text()
     assert f"#define MAX_KERNEL {MAX_KERNEL}" in src and f"#define MAX_USER {ebpf.MAX_USER}" in src
+    assert f"#define MAX_PY {ebpf.MAX_PY} " in src

@@ -89,7 +89,10 @@ def frame_namer(p: Profile, infos: dict[str, ImageInfo], offsets: bool = False) 
                     n = f"{base}+{off:#x}"
                 else:
                     s = int(t.starts[i])
-                    n = t.names[i] + (f"+{off - s:#x}" if offsets and off != s else "")
+                    if info.kind == "python":  # the offset in a Python function's symbol is its line
+                        n = t.names[i] + (f":{off - s}" if offsets else "")
+                    else:
+                        n = t.names[i] + (f"+{off - s:#x}" if offsets and off != s else "")
             names[f] = n
         return n
 

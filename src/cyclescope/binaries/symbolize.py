@@ -93,7 +93,7 @@ class Symbolizer:
     def _load(self, info: ImageInfo) -> SymbolTable:
         if info.kind == "unknown":
             return SymbolTable.empty()
-        if self.db is not None and info.kind in ("kernel", "module", "vdso", "jit"):
+        if self.db is not None and info.kind in ("kernel", "module", "vdso", "jit", "python"):
             stored = symstore.read_symbols(self.db, info.key)
             if stored is not None:
                 return stored

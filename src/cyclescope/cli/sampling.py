@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 # each drain has a fixed cost of a few ms (grouping by PC, hotlist building), and 0.1 s cost a
 # third more drains for 0.02-0.05 s less staleness.
 VALUE_DRAIN_S = 0.15
+# The eBPF path with stacks: a CPython process is described to the program (collect/pyframes.py)
+# at the first drain that sees it, and its samples carry Python frames from then on; a drain
+# there reads a few maps in a few ms.
+BPF_STACKS_DRAIN_S = 0.25
 
 
 def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
@@ -294,9 +298,14 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
         return None
 
 
-def drain_interval(vopts: ValueOptions | None) -> float:
-    """Seconds between drains on the timer: short with interpretation (VALUE_DRAIN_S), else 1."""
-    return VALUE_DRAIN_S if vopts is not None and vopts.length > 0 else 1.0
+def drain_interval(vopts: ValueOptions | None, bpf: BpfAggregator | None = None) -> float:
+    """Seconds between drains on the timer: short with interpretation (VALUE_DRAIN_S) and on the
+    eBPF path with stacks (BPF_STACKS_DRAIN_S), else 1."""
+    if vopts is not None and vopts.length > 0:
+        return VALUE_DRAIN_S
+    if bpf is not None and bpf.stack_entries:
+        return BPF_STACKS_DRAIN_S
+    return 1.0
 
 
 def list_value_modules() -> int:

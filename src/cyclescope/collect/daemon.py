@@ -34,7 +34,7 @@ from cyclescope.images.kernel import KernelMap, load_kernel_ranges
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable
-from cyclescope.perf.abi import X86_REGS_USER_MASK, RecordType, Sample, regs_in_mask
+from cyclescope.perf.abi import MISC_KERNEL, X86_REGS_USER_MASK, RecordType, Sample, regs_in_mask
 from cyclescope.perf.records import (
     SAMPLE_DTYPE,
     CommRecord,
@@ -47,11 +47,13 @@ from cyclescope.perf.records import (
 
 if TYPE_CHECKING:
     from cyclescope.collect.ebpf import BpfAggregator
+    from cyclescope.collect.pyframes import PythonFrames
 
 # A ring's wake-up is acted on only when the fullest ring holds at least this share of its size
 # (a quarter: half a watermark). Skipping a wake-up below it leaves the ring at most three
 # quarters full by the next one.
 WAKE_MIN_FILL = 0.25
+FIRST_DRAIN_S = 0.05
 
 
 @dataclass
@@ -160,8 +162,9 @@ class Collector:
         self.processors = list(config.processors)
         self.bpf = config.bpf
         self._bpf_attached = 0
-        self._bpf_stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._bpf_stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._bpf_stats: dict[str, int] = {}
+        self.python: PythonFrames | None = None  # the eBPF path with stacks: CPython frames
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -187,9 +190,18 @@ class Collector:
         cols = {r.name.lower(): k for k, r in enumerate(regs_in_mask(self.session.layout.regs_user_mask
                                                                       or X86_REGS_USER_MASK))}
         cols = {("r" + n if len(n) == 2 and not n[1].isdigit() else n): k for n, k in cols.items()}
+        if self.bpf is not None and self.bpf.stack_entries:
+            from cyclescope.collect.pyframes import PythonFrames
+
+            self.python = PythonFrames(self.table, self.mapper, self.bpf)
+            self.flusher.symbol_sources["python"] = self.python.symbols
+        python_stack = None
+        if self.python is not None:
+            py = self.python
+            python_stack = lambda pid, native, raw: py.splice(pid, native, py.frames(pid, raw))  # noqa: E731
         ctx = Context(self.table, self.mapper, tuple(s.label for s in self.session.events),
                       not isinstance(self.session.target, SystemWide), time_event, cols, self.vdso_bytes,
-                      self.flusher.store_symbols)
+                      self.flusher.store_symbols, python_stack)
         for p in self.processors:
             p.bind(ctx)
         self._attach_bpf()
@@ -237,7 +249,9 @@ class Collector:
         deadline = start + duration_s if duration_s else None
         next_flush = start + self.cfg.flush_interval_s
         next_rand = start + self.cfg.rerandomize_s
-        next_drain = start + self.cfg.drain_s
+        # The first drain comes early: the command's exec and mmaps are handled (and a CPython
+        # process described to the eBPF program) before a second of samples goes by without them.
+        next_drain = start + min(self.cfg.drain_s, FIRST_DRAIN_S)
         next_reap = start + self.cfg.reap_interval_s
         next_progress = start + 1.0 if self.progress else float("inf")
         try:
@@ -384,10 +398,14 @@ class Collector:
             return 0
         self.session.account_counted(rows.event, rows.count, rows.period)
         mapped = self.mapper.map_batch(samples, side)
+        if self.python is not None:
+            # Processes seen for the first time: CPython ones are described to the program, whose
+            # next samples of them carry Python frames.
+            self.python.watch(np.unique(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist())
         self.agg.add(mapped.image, mapped.offset, rows.event, mapped.comm, count=rows.count, weight=rows.period)
         if self.processors:
             drain = Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
-                          chains=rows.chains, count=rows.count, timeline=rows.timeline)
+                          chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python)
             for p in self.processors:
                 p.process(drain)
         n = int(rows.count.sum())
@@ -473,11 +491,15 @@ class Collector:
             elif isinstance(rec, TaskRecord) and rec.kind == RecordType.EXIT:
                 for p in self.processors:
                     p.forget(rec.pid, rec.tid)
+                if self.python is not None and rec.pid == rec.tid:
+                    self.python.forget(rec.pid)
                 if rec.pid == rec.tid:
                     self.session.forget_pid(rec.pid)
             elif isinstance(rec, CommRecord) and rec.exec:
                 for p in self.processors:
                     p.forget(rec.pid, rec.pid)
+                if self.python is not None:
+                    self.python.forget(rec.pid)
 
     def _note_lost(self, rec: LostRecord) -> None:
         idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
@@ -521,6 +543,8 @@ class Collector:
             self.totals.flushes += 1
         for p in self.processors:
             p.flush(self.db, epoch, self.cfg.host)
+        if self.python is not None:
+            self.python.flushed()
         if self.cfg.lean_memory:
             self.flusher.give_back_memory()
         for e in meta.events.values():

@@ -33,7 +33,9 @@ MAX_FRAMES = MAX_KERNEL + MAX_USER
 
 KEY_DTYPE = np.dtype([("pid", "<u4"), ("event", "<u2"), ("kernel", "<u2"), ("ip", "<u8"), ("stack", "<u8")])
 VAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8"), ("last_ns", "<u8")])
-TRACE_DTYPE = np.dtype([("nkernel", "<u4"), ("nuser", "<u4"), ("ip", "<u8", (MAX_FRAMES,))])
+MAX_PY = 32
+TRACE_DTYPE = np.dtype([("nkernel", "<u4"), ("nuser", "<u4"), ("ip", "<u8", (MAX_FRAMES,)), ("npy", "<u4"),
+                        ("pad", "<u4"), ("py", "<u8", (2 * MAX_PY,))])
 TKEY_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("window", "<u4"), ("event", "<u4")])
 TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
 WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
@@ -102,6 +104,7 @@ class _Lib:
             ("bpf_link_create", i, [i, i, i, ctypes.POINTER(_LinkOpts)]),
             ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
             ("bpf_map_lookup_elem", i, [i, vp, vp]),
+            ("bpf_map_delete_elem", i, [i, vp]),
             ("bpf_map_lookup_and_delete_batch", i, [i, vp, vp, vp, vp, ctypes.POINTER(u32),
                                                     ctypes.POINTER(_BatchOpts)]),
             ("libbpf_get_error", ctypes.c_long, [vp]),
@@ -131,7 +134,8 @@ class Drained:
 
     keys: np.ndarray  # KEY_DTYPE
     values: np.ndarray  # VAL_DTYPE
-    stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]  # hash -> (kernel frames, user frames)
+    # hash -> (kernel frames, user frames, Python frames as (code object, instruction) pairs flat)
+    stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     timeline: np.ndarray  # TIMELINE_DTYPE
 
 
@@ -188,7 +192,8 @@ class BpfAggregator:
             prog = lib.bpf_object__find_program_by_name(obj, b"cyclescope_sample")
             self.prog_fd = lib.bpf_program__fd(prog)
             self.fds = {n: lib.bpf_map__fd(self._map(n)) for n in
-                        ("control", "stats", "counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1")}
+                        ("control", "stats", "counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1",
+                         "py_procs")}
         except BaseException:
             lib.bpf_object__close(obj)
             self._obj = None
@@ -222,6 +227,17 @@ class BpfAggregator:
             raise BpfUnavailable(f"attaching the BPF program to a perf event failed: {os.strerror(err)}")
         self._links.append(fd)
 
+    def set_python(self, pid: int, cfg: bytes) -> None:
+        """Describe a CPython process to the program (collect/pyframes.py: struct py_proc)."""
+        key = ctypes.c_uint32(pid)
+        val = ctypes.create_string_buffer(cfg, len(cfg))
+        if self._l.lib.bpf_map_update_elem(self.fds["py_procs"], ctypes.byref(key), val, _BPF_ANY):
+            raise OSError(ctypes.get_errno(), "describing a Python process to the BPF program")
+
+    def forget_python(self, pid: int) -> None:
+        key = ctypes.c_uint32(pid)
+        self._l.lib.bpf_map_delete_elem(self.fds["py_procs"], ctypes.byref(key))
+
     def flip(self) -> int:
         """Make the program fill the other generation; returns the one it filled until now."""
         old = self.gen
@@ -237,12 +253,13 @@ class BpfAggregator:
         call: the caller keeps one drain of them)."""
         old = self.flip()
         keys, vals = self._take(self.fds[f"counts{old}"], KEY_DTYPE, VAL_DTYPE, self.entries)
-        stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         if self.stack_entries:
             hk, tr = self._take(self.fds[f"stacks{old}"], np.dtype("<u8"), TRACE_DTYPE, self.stack_entries)
-            for h, nk, nu, ips in zip(hk.tolist(), tr["nkernel"].tolist(), tr["nuser"].tolist(), tr["ip"],
-                                      strict=True):
-                stacks[h] = (tuple(ips[: nk // 8].tolist()), tuple(ips[MAX_KERNEL : MAX_KERNEL + nu // 8].tolist()))
+            for h, nk, nu, npy, ips, py in zip(hk.tolist(), tr["nkernel"].tolist(), tr["nuser"].tolist(),
+                                               tr["npy"].tolist(), tr["ip"], tr["py"], strict=True):
+                stacks[h] = (tuple(ips[: nk // 8].tolist()), tuple(ips[MAX_KERNEL : MAX_KERNEL + nu // 8].tolist()),
+                             tuple(py[: 2 * min(npy, MAX_PY)].tolist()))
         tk, tv = self._take(self.fds[f"timeline{old}"], TKEY_DTYPE, TVAL_DTYPE, self.timeline_entries)
         tl = np.zeros(len(tk), TIMELINE_DTYPE)
         tl["pid"], tl["tid"], tl["event"] = tk["pid"], tk["tid"], tk["event"]
@@ -325,10 +342,11 @@ class Rows:
     period: np.ndarray  # float64
     chains: list[tuple[int, ...] | None] | None  # perf-style callchains (None: no stacks asked)
     timeline: np.ndarray  # TIMELINE_DTYPE: samples per thread and window
+    python: list[tuple[int, ...]] | None = None  # per row: its Python frames' (code, instruction) pairs
 
 
-def to_rows(d: Drained, stacks: bool, older: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
-            ) -> Rows:
+def to_rows(d: Drained, stacks: bool,
+            older: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None) -> Rows:
     """``d`` as rows; stack hashes resolve in ``d.stacks``, then in ``older`` (the previous
     drain's, for a sample counted while the generations flipped). A stack found in neither (the
     stack map was full) leaves the sampled ip alone, as a callchain that could not be walked."""
@@ -346,15 +364,19 @@ def to_rows(d: Drained, stacks: bool, older: dict[int, tuple[tuple[int, ...], tu
     s["extra"] = -1
     s["regs"] = -1
     chains: list[tuple[int, ...] | None] | None = None
+    python: list[tuple[int, ...]] | None = None
     if stacks:
         chains = []
+        python = []
         old = older or {}
         for h in k["stack"].tolist():
             st = d.stacks.get(h) or old.get(h)
             if st is None:
                 chains.append(None)
+                python.append(())
                 continue
-            kf, uf = st
+            kf, uf, pf = st
+            python.append(pf)
             chain: tuple[int, ...] = ()
             if kf:
                 chain = (PERF_CONTEXT_KERNEL, *kf)
@@ -362,4 +384,4 @@ def to_rows(d: Drained, stacks: bool, older: dict[int, tuple[tuple[int, ...], tu
                 chain = (*chain, PERF_CONTEXT_USER, *uf)
             chains.append(chain)
     return Rows(s, k["event"].astype(np.int64), v["count"].copy(), v["period"].astype(np.float64), chains,
-                d.timeline)
+                d.timeline, python if python is not None and any(python) else None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,8 @@ class Flusher:
         # One worker: archiving and compaction run beside the drain loop, one job at a time.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compact")
         self._compacting: concurrent.futures.Future[Any] | None = None
+        # Symbol tables of image kinds the collector itself names (kind -> image key -> table).
+        self.symbol_sources: dict[str, Callable[[str], SymbolTable | None]] = {}
 
     def write(self, epoch: int, counts: Counts, meta: SegmentMeta, events: list[str]) -> str:
         """One segment of ``counts`` (described in ``meta``) into ``epoch``; the symbols and binaries
@@ -102,6 +104,10 @@ class Flusher:
                     with contextlib.suppress(Exception):
                         symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso, "[vdso]"))
                 self._symbols_written.add(info.key)
+            elif info.kind in self.symbol_sources:
+                table = self.symbol_sources[info.kind](info.key)
+                if table is not None:
+                    symstore.write_symbols(self.db, info.key, table)
             elif info.kind == "jit":
                 parts = info.key.split(":")  # jit:PID:MTIME:OWNER
                 owner = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None

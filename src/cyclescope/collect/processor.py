@@ -43,6 +43,9 @@ class Drain:
     # ebpf.TIMELINE_DTYPE: samples per thread and 100 ms window, where they were counted elsewhere
     # (the eBPF path); None: the samples above tell (collect/timeline.py)
     timeline: np.ndarray | None = None
+    # per row: the Python frames the eBPF program read, as (code object, instruction) pairs (None:
+    # none read; collect/pyframes.py names them)
+    python: list[tuple[int, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -62,6 +65,10 @@ class Context:
     # Store the symbols of these images where they have no file to be read from later (kernel,
     # vdso, JIT maps): for images a processor's files name that the flat counts may not
     keep_symbols: Callable[[Iterable[int]], None] | None = None
+    # A stack's native frames and its Python frames' raw pairs -> the stack to store
+    # (collect/pyframes.py's PythonFrames: names the frames, splices them in); the eBPF path only
+    python_stack: Callable[[int, tuple[tuple[int, int], ...], tuple[int, ...]],
+                           tuple[tuple[int, int], ...]] | None = None
 
 
 class Processor(Protocol):

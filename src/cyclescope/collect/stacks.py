@@ -59,22 +59,25 @@ class StackAggregator:
 
     def add(self, mapper: Any, pids: np.ndarray, ips: np.ndarray, events: np.ndarray,
             chains: Sequence[tuple[int, ...] | None], comms: Sequence[int] | None = None,
-            counts: Sequence[int] | None = None) -> None:
+            counts: Sequence[int] | None = None, python: Sequence[tuple[int, ...]] | None = None,
+            python_stack: Any = None) -> None:
         """One drain: per sample, its pid, ip, event index, callchain (None: none recorded) and
         command when it was taken (a CommTable index); ``counts``: the samples each row stands for
-        (None: one)."""
+        (None: one); ``python``: each row's Python frames as the eBPF program read them, which
+        ``python_stack(pid, native stack, python)`` splices into the stack."""
         # Equal samples (same process, chain, event and command) are mapped and interned once:
         # in a hot loop most samples repeat a few chains.
         cm = list(comms) if comms is not None else [-1] * len(pids)
         ns = list(counts) if counts is not None else [1] * len(pids)
-        groups: dict[tuple[int, int, tuple[int, ...], int, int], int] = {}
-        for pid, ip, ch, e, comm, c in zip(pids.tolist(), ips.tolist(), chains, events.tolist(), cm, ns,
-                                           strict=True):
-            k = (pid, ip if len(ch or ()) <= 2 else 0, ch or (), e, int(comm))  # short: maybe no frame
+        py = list(python) if python is not None and python_stack is not None else [()] * len(pids)
+        groups: dict[tuple[int, int, tuple[int, ...], int, int, tuple[int, ...]], int] = {}
+        for pid, ip, ch, e, comm, c, pf in zip(pids.tolist(), ips.tolist(), chains, events.tolist(), cm, ns, py,
+                                               strict=True):
+            k = (pid, ip if len(ch or ()) <= 2 else 0, ch or (), e, int(comm), pf)  # short: maybe no frame
             groups[k] = groups.get(k, 0) + c
         per: list[list[tuple[int, bool, bool]]] = []
         fp, fa, fk = [], [], []
-        for pid, ip, ch, _, _ in groups:
+        for pid, ip, ch, _, _, _ in groups:
             frames = split_chain(ch, ip)  # no callchain: the sampled ip alone
             per.append(frames)
             for a, kern, ret in frames:
@@ -87,12 +90,15 @@ class StackAggregator:
         img_l, off_l = img.tolist(), off.tolist()
         pos = 0
         cur = self.cur
-        for frames, ((_, _, _, e, comm), c) in zip(per, groups.items(), strict=True):
+        for frames, ((pid, _, _, e, comm, pf), c) in zip(per, groups.items(), strict=True):
             n = len(frames)
             if not n:
                 continue
             stack = tuple(zip(img_l[pos : pos + n], off_l[pos : pos + n], strict=True))
             pos += n
+            if pf:
+                stack = python_stack(pid, stack, pf)
+                n = len(stack)
             cur.counts[(cur.intern(stack), e, comm)] += c
             self.samples += c
             self.frames += n * c
@@ -134,7 +140,8 @@ class StackProcessor:
             return
         if self.dwarf is None:
             self.agg.add(self._ctx.mapper, d.samples["pid"].astype(np.int64), d.samples["ip"], d.event, d.chains,
-                         d.comm.tolist(), d.count.tolist() if d.count is not None else None)
+                         d.comm.tolist(), d.count.tolist() if d.count is not None else None, d.python,
+                         self._ctx.python_stack)
             return
         rows = d.samples["regs"].tolist() if d.regs is not None else [-1] * len(d)
         self._unwound(self.dwarf.chains(self._ctx.mapper, d.samples["pid"].tolist(), d.samples["ip"].tolist(),

@@ -1,0 +1,386 @@
+"""Python frames of CPython 3.11-3.13 processes, read from the interpreter's memory by the eBPF
+program at each sample (collect/bpf/profile.bpf.c) and named here.
+
+For each process whose image is a CPython 3.11, 3.12 or 3.13 interpreter (libpython3.X or a
+pythonX.Y executable with `_PyRuntime`), the program is told where the interpreter's thread
+states start and the offsets of the fields it reads: at a sample it finds the sampled thread's
+state (by native_thread_id), walks its frames (_PyInterpreterFrame, skipping 3.12+'s shim frames)
+and keeps each frame's code object and instruction pointer with the stack. Here each code object
+is read once per process (process_vm_readv: its qualified name, file, first line and line table)
+and each frame becomes a frame of a per-process image of kind "python": one symbol per code
+object (`py::qualname:file`, as CPython's perf maps name them) and the frame's line as its offset
+in that symbol. No running Python code is needed: processes started without `-X perf`, and 3.11
+which has no such option, get their Python frames.
+
+In the stored stack the Python frames replace the interpreter's C frames from the innermost
+evaluation loop (`_PyEval_EvalFrameDefault`) outwards: the C code a Python function called stays
+below it. Where the native walk did not reach the evaluation loop (an interpreter built without
+frame pointers), only the sampled function is kept below the Python frames.
+
+The offsets are those of x86-64 release builds, from offsetof() against each version's internal
+headers (`scripts/python-offsets PREFIX` prints them); py-spy and austin carry the same
+knowledge. CPython 3.14 publishes them in _Py_DebugOffsets; it is not handled yet.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cyclescope.collect.ebpf import BpfAggregator
+    from cyclescope.images.elf import SymbolTable
+    from cyclescope.images.maps import Mapper
+    from cyclescope.images.registry import ImageTable
+
+# offsetof() in CPython's structures (x86-64, release builds), per (major, minor).
+OFFSETS: dict[tuple[int, int], dict[str, int]] = {
+    (3, 11): dict(runtime_interpreters_head=40, interp_threads_head=16, tstate_next=8, tstate_tid=160,
+                  tstate_cframe=56, current_frame=8, frame_code=32, frame_instr=56, frame_previous=48,
+                  frame_owner=69, code_adaptive=184, code_qualname=128, code_filename=112, code_firstlineno=72,
+                  code_linetable=136, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
+                  ascii_size=48, compact_size=72),
+    (3, 12): dict(runtime_interpreters_head=40, interp_threads_head=72, tstate_next=8, tstate_tid=144,
+                  tstate_cframe=56, current_frame=0, frame_code=0, frame_instr=56, frame_previous=8,
+                  frame_owner=70, code_adaptive=192, code_qualname=128, code_filename=112, code_firstlineno=68,
+                  code_linetable=136, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
+                  ascii_size=40, compact_size=56),
+    (3, 13): dict(runtime_interpreters_head=632, interp_threads_head=7344, tstate_next=8, tstate_tid=160,
+                  tstate_cframe=-1, current_frame=72, frame_code=0, frame_instr=56, frame_previous=8,
+                  frame_owner=70, code_adaptive=200, code_qualname=128, code_filename=112, code_firstlineno=68,
+                  code_linetable=136, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
+                  ascii_size=40, compact_size=56),
+}
+PY_IMAGE = re.compile(r"(?:^|/)(?:libpython|python)3\.(\d+)[^/]*$")
+SLOT_BITS = 24  # a code object's range in its process's image: offset = slot << SLOT_BITS | line
+EVAL = "_PyEval_EvalFrameDefault"
+PY_PROC = struct.Struct("<Q8I")  # profile.bpf.c's struct py_proc
+MAX_CODE_BYTES = 1 << 16
+
+
+def read_varint(b: bytes, i: int) -> tuple[int, int]:
+    """CPython's location-table varint (6 bits a byte, 0x40: more follow); value and next index."""
+    v = b[i] & 63
+    shift = 6
+    while b[i] & 64:
+        i += 1
+        v |= (b[i] & 63) << shift
+        shift += 6
+    return v, i + 1
+
+
+def read_svarint(b: bytes, i: int) -> tuple[int, int]:
+    v, i = read_varint(b, i)
+    return (-(v >> 1) if v & 1 else v >> 1), i
+
+
+def line_ranges(table: bytes, firstlineno: int) -> list[tuple[int, int, int | None]]:
+    """(first code unit, end, line or None) per entry of a 3.11+ location table
+    (Objects/locations.md), as code.co_lines() gives them in bytes."""
+    out: list[tuple[int, int, int | None]] = []
+    line = firstlineno
+    addr = 0
+    i = 0
+    n = len(table)
+    while i < n:
+        b = table[i]
+        i += 1
+        code = (b >> 3) & 15
+        length = (b & 7) + 1
+        now: int | None
+        if code == 15:
+            now = None
+        elif code == 14:
+            d, i = read_svarint(table, i)
+            line += d
+            _, i = read_varint(table, i)  # end line delta
+            _, i = read_varint(table, i)  # column + 1
+            _, i = read_varint(table, i)  # end column + 1
+            now = line
+        elif code == 13:
+            d, i = read_svarint(table, i)
+            line += d
+            now = line
+        elif code >= 10:
+            line += code - 10
+            i += 2  # column, end column
+            now = line
+        else:
+            i += 1  # the short form's column byte
+            now = line
+        out.append((addr, addr + length, now))
+        addr += length
+    return out
+
+
+def line_at(ranges: list[tuple[int, int, int | None]], unit: int, default: int) -> int:
+    for a, b, ln in ranges:
+        if a <= unit < b:
+            return ln if ln is not None else default
+    return default
+
+
+@dataclass
+class _Code:
+    slot: int
+    firstlineno: int
+    ranges: list[tuple[int, int, int | None]]
+
+
+@dataclass
+class _Proc:
+    version: tuple[int, int]
+    image: int  # the process's python image (ImageTable index)
+    eval_image: int  # the interpreter's ELF image, and the evaluation loop's range in it
+    eval_range: tuple[int, int]
+    codes: dict[int, _Code] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # per slot
+
+
+class PythonFrames:
+    """Python processes described to the eBPF program, and their frames named."""
+
+    def __init__(self, table: ImageTable, mapper: Mapper, bpf: BpfAggregator) -> None:
+        self.table = table
+        self.mapper = mapper
+        self.bpf = bpf
+        self.procs: dict[int, _Proc] = {}
+        self._names: dict[str, list[str]] = {}  # python image key -> its symbol names, kept past exit
+        self._gone: list[str] = []  # image keys of processes forgotten since the last flush
+        self._checked: set[int] = set()
+        self._images: dict[str, tuple[tuple[int, int], int, int, int, int] | None] = {}  # path -> symbols
+        self.frames_named = 0
+        self.unreadable = 0
+
+    # --- finding interpreters -------------------------------------------------------------
+    def watch(self, pids: list[int]) -> None:
+        """Describe to the program the CPython processes among ``pids`` not looked at yet."""
+        for pid in pids:
+            if pid <= 0 or pid in self._checked:
+                continue
+            self._checked.add(pid)
+            st = self.mapper.procs.get(pid)
+            if st is None:
+                continue
+            for img, bias in zip(st.images, st.biases, strict=True):
+                if img <= 0:
+                    continue
+                info = self.table[img]
+                m = PY_IMAGE.search(info.path)
+                if info.kind != "elf" or m is None or (3, int(m.group(1))) not in OFFSETS:
+                    continue
+                syms = self._symbols(info.path)
+                if syms is None:
+                    continue
+                version, runtime, eval_lo, eval_hi, _ = syms
+                if self._describe(pid, version, runtime + bias, img, (eval_lo, eval_hi)):
+                    break
+
+    def _symbols(self, path: str) -> tuple[tuple[int, int], int, int, int, int] | None:
+        """(version, _PyRuntime's address, the evaluation loop's range, 0) of an interpreter image,
+        from its dynamic symbols; None when it has no _PyRuntime (a python3 that links libpython)."""
+        if path in self._images:
+            return self._images[path]
+        got = None
+        m = PY_IMAGE.search(path)
+        try:
+            found = dynamic_symbols(path, ("_PyRuntime", EVAL))
+        except Exception:  # a file we cannot parse (ELFError, OSError, ...) is not an interpreter here
+            found = {}
+        runtime = found.get("_PyRuntime")
+        if runtime and m is not None:
+            lo, size = found.get(EVAL, (0, 0))
+            got = ((3, int(m.group(1))), runtime[0], lo, lo + size, 0)
+        self._images[path] = got
+        return got
+
+    def _describe(self, pid: int, version: tuple[int, int], runtime: int, elf_image: int,
+                  eval_range: tuple[int, int]) -> bool:
+        from cyclescope.collect.procmem import ProcessMemory
+        from cyclescope.images.registry import ImageInfo
+
+        o = OFFSETS[version]
+        raw = ProcessMemory(pid).read(runtime + o["runtime_interpreters_head"], 8)
+        if raw is None:
+            self.unreadable += 1
+            return False
+        interp = int.from_bytes(raw, "little")
+        if not interp:
+            self._checked.discard(pid)  # the interpreter is not initialized yet: look again next drain
+            return False
+        cfg = PY_PROC.pack(interp + o["interp_threads_head"], o["tstate_next"], o["tstate_tid"],
+                           o["tstate_cframe"] & 0xFFFFFFFF, o["current_frame"], o["frame_code"], o["frame_instr"],
+                           o["frame_previous"], o["frame_owner"])
+        self.bpf.set_python(pid, cfg)
+        st = self.mapper.procs.get(pid)
+        start = st.last_seen_ns if st is not None else 0
+        img = self.table.intern(ImageInfo(f"python:{pid}:{start}", f"[python {pid}]", "python", None, None, None,
+                                          "absolute"))
+        self.procs[pid] = p = _Proc(version, img, elf_image, eval_range)
+        self._names[self.table[img].key] = p.names
+        return True
+
+    def forget(self, pid: int) -> None:
+        """The process exited or exec'd: its description and code objects no longer hold."""
+        self._checked.discard(pid)
+        p = self.procs.pop(pid, None)
+        if p is not None:
+            self.bpf.forget_python(pid)
+            self._gone.append(self.table[p.image].key)  # its symbols are still to be stored
+
+    # --- naming frames ----------------------------------------------------------------------
+    def frames(self, pid: int, py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """(image, offset) per Python frame, innermost first, from the program's (code object,
+        instruction pointer) pairs."""
+        p = self.procs.get(pid)
+        if p is None or not py:
+            return ()
+        out = []
+        mem = None
+        o = OFFSETS[p.version]
+        for k in range(0, len(py), 2):
+            code, instr = py[k], py[k + 1]
+            c = p.codes.get(code)
+            if c is None:
+                if mem is None:
+                    from cyclescope.collect.procmem import ProcessMemory
+
+                    mem = ProcessMemory(pid)
+                c = self._code(p, mem, code, o)
+                if c is None:
+                    continue
+            unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
+            line = line_at(c.ranges, unit, c.firstlineno) if unit >= 0 else c.firstlineno
+            out.append((p.image, (c.slot << SLOT_BITS) | (line & ((1 << SLOT_BITS) - 1))))
+        self.frames_named += len(out)
+        return tuple(out)
+
+    def _code(self, p: _Proc, mem: object, code: int, o: dict[str, int]) -> _Code | None:
+        from cyclescope.collect.procmem import ProcessMemory
+
+        assert isinstance(mem, ProcessMemory)
+        head = mem.read(code, o["code_adaptive"])
+        if head is None:
+            self.unreadable += 1
+            return None
+
+        def ptr(off: int) -> int:
+            return int.from_bytes(head[off : off + 8], "little")
+
+        qual = self._str(mem, ptr(o["code_qualname"]), o)
+        fname = self._str(mem, ptr(o["code_filename"]), o)
+        first = int.from_bytes(head[o["code_firstlineno"] : o["code_firstlineno"] + 4], "little", signed=True)
+        table = self._bytes(mem, ptr(o["code_linetable"]), o) or b""
+        if qual is None or fname is None:
+            self.unreadable += 1
+            return None
+        try:
+            ranges = line_ranges(table, first)
+        except IndexError:  # a table read while it changed, or not a table
+            ranges = []
+        c = _Code(len(p.names), first, ranges)
+        p.names.append(f"py::{qual}:{fname}")
+        p.codes[code] = c
+        return c
+
+    @staticmethod
+    def _bytes(mem: object, addr: int, o: dict[str, int]) -> bytes | None:
+        from cyclescope.collect.procmem import ProcessMemory
+
+        assert isinstance(mem, ProcessMemory)
+        if not addr:
+            return None
+        head = mem.read(addr, o["bytes_sval"])
+        if head is None:
+            return None
+        n = int.from_bytes(head[o["bytes_size"] : o["bytes_size"] + 8], "little", signed=True)
+        if n < 0 or n > MAX_CODE_BYTES:
+            return None
+        return mem.read(addr + o["bytes_sval"], n) if n else b""
+
+    @staticmethod
+    def _str(mem: object, addr: int, o: dict[str, int]) -> str | None:
+        """A compact str object's text (ASCII, Latin-1, UCS-2 or UCS-4)."""
+        from cyclescope.collect.procmem import ProcessMemory
+
+        assert isinstance(mem, ProcessMemory)
+        if not addr:
+            return None
+        head = mem.read(addr, o["compact_size"])
+        if head is None:
+            return None
+        state = int.from_bytes(head[o["unicode_state"] : o["unicode_state"] + 4], "little")
+        length = int.from_bytes(head[o["unicode_length"] : o["unicode_length"] + 8], "little", signed=True)
+        kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
+        if not compact or kind not in (1, 2, 4) or not 0 <= length <= 4096:
+            return None
+        data = mem.read(addr + (o["ascii_size"] if ascii_ else o["compact_size"]), length * kind)
+        if data is None:
+            return None
+        return data.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind], errors="replace")
+
+    # --- splicing and symbols ---------------------------------------------------------------
+    def splice(self, pid: int, native: tuple[tuple[int, int], ...],
+               py: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        """The stored stack: native frames up to the innermost evaluation loop, the Python frames,
+        and nothing of the interpreter's C frames beyond; without the evaluation loop in the
+        native part, the sampled frame and the Python frames."""
+        p = self.procs.get(pid)
+        if p is None or not py:
+            return native
+        return splice(native, py, p.eval_image, p.eval_range)
+
+    def symbols(self, image_key: str) -> SymbolTable | None:
+        """The symbol table of a process's python image: one symbol per code object."""
+        from cyclescope.images.elf import SymbolTable
+
+        names = self._names.get(image_key)
+        if names is None:
+            return None
+        return SymbolTable.build([(i << SLOT_BITS, 1 << SLOT_BITS, n) for i, n in enumerate(names)])
+
+    def flushed(self) -> None:
+        """After a flush: the names of processes gone before it have been stored."""
+        for key in self._gone:
+            self._names.pop(key, None)
+        self._gone = []
+
+
+def dynamic_symbols(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """(value, size) of these symbols in ``path``'s .dynsym, by a scan of the raw table with numpy:
+    pyelftools builds an object per symbol, a fifth of a second for libpython's thousands, while
+    the process whose frames are wanted runs on."""
+    import numpy as np
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        sym = elf.get_section_by_name(".dynsym")
+        strs = elf.get_section_by_name(".dynstr")
+        if sym is None or strs is None or elf.elfclass != 64:
+            return {}
+        table = np.frombuffer(sym.data(), dtype=np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"),
+                                                          ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")]))
+        text = strs.data()
+    out = {}
+    for n in names:
+        at = text.find(b"\0" + n.encode() + b"\0")
+        if at < 0:
+            continue
+        hit = np.flatnonzero((table["name"] == at + 1) & (table["shndx"] != 0))
+        if len(hit):
+            out[n] = (int(table["value"][hit[0]]), int(table["size"][hit[0]]))
+    return out
+
+
+def splice(native: tuple[tuple[int, int], ...], py: tuple[tuple[int, int], ...], eval_image: int,
+           eval_range: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """Leaf-first ``native`` frames cut after the first one in the evaluation loop (or after the
+    first frame, where none is), then the Python frames."""
+    lo, hi = eval_range
+    for i, (img, off) in enumerate(native):
+        if img == eval_image and lo <= off < hi:
+            return (*native[: i + 1], *py)
+    return (*native[:1], *py)
