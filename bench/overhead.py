@@ -67,6 +67,8 @@ def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path, syste
     if name == "plain":  # cyclescope without calc's evidence: flat samples only
         return cyclescope_cmd("record", "--db", str(tmp / "plain.db"), *a, "-F", str(rate), "--no-loop-counts",
                               "--", *wl)
+    if name == "loops":  # loop counts on: what -a and the daemon did by default before the eBPF path
+        return cyclescope_cmd("record", "--db", str(tmp / "loops.db"), *a, "-F", str(rate), "--loop-counts", "--", *wl)
     if name in PATHS:
         return cyclescope_cmd("record", "--db", str(tmp / f"{name}.db"), *a, "-F", str(rate), "--no-loop-counts",
                               *PATHS[name], "--", *wl)
@@ -108,8 +110,8 @@ def main() -> None:
     ap.add_argument("--marginal-rate", type=int, default=5000)
     ap.add_argument("--marginal-lengths", default="4,16")
     ap.add_argument("--contenders", default="none,perf,cyclescope",
-                    help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts), and the "
-                         "collection paths: perf-fp, perf-dwarf, bpf, bpf-fp, ring, ring-fp")
+                    help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts), loops "
+                         "(--loop-counts), and the collection paths: perf-fp, perf-dwarf, bpf, bpf-fp, ring, ring-fp")
     ap.add_argument("--system-wide", action="store_true", help="profilers sample every CPU (-a)")
     ap.add_argument("--save-as", default="overhead", help="name of the results file in bench/out/")
     ap.add_argument("--copies", type=int, default=1, help="workloads run in parallel (default: 1)")
@@ -178,6 +180,7 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
                          f"{median(per[c]['lost']):>7.0f} "
                          f"{median(per[c]['own_us_per_sample']) if per[c]['own_us_per_sample'] else 0:>14.1f}")
         for a, b in (("cyclescope", "perf"), ("cyclescope", "plain"), ("plain", "perf"), ("bpf", "perf"),
+                     ("cyclescope", "loops"), ("loops", "perf"),
                      ("bpf", "ring"), ("bpf-fp", "perf-dwarf"), ("bpf-fp", "perf-fp"), ("bpf-fp", "bpf"),
                      ("ring-fp", "perf-fp")):
             if a not in contenders or b not in contenders:

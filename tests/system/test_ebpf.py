@@ -86,8 +86,11 @@ def test_system_wide_through_the_kernel_side_and_the_daemons_status(callgraph: P
     assert "lost 0;" in p.stderr
     rep = prof_json(db, "--process", "callgraph")
     assert samples_of(rep, "leaf") > 500
-    # Without -g, --collector bpf with loop counts on is refused in one line.
-    bad = cs("record", "--db", str(db), "-a", "--collector", "bpf", "-d", "1", check=False)
+    # System-wide, the default is the kernel side (loop counts are off there); per task, with loop
+    # counts on (the default), --collector bpf is refused in one line.
+    p = cs("daemon", "--db", str(tmp_path / "d"), "-d", "1")
+    assert "counted in the kernel by eBPF" in p.stderr
+    bad = cs("record", "--db", str(db), "--collector", "bpf", "--", "true", check=False)
     assert bad.returncode == 2 and "--no-loop-counts" in bad.stderr.strip().splitlines()[-1]
 
 

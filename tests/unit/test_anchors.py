@@ -243,16 +243,21 @@ def test_stop_ends_every_window_and_closes_every_probe() -> None:
     assert len(probes.closed) == len(probes.open_at)
 
 
-def test_anchors_are_off_system_wide_unless_asked() -> None:
+def test_loop_counts_and_anchors_are_off_system_wide_unless_asked() -> None:
     import argparse
 
     from cyclescope.cli.sampling import processors
 
-    def names(system_wide: bool, anchors: bool = False, no_anchors: bool = False) -> list[str]:
-        args = argparse.Namespace(no_loop_counts=False, no_anchors=no_anchors, anchors=anchors, anchor_budget=None,
-                                  call_graph=None)
+    def names(system_wide: bool, anchors: bool = False, no_anchors: bool = False, loops: bool = False,
+              no_loops: bool = False) -> list[str]:
+        args = argparse.Namespace(no_loop_counts=no_loops, loop_counts=loops, no_anchors=no_anchors, anchors=anchors,
+                                  anchor_budget=None, call_graph=None)
         return [p.name for p in processors(args, None, system_wide=system_wide)]
 
-    assert "anchors" in names(False) and "anchors" not in names(False, no_anchors=True)
-    assert "anchors" not in names(True)  # system-wide: they count almost nothing (bench/anchors.py)
-    assert "anchors" in names(True, anchors=True)
+    assert names(False) == ["timeline", "loops", "anchors"]
+    assert names(False, no_anchors=True) == ["timeline", "loops"] and names(False, no_loops=True) == ["timeline"]
+    # System-wide: loop counts and anchors off (samples counted in the kernel; anchors count almost
+    # nothing there: bench/anchors.py), unless asked; anchors need the loop counter.
+    assert names(True) == ["timeline"]
+    assert names(True, loops=True) == ["timeline", "loops"]
+    assert names(True, anchors=True) == ["timeline", "loops", "anchors"]

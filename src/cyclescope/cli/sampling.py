@@ -206,17 +206,23 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
 
 
 def add_count_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("execution counts (what calc rests on; on by default)")
-    g.add_argument("--no-loop-counts", action="store_true",
-                   help="do not count loop iterations between samples (the user registers are then not "
-                        "sampled; calc falls back to its model where loops had counts)")
+    g = p.add_argument_group("execution counts (what calc rests on; on by default per task, off system-wide)")
+    loops = g.add_mutually_exclusive_group()
+    loops.add_argument("--no-loop-counts", action="store_true",
+                       help="do not count loop iterations between samples (the user registers are then not "
+                            "sampled, and samples can be counted in the kernel: --collector; calc falls back to "
+                            "its model where loops had counts)")
+    loops.add_argument("--loop-counts", action="store_true",
+                       help="count loop iterations also when sampling system-wide (-a, daemon), where they are "
+                            "off by default: every sample then comes with its registers through the rings, "
+                            "instead of being counted in the kernel by eBPF")
     g.add_argument("--no-anchors", action="store_true",
                    help="do not count hot procedures' entries exactly with uprobes (calc then scales "
                         "straight-line code by its model)")
     g.add_argument("--anchors", action="store_true",
                    help="count hot procedures' entries with uprobes also when sampling system-wide (-a, "
                         "daemon), where they are off by default: there they count almost nothing (see "
-                        "the README's limitations)")
+                        "the README's limitations); implies --loop-counts")
     g.add_argument("--anchor-budget", type=finite_float, default=None, metavar="SHARE",
                    help="most of one CPU the profiled programs may lose to the anchors' traps (default: "
                         "0.01); anchors whose entries run often are counted in random windows to stay "
@@ -225,9 +231,15 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
 
 def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
     """What the collector computes from each drain besides the flat counts (collect/processor.py),
-    as the options ask: the timeline (always), loop counts and anchors (calc's evidence; on unless
-    --no-loop-counts or --no-anchors: anchors need the loop counter's procedure bounds; off by
-    default when ``system_wide``, unless --anchors), call stacks (--call-graph), values (--values).
+    as the options ask: the timeline (always), loop counts and anchors (calc's evidence; per task
+    on unless --no-loop-counts or --no-anchors; when ``system_wide`` off unless --loop-counts or
+    --anchors: anchors need the loop counter's procedure bounds), call stacks (--call-graph),
+    values (--values).
+
+    Loop counts are off system-wide because they need every sample's registers, so samples cannot
+    be counted in the kernel (--collector auto then reads every sample from the rings), and
+    because there they count little: a pair of samples must fall in one execution of a loop on one
+    CPU within 1.25 periods (at the daemon's 1 kHz, loops that run over a millisecond at a time).
 
     Anchors are off system-wide because there they count almost nothing at a cost: with gcc
     compiling in a loop under `record -a -F 5000`, 0-2 entries counted in 30 s for 1-2% of the
@@ -237,12 +249,17 @@ def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide
     from cyclescope.collect.timeline import TimelineProcessor
 
     out: list[Processor] = [TimelineProcessor()]  # samples over time, per thread (cheap: always)
-    if not getattr(args, "no_loop_counts", False):
+    anchors = getattr(args, "anchors", False)
+    if system_wide:
+        loops_on = getattr(args, "loop_counts", False) or anchors
+    else:
+        loops_on = not getattr(args, "no_loop_counts", False)
+    if loops_on:
         from cyclescope.analysis.loopcount import LoopCountProcessor
 
         loops = LoopCountProcessor()
         out.append(loops)
-        if not getattr(args, "no_anchors", False) and (getattr(args, "anchors", False) or not system_wide):
+        if not getattr(args, "no_anchors", False) and (anchors or not system_wide):
             from cyclescope.analysis.anchors import DEFAULT_BUDGET, AnchorProcessor
 
             budget = getattr(args, "anchor_budget", None)
@@ -277,7 +294,7 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
              and not isinstance(p, TimelineProcessor)]
     if needs:
         if choice == "bpf":
-            flags = {"loops": "--no-loop-counts", "anchors": "--no-anchors", "values": "no --values",
+            flags = {"loops": "--no-loop-counts", "anchors": "no --anchors", "values": "no --values",
                      "stacks": "-g fp instead of -g dwarf"}
             raise UsageError("--collector bpf counts samples in the kernel, without their registers: "
                              f"{', '.join(needs)} need them (use {', '.join(flags.get(n, n) for n in needs)})")

@@ -617,6 +617,10 @@ class Collector:
         if self.totals.lost_stacks:
             out.append(f"{self.totals.lost_stacks:,} samples were counted without their stacks (the eBPF "
                        "program's stack map was full; fewer distinct stacks a second, or a lower rate)")
+        if self.python is not None and self.python.procs_described:
+            py = self.python
+            out.append(f"Python frames: {py.procs_described:,} CPython processes read, {py.frames_named:,} frames named"
+                       + (f"; {py.unreadable:,} reads failed" if py.unreadable else ""))
         if self.totals.lost_timeline:
             out.append(f"{self.totals.lost_timeline:,} samples were left out of the timeline (the eBPF program's "
                        "timeline map was full)")

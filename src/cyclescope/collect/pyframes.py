@@ -150,8 +150,9 @@ class PythonFrames:
         self._names: dict[str, list[str]] = {}  # python image key -> its symbol names, kept past exit
         self._gone: list[str] = []  # image keys of processes forgotten since the last flush
         self._checked: set[int] = set()
-        self._images: dict[str, tuple[tuple[int, int], int, int, int, int] | None] = {}  # path -> symbols
+        self._images: dict[tuple[int, int, int, int], tuple[tuple[int, int], int, int, int, int] | None] = {}
         self.frames_named = 0
+        self.procs_described = 0
         self.unreadable = 0
 
     # --- finding interpreters -------------------------------------------------------------
@@ -171,7 +172,8 @@ class PythonFrames:
                 m = PY_IMAGE.search(info.path)
                 if info.kind != "elf" or m is None or (3, int(m.group(1))) not in OFFSETS:
                     continue
-                syms = self._symbols(info.path)
+                # The file as this process sees it (a container's root), else at its path here.
+                syms = self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path)
                 if syms is None:
                     continue
                 version, runtime, eval_lo, eval_hi, _ = syms
@@ -180,9 +182,20 @@ class PythonFrames:
 
     def _symbols(self, path: str) -> tuple[tuple[int, int], int, int, int, int] | None:
         """(version, _PyRuntime's address, the evaluation loop's range, 0) of an interpreter image,
-        from its dynamic symbols; None when it has no _PyRuntime (a python3 that links libpython)."""
-        if path in self._images:
-            return self._images[path]
+        from its dynamic symbols; None when it has no _PyRuntime (a python3 that links libpython)
+        or cannot be read."""
+        import os
+
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # one file, whichever path led to it
+        if key not in self._images:
+            self._images[key] = self._read_symbols(path)
+        return self._images[key]
+
+    def _read_symbols(self, path: str) -> tuple[tuple[int, int], int, int, int, int] | None:
         got = None
         m = PY_IMAGE.search(path)
         try:
@@ -193,7 +206,6 @@ class PythonFrames:
         if runtime and m is not None:
             lo, size = found.get(EVAL, (0, 0))
             got = ((3, int(m.group(1))), runtime[0], lo, lo + size, 0)
-        self._images[path] = got
         return got
 
     def _describe(self, pid: int, version: tuple[int, int], runtime: int, elf_image: int,
@@ -213,12 +225,17 @@ class PythonFrames:
         cfg = PY_PROC.pack(interp + o["interp_threads_head"], o["tstate_next"], o["tstate_tid"],
                            o["tstate_cframe"] & 0xFFFFFFFF, o["current_frame"], o["frame_code"], o["frame_instr"],
                            o["frame_previous"], o["frame_owner"])
-        self.bpf.set_python(pid, cfg)
+        try:
+            self.bpf.set_python(pid, cfg)
+        except OSError:  # the program's table of processes is full (4,096): this one goes unnamed
+            self.unreadable += 1
+            return False
         st = self.mapper.procs.get(pid)
         start = st.last_seen_ns if st is not None else 0
         img = self.table.intern(ImageInfo(f"python:{pid}:{start}", f"[python {pid}]", "python", None, None, None,
                                           "absolute"))
         self.procs[pid] = p = _Proc(version, img, elf_image, eval_range)
+        self.procs_described += 1
         self._names[self.table[img].key] = p.names
         return True
 
