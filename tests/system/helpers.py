@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +41,12 @@ def prof_json(db: Path, *args: str) -> dict[str, Any]:
 
 def samples_of(rep: dict[str, Any], procedure: str, event: str = "cpu-clock") -> int:
     return sum(r["samples"].get(event, 0) for r in rep["rows"] if r["procedure"] == procedure)
+
+
+def folded(text: str) -> Counter[str]:
+    """Collapsed stacks (`export collapsed`) as counts per stack."""
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        stack, n = line.rsplit(" ", 1)
+        out[stack] += int(n)
+    return out

@@ -6,12 +6,11 @@ import json
 import re
 import shutil
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.system.helpers import cs
+from tests.system.helpers import cs, folded
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
 
@@ -28,14 +27,6 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     db = d / "db"
     cs("record", "--db", str(db), "-q", "-g", "fp", "--", str(exe), "400000", timeout=300)
     return db
-
-
-def folded(text: str) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for line in text.splitlines():
-        stack, n = line.rsplit(" ", 1)
-        out[stack] += int(n)
-    return out
 
 
 def test_stacks_are_recorded_and_exported_collapsed(recorded: Path) -> None:

@@ -17,6 +17,7 @@ from cyclescope.cli.sampling import (
     host_of,
     list_value_modules,
     make_events,
+    open_session,
     processors,
     value_options,
 )
@@ -90,7 +91,7 @@ class Daemon(Command):
         # first flushes of a fork-storm soak. The daemon's children (compaction) are its own.
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
         from cyclescope.collect.daemon import Collector, CollectorConfig, peak_rss_kib
-        from cyclescope.collect.session import Session, SystemWide
+        from cyclescope.collect.session import SystemWide
 
         if args.values == "list":
             return list_value_modules()
@@ -102,16 +103,7 @@ class Daemon(Command):
         cpus = parse_cpus(args.cpus)
         procs = processors(args, vopts, system_wide=True)
         bpf = bpf_collector(args, procs, rate, len(cpus), "daemon")
-        try:
-            session = Session(events, SystemWide(cpus), rate_hz=rate, band=args.band, force=args.force,
-                              user_stack=vopts.stack if vopts is not None else None,
-                              call_graph=None if bpf is not None else args.call_graph,
-                              user_regs=any(p.needs_regs for p in procs))
-            db = Database.create_or_open(db_path(args))
-        except BaseException:
-            if bpf is not None:
-                bpf.close()
-            raise
+        session, db = open_session(args, events, SystemWide(cpus), rate, vopts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval,
                               compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,
                               follow_epochs=True, lean_memory=True, rerandomize_s=args.redraw / 1000,

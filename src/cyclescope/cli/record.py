@@ -19,6 +19,7 @@ from cyclescope.cli.sampling import (
     host_of,
     list_value_modules,
     make_events,
+    open_session,
     processors,
     progress_printer,
     summary_line,
@@ -68,8 +69,7 @@ class Record(Command):
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.collect.daemon import Collector, CollectorConfig, child_done, processes_gone
         from cyclescope.collect.session import Command as CommandTarget
-        from cyclescope.collect.session import Processes, Session, SystemWide, online_cpus
-        from cyclescope.db.layout import Database
+        from cyclescope.collect.session import Processes, SystemWide, online_cpus
 
         cmd = list(args.command)
         if cmd and cmd[0] == "--":
@@ -115,16 +115,7 @@ class Record(Command):
         procs = processors(args, vopts, system_wide=bool(args.all_cpus))
         ncpus = len(target.cpus) if isinstance(target, SystemWide) else len(online_cpus())
         bpf = bpf_collector(args, procs, rate, ncpus, "record")
-        try:
-            session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
-                              user_stack=vopts.stack if vopts is not None else None,
-                              call_graph=None if bpf is not None else args.call_graph,
-                              user_regs=any(p.needs_regs for p in procs))
-            db = Database.create_or_open(db_path(args))
-        except BaseException:
-            if bpf is not None:
-                bpf.close()
-            raise
+        session, db = open_session(args, events, target, rate, vopts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
                               rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts, bpf), processors=procs,

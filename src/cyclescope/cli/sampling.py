@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from cyclescope.collect.daemon import Collector, RunTotals
     from cyclescope.collect.ebpf import BpfAggregator
     from cyclescope.collect.processor import Processor
-    from cyclescope.collect.session import CallGraph
+    from cyclescope.collect.session import CallGraph, Command, Processes, Session, SystemWide
+    from cyclescope.db.layout import Database
     from cyclescope.values.capture import ValueOptions
 
 # With interpretation, drain often: the interpreter reads the process's memory when it runs, and
@@ -313,6 +314,27 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
             raise
         eprint(f"cyclescope {who}: reading every sample from perf's rings: {e}")
         return None
+
+
+def open_session(args: argparse.Namespace, events: list[EventSpec], target: SystemWide | Processes | Command,
+                 rate: float | None, vopts: ValueOptions | None, procs: list[Processor],
+                 bpf: BpfAggregator | None) -> tuple[Session, Database]:
+    """The session the options ask for (its stacks left to the eBPF program when ``bpf`` counts
+    the samples) and the database; ``bpf`` is closed if either fails."""
+    from cyclescope.cli.base import db_path
+    from cyclescope.collect.session import Session
+    from cyclescope.db.layout import Database
+
+    try:
+        session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
+                          user_stack=vopts.stack if vopts is not None else None,
+                          call_graph=None if bpf is not None else args.call_graph,
+                          user_regs=any(p.needs_regs for p in procs))
+        return session, Database.create_or_open(db_path(args))
+    except BaseException:
+        if bpf is not None:
+            bpf.close()
+        raise
 
 
 def drain_interval(vopts: ValueOptions | None, bpf: BpfAggregator | None = None) -> float:
