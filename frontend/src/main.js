@@ -157,31 +157,24 @@ function bar (share) {
 
 // --- overview ------------------------------------------------------------------------------------
 
-function timelineChart (box, data, params) {
-  const tl = data.timeline.filter((t) => t.start && t.end > t.start)
-  if (!tl.length) { box.append(el('p', { class: 'muted' }, 'No time information in these segments.')); return }
-  const hosts = [...new Set(tl.map((t) => t.host))]
-  // One step per segment: its samples per second over its time span, per host.
-  const xs = [...new Set(tl.flatMap((t) => [t.start, t.end]))].sort((a, b) => a - b)
-  const series = hosts.map((h) => xs.map((x) => {
-    let v = null
-    for (const t of tl) if (t.host === h && t.start <= x && x < t.end) v = (v || 0) + t.samples / (t.end - t.start)
-    return v
-  }))
+// A chart of values over time in the page's colours, with stepped lines; dragging over it selects
+// the epochs whose segments overlap the range. ``series`` gives the lines' styles from the colours.
+function timeChart (box, { height, label, series, xs, ys, segments, params }) {
   const css = getComputedStyle(document.documentElement)
   const colors = ['--c1', '--c2', '--c3', '--c4'].map((v) => css.getPropertyValue(v).trim())
+  const fg = css.getPropertyValue('--fg')
   const opts = {
     width: Math.min(box.clientWidth || 1200, 1400),
-    height: 180,
+    height,
     cursor: { drag: { x: true, y: false } },
     select: { show: true },
     scales: { x: { time: true } },
-    axes: [{ stroke: css.getPropertyValue('--fg') }, { stroke: css.getPropertyValue('--fg'), label: 'samples/s' }],
-    series: [{}, ...hosts.map((h, i) => ({ label: h, stroke: colors[i % colors.length], width: 1.5, paths: uPlot.paths.stepped({ align: 1 }), fill: colors[i % colors.length] + '33' }))],
-    hooks: { setSelect: [selectEpochs(tl, params)] }
+    axes: [{ stroke: fg }, { stroke: fg, label }],
+    series: [{}, ...series({ colors, fg, stepped: uPlot.paths.stepped({ align: 1 }) })],
+    hooks: { setSelect: [selectEpochs(segments, params)] }
   }
   // eslint-disable-next-line no-new
-  new uPlot(opts, [xs, ...series], box)
+  new uPlot(opts, [xs, ...ys], box)
 }
 
 // Drag over a chart of time: the epochs whose segments overlap the range.
@@ -194,29 +187,45 @@ function selectEpochs (tl, params) {
   }
 }
 
+// Recordings older than timelines: one step per segment, its samples per second over its time
+// span, per host.
+function timelineChart (box, data, params) {
+  const tl = data.timeline.filter((t) => t.start && t.end > t.start)
+  if (!tl.length) { box.append(el('p', { class: 'muted' }, 'No time information in these segments.')); return }
+  const hosts = [...new Set(tl.map((t) => t.host))]
+  const xs = [...new Set(tl.flatMap((t) => [t.start, t.end]))].sort((a, b) => a - b)
+  const ys = hosts.map((h) => xs.map((x) => {
+    let v = null
+    for (const t of tl) if (t.host === h && t.start <= x && x < t.end) v = (v || 0) + t.samples / (t.end - t.start)
+    return v
+  }))
+  timeChart(box, {
+    height: 180,
+    label: 'samples/s',
+    series: ({ colors, stepped }) => hosts.map((h, i) => ({ label: h, stroke: colors[i % colors.length], width: 1.5, paths: stepped, fill: colors[i % colors.length] + '33' })),
+    xs,
+    ys,
+    segments: tl,
+    params
+  })
+}
+
 // The collector's timeline (100 ms windows per thread), summed per process at the step the
 // server picked: CPUs busy (clock events) or samples per step, the total and the busiest processes.
 function processChart (box, data, params) {
   const pt = data.processes_over_time
   const val = pt.total.cpus ? 'cpus' : 'samples'
-  const css = getComputedStyle(document.documentElement)
-  const colors = ['--c1', '--c2', '--c3', '--c4'].map((v) => css.getPropertyValue(v).trim())
-  const fg = css.getPropertyValue('--fg')
-  const stepped = uPlot.paths.stepped({ align: 1 })
-  const opts = {
-    width: Math.min(box.clientWidth || 1200, 1400),
+  timeChart(box, {
     height: 200,
-    cursor: { drag: { x: true, y: false } },
-    select: { show: true },
-    scales: { x: { time: true } },
-    axes: [{ stroke: fg }, { stroke: fg, label: val === 'cpus' ? 'CPUs busy' : `samples per ${pt.step_ms} ms` }],
-    series: [{},
+    label: val === 'cpus' ? 'CPUs busy' : `samples per ${pt.step_ms} ms`,
+    series: ({ colors, fg, stepped }) => [
       { label: 'total', stroke: fg, width: 1, paths: stepped },
       ...pt.series.map((s, i) => ({ label: s.name, stroke: colors[i % colors.length], width: 1.5, paths: stepped, dash: i >= colors.length ? [4, 3] : undefined }))],
-    hooks: { setSelect: [selectEpochs(data.timeline, params)] }
-  }
-  // eslint-disable-next-line no-new
-  new uPlot(opts, [pt.times_ms.map((t) => t / 1000), pt.total[val], ...pt.series.map((s) => s[val])], box)
+    xs: pt.times_ms.map((t) => t / 1000),
+    ys: [pt.total[val], ...pt.series.map((s) => s[val])],
+    segments: data.timeline,
+    params
+  })
 }
 
 async function overviewView (main, params, seq) {

@@ -39,14 +39,10 @@ def parse_cpus(text: str | None) -> tuple[int, ...]:
     online = online_cpus()
     if not text:
         return online
-    cpus: list[int] = []
+    from cyclescope.collect.session import parse_cpu_list
+
     try:
-        for part in text.split(","):
-            if "-" in part:
-                lo, hi = part.split("-")
-                cpus.extend(range(int(lo), int(hi) + 1))
-            elif part.strip():
-                cpus.append(int(part))
+        cpus = parse_cpu_list(text)
     except ValueError:
         raise UsageError(f"--cpus: cannot parse '{text}' (e.g. 0-3,6)") from None
     bad = [c for c in cpus if c not in online]

@@ -361,17 +361,20 @@ class Collector:
                 chains = [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
         periods = self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
-        self.agg.add(mapped.image, mapped.offset, ev, mapped.comm, weight=periods)
-        if self.processors:
-            drain = Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, slen,
-                          chains if self._chains else None)
-            for p in self.processors:
-                p.process(drain)
-        n = len(samples)
+        return self._count(Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, slen,
+                                 chains if self._chains else None))
+
+    def _count(self, d: Drain) -> int:
+        """Count a drain's mapped samples (on the eBPF path, rows of ``d.count`` samples each) and
+        hand them to the processors; how many samples they were."""
+        self.agg.add(d.image, d.offset, d.event, d.comm, count=d.count, weight=d.period)
+        for p in self.processors:
+            p.process(d)
+        n = len(d) if d.count is None else int(d.count.sum())
         self.totals.samples += n
-        unk = mapped.image == 0
+        unk = d.image == 0
         if unk.any():
-            self.totals.unknown += int(unk.sum())
+            self.totals.unknown += int(unk.sum()) if d.count is None else int(d.count[unk].sum())
         return n
 
     def _attach_bpf(self) -> None:
@@ -405,18 +408,8 @@ class Collector:
             # Processes seen for the first time: CPython ones are described to the program, whose
             # next samples of them carry Python frames.
             self.python.watch(np.unique(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist())
-        self.agg.add(mapped.image, mapped.offset, rows.event, mapped.comm, count=rows.count, weight=rows.period)
-        if self.processors:
-            drain = Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
-                          chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python)
-            for p in self.processors:
-                p.process(drain)
-        n = int(rows.count.sum())
-        self.totals.samples += n
-        unk = mapped.image == 0
-        if unk.any():
-            self.totals.unknown += int(rows.count[unk].sum())
-        return n
+        return self._count(Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
+                                 chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python))
 
     @property
     def _chains_bpf(self) -> bool:
@@ -428,16 +421,15 @@ class Collector:
         and stacks and timeline windows it could not keep."""
         assert self.bpf is not None
         now = self.bpf.stats()
-        lost = now["lost"] - self._bpf_stats.get("lost", 0)
-        stacks = now["lost_stacks"] - self._bpf_stats.get("lost_stacks", 0)
-        self.totals.lost_timeline += now["lost_timeline"] - self._bpf_stats.get("lost_timeline", 0)
+        new = {k: v - self._bpf_stats.get(k, 0) for k, v in now.items()}  # the counters run since load
         self._bpf_stats = now
-        if lost:
-            self.totals.lost_samples += lost
-            self._flush_meta.lost_samples += lost
+        if new["lost"]:
+            self.totals.lost_samples += new["lost"]
+            self._flush_meta.lost_samples += new["lost"]
             if self.session.stats:
-                self.session.stats[0].lost += lost
-        self.totals.lost_stacks += stacks
+                self.session.stats[0].lost += new["lost"]
+        self.totals.lost_stacks += new["lost_stacks"]
+        self.totals.lost_timeline += new["lost_timeline"]
 
     def _decode(self, chunks: list[bytes]) -> tuple[np.ndarray | None, list[SideRecord], np.ndarray | None,
                                                     np.ndarray | None, np.ndarray | None,

@@ -322,12 +322,9 @@ class BpfAggregator:
 
 def _possible_cpus() -> int:
     """Per-CPU map values come one per possible CPU (not online: /sys/devices/system/cpu/possible)."""
-    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
-    n = 0
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        n = max(n, int(b or a) + 1)
-    return n
+    from cyclescope.collect.session import parse_cpu_list
+
+    return max(parse_cpu_list(Path("/sys/devices/system/cpu/possible").read_text())) + 1
 
 
 @dataclass

@@ -29,6 +29,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cyclescope.collect.procmem import ProcessMemory
+
 if TYPE_CHECKING:
     from cyclescope.collect.ebpf import BpfAggregator
     from cyclescope.images.elf import SymbolTable
@@ -150,7 +152,7 @@ class PythonFrames:
         self._names: dict[str, list[str]] = {}  # python image key -> its symbol names, kept past exit
         self._gone: list[str] = []  # image keys of processes forgotten since the last flush
         self._checked: set[int] = set()
-        self._images: dict[tuple[int, int, int, int], tuple[tuple[int, int], int, int, int, int] | None] = {}
+        self._images: dict[tuple[int, int, int, int], tuple[int, tuple[int, int]] | None] = {}
         self.frames_named = 0
         self.procs_described = 0
         self.unreadable = 0
@@ -173,17 +175,17 @@ class PythonFrames:
                 if info.kind != "elf" or m is None or (3, int(m.group(1))) not in OFFSETS:
                     continue
                 # The file as this process sees it (a container's root), else at its path here.
-                syms = self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path)
-                if syms is None:
+                found = self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path)
+                if found is None:
                     continue
-                version, runtime, eval_lo, eval_hi, _ = syms
-                if self._describe(pid, version, runtime + bias, img, (eval_lo, eval_hi)):
+                runtime, eval_range = found
+                if self._describe(pid, (3, int(m.group(1))), runtime + bias, img, eval_range):
                     break
 
-    def _symbols(self, path: str) -> tuple[tuple[int, int], int, int, int, int] | None:
-        """(version, _PyRuntime's address, the evaluation loop's range, 0) of an interpreter image,
-        from its dynamic symbols; None when it has no _PyRuntime (a python3 that links libpython)
-        or cannot be read."""
+    def _symbols(self, path: str) -> tuple[int, tuple[int, int]] | None:
+        """_PyRuntime's address and the evaluation loop's range in an interpreter image, from its
+        dynamic symbols (cached per file); None when it has no _PyRuntime (a python3 that links
+        libpython) or cannot be read."""
         import os
 
         try:
@@ -192,25 +194,16 @@ class PythonFrames:
             return None
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # one file, whichever path led to it
         if key not in self._images:
-            self._images[key] = self._read_symbols(path)
-        return self._images[key]
-
-    def _read_symbols(self, path: str) -> tuple[tuple[int, int], int, int, int, int] | None:
-        got = None
-        m = PY_IMAGE.search(path)
-        try:
-            found = dynamic_symbols(path, ("_PyRuntime", EVAL))
-        except Exception:  # a file we cannot parse (ELFError, OSError, ...) is not an interpreter here
-            found = {}
-        runtime = found.get("_PyRuntime")
-        if runtime and m is not None:
+            try:
+                found = dynamic_symbols(path, ("_PyRuntime", EVAL))
+            except Exception:  # a file we cannot parse (ELFError, OSError, ...) is not an interpreter here
+                found = {}
             lo, size = found.get(EVAL, (0, 0))
-            got = ((3, int(m.group(1))), runtime[0], lo, lo + size, 0)
-        return got
+            self._images[key] = (found["_PyRuntime"][0], (lo, lo + size)) if "_PyRuntime" in found else None
+        return self._images[key]
 
     def _describe(self, pid: int, version: tuple[int, int], runtime: int, elf_image: int,
                   eval_range: tuple[int, int]) -> bool:
-        from cyclescope.collect.procmem import ProcessMemory
         from cyclescope.images.registry import ImageInfo
 
         o = OFFSETS[version]
@@ -255,15 +248,13 @@ class PythonFrames:
         if p is None or not py:
             return ()
         out = []
-        mem = None
+        mem: ProcessMemory | None = None
         o = OFFSETS[p.version]
         for k in range(0, len(py), 2):
             code, instr = py[k], py[k + 1]
             c = p.codes.get(code)
             if c is None:
                 if mem is None:
-                    from cyclescope.collect.procmem import ProcessMemory
-
                     mem = ProcessMemory(pid)
                 c = self._code(p, mem, code, o)
                 if c is None:
@@ -274,10 +265,7 @@ class PythonFrames:
         self.frames_named += len(out)
         return tuple(out)
 
-    def _code(self, p: _Proc, mem: object, code: int, o: dict[str, int]) -> _Code | None:
-        from cyclescope.collect.procmem import ProcessMemory
-
-        assert isinstance(mem, ProcessMemory)
+    def _code(self, p: _Proc, mem: ProcessMemory, code: int, o: dict[str, int]) -> _Code | None:
         head = mem.read(code, o["code_adaptive"])
         if head is None:
             self.unreadable += 1
@@ -303,10 +291,7 @@ class PythonFrames:
         return c
 
     @staticmethod
-    def _bytes(mem: object, addr: int, o: dict[str, int]) -> bytes | None:
-        from cyclescope.collect.procmem import ProcessMemory
-
-        assert isinstance(mem, ProcessMemory)
+    def _bytes(mem: ProcessMemory, addr: int, o: dict[str, int]) -> bytes | None:
         if not addr:
             return None
         head = mem.read(addr, o["bytes_sval"])
@@ -318,11 +303,8 @@ class PythonFrames:
         return mem.read(addr + o["bytes_sval"], n) if n else b""
 
     @staticmethod
-    def _str(mem: object, addr: int, o: dict[str, int]) -> str | None:
+    def _str(mem: ProcessMemory, addr: int, o: dict[str, int]) -> str | None:
         """A compact str object's text (ASCII, Latin-1, UCS-2 or UCS-4)."""
-        from cyclescope.collect.procmem import ProcessMemory
-
-        assert isinstance(mem, ProcessMemory)
         if not addr:
             return None
         head = mem.read(addr, o["compact_size"])

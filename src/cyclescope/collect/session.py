@@ -144,20 +144,24 @@ class EventStats:
     running_ns: int = 0
 
 
-def online_cpus() -> tuple[int, ...]:
-    try:
-        with open("/sys/devices/system/cpu/online") as f:
-            text = f.read().strip()
-    except OSError:
-        return tuple(range(os.cpu_count() or 1))
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """A CPU list as sysfs writes it ("0-3,6"); ValueError when it is not one."""
     cpus: list[int] = []
-    for part in text.split(","):
+    for part in text.strip().split(","):
         if "-" in part:
             lo, hi = part.split("-")
             cpus.extend(range(int(lo), int(hi) + 1))
-        elif part:
+        elif part.strip():
             cpus.append(int(part))
     return tuple(cpus)
+
+
+def online_cpus() -> tuple[int, ...]:
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            return parse_cpu_list(f.read())
+    except OSError:
+        return tuple(range(os.cpu_count() or 1))
 
 
 def _threads(pid: int) -> list[int]:

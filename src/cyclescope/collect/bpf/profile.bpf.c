@@ -161,6 +161,17 @@ static __always_inline void bump(__u32 which)
 		*n += 1; /* per CPU: no other writer */
 }
 
+/* The value under key in a hash map, made from init where there is none (another CPU may make it
+ * meanwhile: then its); NULL when the map is full. */
+static __always_inline void *value_of(void *map, const void *key, const void *init)
+{
+	void *v = bpf_map_lookup_elem(map, key);
+	if (v)
+		return v;
+	bpf_map_update_elem(map, key, init, BPF_NOEXIST);
+	return bpf_map_lookup_elem(map, key);
+}
+
 static __always_inline __u64 read_ptr(__u64 addr)
 {
 	__u64 v = 0;
@@ -311,35 +322,20 @@ int cyclescope_sample(struct bpf_perf_event_data *ctx)
 	__u64 now = bpf_ktime_get_ns();
 
 	struct tkey tk = {k.pid, (__u32)pid_tgid, (__u32)(now / WINDOW_NS), k.event};
-	void *tmap = gen ? (void *)&timeline1 : (void *)&timeline0;
-	struct tval *tv = bpf_map_lookup_elem(tmap, &tk);
+	struct tval tinit = {};
+	struct tval *tv = value_of(gen ? (void *)&timeline1 : (void *)&timeline0, &tk, &tinit);
 	if (tv) {
 		__sync_fetch_and_add(&tv->count, 1);
 		__sync_fetch_and_add(&tv->period, period);
 	} else {
-		struct tval ntv = {1, period};
-		if (bpf_map_update_elem(tmap, &tk, &ntv, BPF_NOEXIST)) {
-			tv = bpf_map_lookup_elem(tmap, &tk);
-			if (tv) {
-				__sync_fetch_and_add(&tv->count, 1);
-				__sync_fetch_and_add(&tv->period, period);
-			} else {
-				bump(STAT_LOST_TIMELINE);
-			}
-		}
+		bump(STAT_LOST_TIMELINE);
 	}
-	void *map = gen ? (void *)&counts1 : (void *)&counts0;
-	struct val *v = bpf_map_lookup_elem(map, &k);
+
+	struct val vinit = {};
+	struct val *v = value_of(gen ? (void *)&counts1 : (void *)&counts0, &k, &vinit);
 	if (!v) {
-		struct val nv = {1, period, now};
-		long err = bpf_map_update_elem(map, &k, &nv, BPF_NOEXIST);
-		if (!err)
-			return 0;
-		v = bpf_map_lookup_elem(map, &k); /* another CPU made it meanwhile */
-		if (!v) {
-			bump(STAT_LOST);
-			return 0;
-		}
+		bump(STAT_LOST);
+		return 0;
 	}
 	__sync_fetch_and_add(&v->count, 1);
 	__sync_fetch_and_add(&v->period, period);
