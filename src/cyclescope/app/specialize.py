@@ -140,16 +140,13 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
     for dw in dwarf.values():
         if dw is not None:
             dw.close()
-    out.sort(key=lambda o: -o.net)
-    # The same value saving the same instructions through a copy (mov ecx, edx): the first point only.
-    seen: set[tuple[str, int, int]] = set()
-    uniq = []
-    for o in out:
-        k = (o.procedure, o.value, round(o.benefit))
-        if k not in seen:
-            seen.add(k)
-            uniq.append(o)
-    out = uniq
+    # The same value saving the same instructions through a copy (mov ecx, edx): the first point
+    # only (the lowest address: the definition, not the copy), whichever of the two the sampled
+    # probabilities happen to favour.
+    first: dict[tuple[str, int, int], Opportunity] = {}
+    for o in sorted(out, key=lambda o: (o.address, o.kind != "argument", o.what)):
+        first.setdefault((o.procedure, o.value, round(o.benefit)), o)
+    out = sorted(first.values(), key=lambda o: -o.net)
     return out, unobserved
 
 
