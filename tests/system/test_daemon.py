@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,6 @@ import pytest
 from tests.system.helpers import cs, cs_popen, prof_json, samples_of
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
-
-
-@pytest.fixture
-def spinner(compile_c: Callable[..., Path]) -> Iterator[int]:
-    proc = subprocess.Popen([str(compile_c("spinner"))], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    pid = int(proc.stdout.readline())
-    yield pid
-    proc.kill()
-    proc.wait()
 
 
 def wait_for_daemon(db: Path, timeout: float = 20) -> dict[str, object]:

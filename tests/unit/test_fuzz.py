@@ -61,6 +61,8 @@ def options_of(cmd: str) -> list[tuple[str, list[str] | None]]:
     for a in sub.choices[cmd]._actions:
         if not a.option_strings or "--help" in a.option_strings or "--db" in a.option_strings:
             continue
+        if a.option_strings[-1].startswith("--engine"):
+            continue  # a Dask cluster started per example (2 s) or an unreachable scheduler (20 s): test_fleet
         flag = a.nargs == 0
         out.append((a.option_strings[-1], None if flag else [str(c) for c in (a.choices or [])]))
     return out

@@ -18,7 +18,9 @@ LAYERS: list[set[str]] = [
     {"perf"},  # the kernel's record formats
     {"images"},  # ELF, DWARF, kernel maps, processes' mappings
     {"db"},  # the profile database: segments, epochs, tallies, values, stacks
-    {"binaries"},  # symbols and code of recorded images (from disk or the database's archive)
+    # symbols and code of recorded images (from disk or the database's archive); a fleet's shipping,
+    # distributed engine and retention
+    {"binaries", "fleet"},
     {"collect"},  # sampling: sessions, the drain loop, its processors
     {"analysis", "values"},  # calc and its evidence; value capture
     {"report"},  # tables, JSON and export formats built from the above

@@ -298,3 +298,30 @@ def test_stack_files_compact_into_one_that_counts_the_same(tmp_path: Path) -> No
     assert r is not None and not left.exists()
     assert files() == ["stk-00000001-00000005.parquet"]
     assert load_stacks(db, [epoch]).counts == full.counts and load_stacks(db, [epoch]).images == full.images
+
+
+def test_equal_stacks_are_summed_and_parts_with_their_own_codes_concatenate() -> None:
+    rng = np.random.default_rng(5)
+    shapes = [[], [(0, 16)], [(0, 16), (1, 32)], [(1, 32), (0, 16)], [(0, 16), (1, 32), (1, 48)], [(1, 16)]]
+    parts, naive = [], Counter()
+    for p in range(3):
+        keys = ["a", "b"] if p != 1 else ["b", "a"]  # the second part codes its images the other way round
+        events = ["cpu-clock", "page-faults"][:: 1 if p else -1]
+        rows = [(int(rng.integers(len(shapes))), int(rng.integers(2)), float(rng.integers(1, 9))) for _ in range(40)]
+        ev, count, lengths, image, offset = [], [], [], [], []
+        for shape, e, c in rows:
+            frames = [("ab"[i], o) for i, o in shapes[shape]]
+            naive[(events[e], tuple(frames))] += int(c)
+            ev.append(e)
+            count.append(c)
+            lengths.append(len(frames))
+            image += [keys.index(k) for k, _ in frames]
+            offset += [o for _, o in frames]
+        parts.append(StackArrays.build(events, np.array(ev), np.array(count), np.array(lengths), keys,
+                                       np.array(image, np.int32), np.array(offset, np.uint64)))
+    whole = StackArrays.concat(parts)
+    assert _as_counter(whole) == naive
+    summed = whole.summed()
+    assert _as_counter(summed) == naive and len(summed) == len(naive) < len(whole)
+    assert summed.selection().counts == naive
+    assert _as_counter(StackArrays.concat([]).summed()) == Counter()

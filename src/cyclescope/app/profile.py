@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from cyclescope.analysis.loopcount import LoopStats
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import ProfileSet, Selection
-    from cyclescope.db.stacks import StackSelection
+    from cyclescope.db.query import Engine, ProfileSet, Selection
+    from cyclescope.db.stacks import StackArrays, StackSelection
     from cyclescope.db.tallies import TallyKind
     from cyclescope.db.values import ValueSelection
     from cyclescope.images.registry import ImageInfo
@@ -162,21 +162,33 @@ class Profile:
     def stacks(self, images: set[str] | None = None) -> StackSelection:
         """The call stacks of the selection's epochs, hosts and processes (of stacks whose leaf is
         in ``images``, if given), summed."""
-        from cyclescope.db.stacks import load_stacks
+        return self.stack_arrays(images).selection()
+
+    def stack_arrays(self, images: set[str] | None = None) -> StackArrays:
+        """stacks() as columns, equal stacks summed: what flame graphs fold. Corrupt files are
+        left out (``corrupt``); DataError when every file is."""
+        from cyclescope.db.stacks import load_stack_arrays, stack_paths
 
         sel = self.ps.selection
-        return load_stacks(self.db, self.ps.epochs, list(sel.hosts) or None, images, set(sel.processes) or None)
+        hosts, processes = list(sel.hosts) or None, set(sel.processes) or None
+        if self.ps.engine is None:
+            return load_stack_arrays(self.db, self.ps.epochs, hosts, images, processes)
+        out = self.ps.engine.stack_arrays(stack_paths(self.db, self.ps.epochs, hosts), images, processes)
+        if not out.files and out.corrupt:
+            raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
+        return out
 
 
 def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ignore,
-                 sym: Symbolizer | None = None) -> Profile:
+                 sym: Symbolizer | None = None, engine: Engine | None = None) -> Profile:
     """The selection's profile, its warnings given to ``warn`` (corrupt segments left out, epochs a
     range named that do not exist); DataError when every segment it covers is unreadable. ``sym``:
-    the symbol tables of an earlier profile of the same database, to use again (a server's)."""
+    the symbol tables of an earlier profile of the same database, to use again (a server's);
+    ``engine``: where its counts and stacks are summed (None: the embedded DuckDB)."""
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.query import open_profile as open_set
 
-    ps = open_set(db, sel)
+    ps = open_set(db, sel, engine)
     for w in ps.warnings:
         warn(w)
     if not ps.segments and any(w.startswith("skipping") for w in ps.warnings):

@@ -188,15 +188,14 @@ def select_stack_arrays(p: Profile, image_patterns: list[str] | None = None, eve
     import numpy as np
 
     from cyclescope.db.query import match_images, query_counts
-    from cyclescope.db.stacks import StackArrays, load_stack_arrays
+    from cyclescope.db.stacks import StackArrays
     from cyclescope.images.registry import ImageInfo
 
     ps = p.ps
     images = set(match_images(ps, list(image_patterns))) if image_patterns else None
     if image_patterns and not images:
         raise NotFoundError(f"no image matching {', '.join(image_patterns)} in the selection")
-    sel = ps.selection
-    arr = load_stack_arrays(p.db, ps.epochs, list(sel.hosts) or None, images, set(sel.processes) or None)
+    arr = p.stack_arrays(images)
     infos = dict(ps.images)
     for k, d in arr.images.items():
         infos.setdefault(k, ImageInfo.from_json(d))

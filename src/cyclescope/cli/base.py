@@ -7,12 +7,13 @@ import os
 import sys
 from typing import TYPE_CHECKING, ClassVar
 
-from cyclescope.errors import DataError
+from cyclescope.errors import DataError, UsageError
 
 if TYPE_CHECKING:
     from cyclescope.app.profile import Profile
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import ProfileSet, Selection
+    from cyclescope.db.query import Engine, ProfileSet, Selection
+    from cyclescope.fleet.engine import DaskEngine
 
 DEFAULT_DB = "cyclescope.db"
 
@@ -74,6 +75,16 @@ def add_selection_options(p: argparse.ArgumentParser, events: bool = True) -> No
     if events:
         g.add_argument("--event", "-e", metavar="EVENT", action="append", default=[],
                        help="only these events (repeatable; default: all recorded)")
+    add_engine_options(g)  # type: ignore[arg-type]
+
+
+def add_engine_options(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--engine", choices=["duckdb", "dask"], default="duckdb",
+                   help="where the counts and stacks are summed: the embedded DuckDB (default) or Dask (a local "
+                        "cluster of worker processes, or the one at --engine-address): for a fleet's database")
+    g.add_argument("--engine-address", metavar="ADDR",
+                   help="--engine dask: the scheduler of a running cluster (tcp://HOST:8786), whose workers see "
+                        "the database at the same path")
 
 
 def selection(args: argparse.Namespace) -> Selection:
@@ -93,7 +104,7 @@ def open_selection(args: argparse.Namespace, db: Database | None = None, sel: Se
     from cyclescope.db.query import open_profile
 
     db = db or open_db(args)
-    ps = open_profile(db, sel or selection(args))
+    ps = open_profile(db, sel or selection(args), engine(args))
     name = getattr(args, "_command", None) or "cyclescope"
     for w in ps.warnings:
         eprint(f"cyclescope {name}: {what + ': ' if what else ''}{w}")
@@ -101,6 +112,30 @@ def open_selection(args: argparse.Namespace, db: Database | None = None, sel: Se
         raise DataError(f"{what + ': ' if what else ''}no readable segment in the selection "
                         f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
     return ps
+
+
+_ENGINES: dict[tuple[str, str | None], DaskEngine] = {}
+
+
+def engine(args: argparse.Namespace) -> Engine | None:
+    """The engine --engine names (None: the embedded DuckDB); one per process, closed at exit."""
+    name = getattr(args, "engine", "duckdb")
+    if name == "duckdb":
+        if getattr(args, "engine_address", None):
+            raise UsageError("--engine-address goes with --engine dask")
+        return None
+    key = (name, getattr(args, "engine_address", None))
+    if key not in _ENGINES:
+        from cyclescope.fleet.engine import DaskEngine
+
+        _ENGINES[key] = DaskEngine(key[1])
+    return _ENGINES[key]
+
+
+def close_engines() -> None:
+    while _ENGINES:
+        _, eng = _ENGINES.popitem()
+        eng.close()
 
 
 def open_profile(args: argparse.Namespace, db: Database | None = None, sel: Selection | None = None,
@@ -142,3 +177,17 @@ def stderr_tty() -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def read_token(path: str | None, option: str, env: str = "CYCLESCOPE_INGEST_TOKEN") -> str | None:
+    """A token from the first line of ``path`` (given as ``option``), else from $``env``, else None."""
+    if path:
+        try:
+            with open(path) as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise UsageError(f"{option} {path}: {e.strerror}") from None
+        if len(token) < 16:
+            raise UsageError(f"{option} {path}: the token must be at least 16 characters")
+        return token
+    return os.environ.get(env) or None

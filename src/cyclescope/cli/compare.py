@@ -7,7 +7,16 @@ import sys
 from typing import TYPE_CHECKING
 
 from cyclescope.app.compare import insn_counts, sample_sets, set_counts
-from cyclescope.cli.base import Command, add_output_options, default_db, eprint, finite_float, open_profile, register
+from cyclescope.cli.base import (
+    Command,
+    add_engine_options,
+    add_output_options,
+    default_db,
+    eprint,
+    finite_float,
+    open_profile,
+    register,
+)
 from cyclescope.errors import DataError, UsageError
 from cyclescope.report.render import is_tty, write_json, write_table
 
@@ -22,6 +31,7 @@ def _filters(p: argparse.ArgumentParser) -> None:
     g.add_argument("--image", metavar="IMAGE", action="append", default=[], help="only samples in IMAGE (repeatable)")
     g.add_argument("--event", "-e", metavar="EVENT", help="the event to compare (default: the first recorded)")
     g.add_argument("--images", action="store_true", help="compare images instead of procedures")
+    add_engine_options(g)  # type: ignore[arg-type]
 
 
 @register

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from typing import Any
 
-from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, register
+from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, read_token, register
 from cyclescope.cli.sampling import (
     add_count_options,
     add_sampling_options,
@@ -77,6 +78,11 @@ class Daemon(Command):
         p.add_argument("--archive", choices=["symbols", "binaries", "none"], default="symbols",
                        help="what to keep of each profiled binary, by build-id: its symbol table (default; prof "
                             "then survives upgrades), the whole file (list and calc too), or nothing")
+        p.add_argument("--ship-to", metavar="DEST",
+                       help="after each flush, ship the sealed files to a shared database (a path, or the "
+                            "http(s) URL of `serve --ingest`) and follow its epochs; see `cyclescope ship`")
+        p.add_argument("--ship-token-file", metavar="FILE",
+                       help="--ship-to an http(s) URL: the file holding its ingest token")
         add_sampling_options(p, DEFAULT_DAEMON_HZ)
         add_value_options(p, exact=False)
         add_count_options(p)
@@ -97,12 +103,19 @@ class Daemon(Command):
         if args.flush_interval <= 0:
             raise UsageError("--flush-interval must be positive")
         cpus = parse_cpus(args.cpus)
+        ship_token = read_token(args.ship_token_file, "--ship-token-file") if args.ship_to else None
+        if args.ship_to:  # a destination that cannot be used is said now, not at the first flush
+            from cyclescope.fleet.ship import Offline, destination
+
+            with contextlib.suppress(Offline):
+                destination(args.ship_to, ship_token)
         procs = processors(args, vopts, system_wide=True)
         bpf = bpf_collector(args, procs, rate, len(cpus), "daemon")
         session, db = open_session(args, events, SystemWide(cpus), rate, vopts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval,
                               compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,
-                              follow_epochs=True, lean_memory=True, rerandomize_s=args.redraw / 1000,
+                              follow_epochs=True, lean_memory=True, ship_to=args.ship_to,
+                              ship_token=ship_token, rerandomize_s=args.redraw / 1000,
                               drain_s=drain_interval(vopts, bpf), processors=procs, bpf=bpf)
         c = Collector(session, db, cfg)
         c.listen()
@@ -214,4 +227,8 @@ class Status(Command):
               f"{f(r, 'pending_rows', int)} rows pending")
         print(f"tracking {f(r, 'processes', int)} processes and {f(r, 'images', int)} images; "
               f"RSS {f(r, 'rss_kib', int) / 1024:.1f} MiB")
+        ship = r.get("ship")
+        if isinstance(ship, dict):
+            print(f"shipping to {ship.get('to')}: {ship.get('stored')} file(s) stored"
+                  + (f"; last pass stopped: {ship['offline']}" if ship.get("offline") else ""))
         return 0

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cyclescope.cli.base import Command, add_db_option, open_db, register
+from cyclescope.cli.base import Command, add_db_option, eprint, open_db, register, stderr_tty
 from cyclescope.errors import DataError
 from cyclescope.report.render import Col, Table, fmt_count, write_json, write_table
 
@@ -30,16 +30,32 @@ class Db(Command):
     description = (
         "inspect: epochs, hosts, segments, samples and sizes (--verbose: each segment's metadata).\n"
         "compact: merge each epoch's segments, stack files, tallies and value files per host (the daemon also\n"
-        "does this on its own)."
+        "does this on its own).\n"
+        "retain: merge the epochs older than --older-than into one per day (or week) by addition, value\n"
+        "hotlists by thinning; then, over --max-size, drop the oldest epochs. Readers see the old epochs or\n"
+        "the merged one, never both; an interrupted run is finished by the next. For a long-running fleet:\n"
+        "run it from cron."
+    )
+    epilog = (
+        "examples:\n"
+        "  cyclescope db inspect\n"
+        "  cyclescope db retain --db /srv/fleet --older-than 2d --by day --max-size 200G\n"
+        "  cyclescope db retain --db /srv/fleet --older-than 30d --by week --dry-run"
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("action", choices=["inspect", "compact"], help="what to do")
+        p.add_argument("action", choices=["inspect", "compact", "retain"], help="what to do")
         add_db_option(p)
         p.add_argument("--epoch", "-E", default="all", metavar="SPEC", help="epochs (default: all)")
         p.add_argument("--host", metavar="HOST", action="append", default=[], help="only these hosts")
         p.add_argument("--verbose", "-v", action="store_true", help="inspect: show each segment's metadata")
-        p.add_argument("--json", action="store_true", help="inspect: write JSON")
+        p.add_argument("--json", action="store_true", help="inspect, retain: write JSON")
+        p.add_argument("--older-than", default="7d", metavar="AGE",
+                       help="retain: merge epochs begun longer ago than AGE (default: 7d; also h, m, w)")
+        p.add_argument("--by", choices=["day", "week"], default="day", help="retain: one epoch per day or week")
+        p.add_argument("--max-size", metavar="SIZE", help="retain: then drop the oldest epochs while the "
+                                                           "database is larger than SIZE (e.g. 50G)")
+        p.add_argument("--dry-run", action="store_true", help="retain: say what would be merged, change nothing")
 
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.db.compact import CompactResult, compact
@@ -51,6 +67,8 @@ class Db(Command):
         from cyclescope.db.values import uids as value_uids
 
         db = open_db(args)
+        if args.action == "retain":
+            return self._retain(db, args)
         epochs = parse_epochs(args.epoch, db.epochs())
         if args.action == "compact":
             n = 0
@@ -79,6 +97,34 @@ class Db(Command):
                 print("nothing to compact")
             return 0
         return self._inspect(db, epochs, args)
+
+    def _retain(self, db: Database, args: argparse.Namespace) -> int:
+        from cyclescope.fleet.retain import parse_duration, parse_size, plan, retain
+
+        older = parse_duration(args.older_than)
+        budget = parse_size(args.max_size) if args.max_size else None
+        if args.dry_run:
+            groups = plan(db, older, args.by)
+            for g in groups:
+                print(f"would merge epochs {','.join(map(str, g))} into epoch {g[0]} (one {args.by})")
+            if not groups:
+                print("nothing to merge")
+            return 0
+        quiet = args.json or not stderr_tty()
+        rep = retain(db, older, args.by, budget, None if quiet else eprint)
+        if args.json:
+            write_json({"merged": [vars(m) for m in rep.merged], "dropped": rep.dropped, "cleaned": rep.cleaned,
+                        "bytes_before": rep.size_before, "bytes_after": rep.size_after})
+            return 0
+        for m in rep.merged:
+            print(f"epochs {','.join(map(str, m.epochs))} -> epoch {m.epochs[0]}: "
+                  f"{_size(m.bytes_before)} -> {_size(m.bytes_after)}")
+        for e in rep.dropped:
+            print(f"dropped epoch {e} (over --max-size)")
+        if rep.cleaned:
+            print(f"removed {rep.cleaned} leftover(s) of an interrupted run")
+        print(f"database: {_size(rep.size_before)} -> {_size(rep.size_after)}")
+        return 0
 
     def _inspect(self, db: Database, epochs: list[int], args: argparse.Namespace) -> int:
         from cyclescope.db.segment import read_meta

@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "optimize": ("optimize", "profile a training run, rebuild with its sample profile (clang), measure the speedup"),
     "db": ("db", "inspect or compact the profile database"),
     "serve": ("serve", "a web UI over the database: flame graphs, listings with CPI and culprits, values, stats"),
+    "ship": ("ship", "send this host's profiles to a shared database (a path, or `serve --ingest`)"),
 }
 # Commands that only talk to the daemon: they need no numpy.
 CONTROL_COMMANDS = frozenset({"flush", "epoch", "status"})
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cyclescope {name}: internal error: {type(e).__name__}: {e} (CYCLESCOPE_DEBUG=1 shows where; "
               "please report it)", file=sys.stderr)
         return INTERNAL_ERROR
+    finally:
+        base.close_engines()  # a local Dask cluster's workers end with the command
 
 
 def entry() -> None:

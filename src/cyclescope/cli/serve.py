@@ -10,7 +10,16 @@ import secrets
 import socket
 import sys
 
-from cyclescope.cli.base import Command, add_db_option, eprint, open_db, register
+from cyclescope.cli.base import (
+    Command,
+    add_db_option,
+    add_engine_options,
+    engine,
+    eprint,
+    open_db,
+    read_token,
+    register,
+)
 from cyclescope.errors import UsageError
 
 DEFAULT_PORT = 8765
@@ -75,6 +84,13 @@ class Serve(Command):
                             "and warns)")
         p.add_argument("--token", metavar="TOKEN", default=None,
                        help="the access token (default: a random one; also $CYCLESCOPE_TOKEN)")
+        p.add_argument("--ingest", action="store_true",
+                       help="also accept files shipped by hosts (`cyclescope ship`, `daemon --ship-to`) into the "
+                            "database, with the ingest token (--ingest-token-file, $CYCLESCOPE_INGEST_TOKEN, or a "
+                            "random one printed at start); the database is created if need be")
+        p.add_argument("--ingest-token-file", metavar="FILE",
+                       help="--ingest: the token shipping hosts present (first line of FILE)")
+        add_engine_options(p)
 
     def run(self, args: argparse.Namespace) -> int:
         import os
@@ -88,11 +104,19 @@ class Serve(Command):
         token = args.token or os.environ.get("CYCLESCOPE_TOKEN") or secrets.token_urlsafe(24)
         if len(token) < 16:
             raise UsageError("--token must be at least 16 characters")
-        db = open_db(args)
+        ingest_token = None
+        if args.ingest:
+            from cyclescope.cli.base import db_path
+            from cyclescope.db.layout import Database
+
+            ingest_token = read_token(args.ingest_token_file, "--ingest-token-file") or secrets.token_urlsafe(24)
+            db = Database.create_or_open(db_path(args))
+        else:
+            db = open_db(args)
         loopback = is_loopback(args.host)
         sock = bind(args.host, args.port)
         port = sock.getsockname()[1]
-        site = Site(db, token, loopback=loopback, port=port)
+        site = Site(db, token, loopback=loopback, port=port, ingest_token=ingest_token, engine=engine(args))
         if not loopback:
             eprint(f"cyclescope serve: warning: listening on {args.host}, not loopback: anyone who can reach it "
                    "and has the token reads these profiles, over plain HTTP (prefer an SSH tunnel)")
@@ -100,6 +124,8 @@ class Serve(Command):
         if ":" in shown:
             shown = f"[{shown.strip('[]')}]"
         print(f"http://{shown}:{port}/?token={token}", flush=True)
+        if ingest_token is not None and not (args.ingest_token_file or os.environ.get("CYCLESCOPE_INGEST_TOKEN")):
+            print(f"ingest token: {ingest_token}", flush=True)
         if sys.stderr.isatty():
             eprint(f"cyclescope serve: {db.root}, open the URL above; Ctrl-C stops")
         config = uvicorn.Config(make_app(site), log_level="warning", access_log=False, lifespan="off")

@@ -77,6 +77,10 @@ class CollectorConfig:
     # survive upgrades and deletions: "binaries" (needed by list and calc), "symbols"
     # (enough for prof, a few KB each) or "none".
     archive: str = "binaries"
+    # Where to ship the database's sealed files after each flush (fleet/ship.py): a path or an
+    # http(s) URL, and the ingest token for the latter.
+    ship_to: str | None = None
+    ship_token: str | None = None
     # A long-running process (the daemon): each flush gives freed memory back to the system.
     lean_memory: bool = False
     # What else is computed from each drain's samples (loop-iteration counts, call stacks, values
@@ -560,6 +564,8 @@ class Collector:
             live = len(self.db.segments(self.epoch, self.cfg.host))
             if live >= self.cfg.compact_after:
                 self.flusher.compact(self.epoch)
+        if self.cfg.ship_to is not None:
+            self.flusher.ship(self.cfg.ship_to, self.cfg.ship_token)
         return FlushResult(epoch, path, counts.total, len(counts), time.monotonic() - t0)
 
     # --- control socket ------------------------------------------------------------------
@@ -603,6 +609,8 @@ class Collector:
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
             "collector": "bpf" if self.bpf is not None else "perf",
+            **({"ship": {"to": self.cfg.ship_to, "stored": self.flusher.shipped, "offline": self.flusher.offline}}
+               if self.cfg.ship_to else {}),
             **{p.name: p.status() for p in self.processors},
         }
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from cyclescope.db.layout import Database, SegmentRef
+from cyclescope.db.layout import Database, SegmentRef, own_segments
 from cyclescope.db.segment import SCHEMA, SegmentMeta, read_meta, read_table, write_parquet
 from cyclescope.errors import DataError
 
@@ -105,9 +105,10 @@ def compact(db: Database, epoch: int, host: str, min_segments: int = 2) -> Compa
 
 
 def contiguous_run(good: list[SegmentRef], corrupt_ranges: list[SegmentRef]) -> list[SegmentRef]:
-    """The longest run of readable segments with no corrupt segment inside its range."""
+    """The longest run of readable segments with no corrupt segment inside its range, among the
+    database's own (files shipped from other hosts are theirs to compact)."""
     runs: list[list[SegmentRef]] = [[]]
-    for s in sorted(good):
+    for s in own_segments(sorted(good)):
         if runs[-1] and any(runs[-1][-1].last < c.first < s.first for c in corrupt_ranges):
             runs.append([])
         runs[-1].append(s)

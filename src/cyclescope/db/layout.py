@@ -4,12 +4,14 @@
       cyclescope.json                 format marker and version
       epoch=000001/
         epoch.json                    id, creation time, name
+        merged.json                   in an epoch retention merged: the epochs it replaces
         host=vm1/
           seg-00000001-00000001.parquet   one flush
           seg-00000001-00000008.parquet   a compaction of flushes 1..8
       symbols/<key>.parquet           symbol tables of images with no file (kernel, vdso, JIT)
       binaries/<build-id>             bytes of images with no file (the vdso)
       cache/                          derived data (decoded line tables), safe to delete
+      id                              this database's identity (its files shipped elsewhere name it)
 
 The ``key=value`` directory names are Hive partitioning, so DuckDB (or any
 engine reading Parquet) sees ``epoch`` and ``host`` as columns.
@@ -41,10 +43,14 @@ from cyclescope.errors import DataError, NotFoundError, UsageError
 FORMAT_NAME = "cyclescope-db"
 FORMAT_VERSION = 1
 MARKER = "cyclescope.json"
+MERGED = "merged.json"  # in an epoch that replaces others (retention): which
 _EPOCH_RE = re.compile(r"^epoch=(\d{6,})$")
 _HOST_RE = re.compile(r"^host=(.+)$")
 _SEG_RE = re.compile(r"^seg-(\d{8,})-(\d{8,})\.parquet$")
 _SAFE_HOST_RE = re.compile(r"[^A-Za-z0-9_.-]")
+# Flush numbers of files shipped from another database are offset by a multiple of this (fleet/
+# place.py): a database's own writers number from 1 and never reach it.
+SOURCE_BLOCK = 10**8
 
 
 @dataclass(frozen=True, order=True)
@@ -150,6 +156,12 @@ def ensure_dir(root: Path, path: Path, mode: int = DIR_MODE) -> Path:
         return path
     finally:
         os.close(fd)
+
+
+def own_segments(segs: list[SegmentRef]) -> list[SegmentRef]:
+    """The files this database's own writers made (not shipped from another): the only ones its
+    compactions merge, since a host's later shipments must still nest with what it shipped."""
+    return [s for s in segs if s.last < SOURCE_BLOCK]
 
 
 def live_segments(segs: list[SegmentRef]) -> list[SegmentRef]:
@@ -267,15 +279,48 @@ class Database:
             )
         return Database(root)
 
+    def identity(self) -> str:
+        """A random name for this database, made once (the first caller's wins): what the files
+        it ships are filed under elsewhere, so that a database made again never collides."""
+        path = self.root / "id"
+        with contextlib.suppress(FileNotFoundError):
+            return path.read_text().strip()
+        tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-id"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, secrets.token_hex(16).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        tmp.unlink()
+        fsync_dir(self.root)
+        return path.read_text().strip()
+
     # --- epochs ---------------------------------------------------------------------
-    def epochs(self) -> list[int]:
+    def epochs(self, hidden: bool = False) -> list[int]:
+        """The epochs, oldest first; without those a merged epoch replaces (fleet/retain.py),
+        unless ``hidden``."""
         out = []
+        hide: set[int] = set()
         with contextlib.suppress(FileNotFoundError):
             for d in self.root.iterdir():
                 m = _EPOCH_RE.match(d.name)
                 if m and d.is_dir():
-                    out.append(int(m.group(1)))
-        return sorted(out)
+                    e = int(m.group(1))
+                    out.append(e)
+                    if not hidden and os.path.exists(d / MERGED):
+                        hide |= set(self.merged_from(e)) - {e}
+        return sorted(e for e in out if e not in hide)
+
+    def merged_from(self, epoch: int) -> list[int]:
+        """The epochs a merged epoch replaces (itself among them); [] for one never merged."""
+        try:
+            got = json.loads((self.epoch_dir(epoch) / MERGED).read_text()).get("epochs", [])
+            return [int(e) for e in got]
+        except (OSError, ValueError, TypeError, AttributeError):
+            return []
 
     def epoch_dir(self, epoch: int) -> Path:
         return self.root / f"epoch={epoch:06d}"
@@ -348,8 +393,7 @@ class Database:
         return live_segments(segs) if live_only else sorted(segs)
 
     def next_seq(self, epoch: int, host: str) -> int:
-        segs = self.segments(epoch, host, live_only=False)
-        return (max(s.last for s in segs) + 1) if segs else 1
+        return max((s.last for s in own_segments(self.segments(epoch, host, live_only=False))), default=0) + 1
 
     @contextlib.contextmanager
     def host_lock(self, epoch: int, host: str) -> Iterator[Path]:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -20,6 +20,9 @@ from cyclescope.db.layout import Database, SegmentRef
 from cyclescope.db.segment import EventMeta, SegmentMeta, read_meta
 from cyclescope.errors import DataError, NotFoundError, UsageError
 from cyclescope.images.registry import ImageInfo
+
+if TYPE_CHECKING:
+    from cyclescope.db.stacks import StackArrays
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,48 @@ def _ranges(nums: list[int]) -> str:
     return ",".join(parts)
 
 
+class Engine(Protocol):
+    """A query engine other than the embedded DuckDB (fleet/engine.py: Dask), for what grows with a
+    fleet: the segments' footers, the flat counts and the call stacks."""
+
+    name: str
+
+    def counts(self, files: list[str], processes: list[str] | None, images: list[str] | None,
+               events: list[str] | None, by_process: bool) -> pa.Table:
+        """Per (image, event, offset[, process]) of ``files`` (segments) passing the filters: raw
+        (sum of count, UBIGINT), w (sum of weight, DOUBLE) and unweighted (sum of count where
+        weight is null, DOUBLE), sorted by image, event and offset: what the SQL below returns."""
+        ...
+
+    def stack_arrays(self, files: list[Path], images: set[str] | None, processes: set[str] | None,
+                     events: set[str] | None = None) -> StackArrays:
+        """load_stack_arrays over these stack files."""
+        ...
+
+    def metas(self, files: list[Path]) -> tuple[list[SegmentMeta | str], dict[str, dict[str, Any]]]:
+        """See read_metas."""
+        ...
+
+
+def read_metas(files: list[Path]) -> tuple[list[SegmentMeta | str], dict[str, dict[str, Any]]]:
+    """Each segment's metadata without its images, or why it could not be read ("missing" when it
+    is gone), and the images of them all: a distributed engine's task over a group of files (what
+    comes back is one description per image, not one per image and segment)."""
+    out: list[SegmentMeta | str] = []
+    images: dict[str, dict[str, Any]] = {}
+    for f in files:
+        try:
+            m = read_meta(f)
+        except DataError as e:
+            out.append("missing" if not f.exists() else f"skipping {e}")
+            continue
+        for k, v in m.images.items():
+            images.setdefault(k, v)
+        m.images = {}
+        out.append(m)
+    return out, images
+
+
 @dataclass
 class SegmentInfo:
     epoch: int
@@ -119,6 +164,7 @@ class ProfileSet:
     targets: list[str] = field(default_factory=list)
     memo: dict[tuple[bool, object], pa.Table] = field(default_factory=dict)  # query results
     clock_ghz: float = 0.0  # sample-weighted measured core clock (0: unknown)
+    engine: Engine | None = None  # None: the embedded DuckDB
 
     @property
     def files(self) -> list[str]:
@@ -155,21 +201,41 @@ def _host_segments(db: Database, epoch: int, host: str, warnings: list[str]) -> 
     return []
 
 
-def open_profile(db: Database, sel: Selection) -> ProfileSet:
+def open_profile(db: Database, sel: Selection, engine: Engine | None = None) -> ProfileSet:
     epochs, warnings = epochs_and_notes(sel.epochs, db.epochs())
     segs: list[SegmentInfo] = []
+    images: dict[str, dict[str, Any]] = {}
     hosts_seen: set[str] = set()
+    todo = []
     for ep in epochs:
         for h in db.hosts(ep):
             if sel.hosts and h not in sel.hosts:
                 continue
             hosts_seen.add(h)
+            todo.append((ep, h))
+    if engine is None:
+        for ep, h in todo:
+            segs += _host_segments(db, ep, h, warnings)
+    else:  # every footer at once, read by the engine's workers
+        refs = [(ep, h, ref) for ep, h in todo for ref in db.segments(ep, h)]
+        got, images = engine.metas([r.path for _, _, r in refs])
+        redo = sorted({(ep, h) for (ep, h, _), m in zip(refs, got, strict=True) if m == "missing"})
+        for (ep, h, ref), m in zip(refs, got, strict=True):
+            if (ep, h) in redo:
+                continue
+            if isinstance(m, str):
+                warnings.append(m)
+            else:
+                segs.append(SegmentInfo(ep, h, ref, m))
+        for ep, h in redo:  # a compaction replaced files meanwhile: list those hosts again
             segs += _host_segments(db, ep, h, warnings)
     if sel.hosts:
         missing = set(sel.hosts) - hosts_seen
         if missing:
             raise NotFoundError(f"no samples from host(s) {', '.join(sorted(missing))} in the selected epoch(s)")
-    ps = ProfileSet(db, sel, epochs, segs, warnings=warnings, hosts=sorted(hosts_seen))
+    ps = ProfileSet(db, sel, epochs, segs, warnings=warnings, hosts=sorted(hosts_seen), engine=engine)
+    if engine is not None:
+        ps.images = {k: ImageInfo.from_json(v) for k, v in images.items()}
     from cyclescope.db.segment import merge_clock
 
     weight = 0
@@ -258,22 +324,18 @@ def query_counts(ps: ProfileSet, by_process: bool = False, images: list[str] | N
     return result
 
 
-def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) -> pa.Table:
-    if not ps.segments:
-        return _empty_counts(by_process)
+def counts_sql(files: list[str], processes: list[str] | None, images: list[str] | None,
+               events: list[str] | None, by_process: bool, ordered: bool = True) -> tuple[str, list[object]]:
+    """The query behind query_counts over ``files`` and its parameters: per (image, event,
+    offset[, process]) the raw count (UBIGINT), the summed weights (DOUBLE) and the samples of
+    rows without weights (DOUBLE). The embedded engine runs it over the whole selection, a
+    distributed one over each group of files (fleet/engine.py)."""
     where = []
-    params: list[object] = [ps.files]
-    sel = ps.selection
-    if sel.processes:
-        where.append("process IN (SELECT unnest(?))")
-        params.append(list(sel.processes))
-    keys = images if images is not None else (match_images(ps, sel.images) if sel.images else None)
-    if keys is not None:
-        where.append("image IN (SELECT unnest(?))")
-        params.append(keys)
-    if sel.events:
-        where.append("event IN (SELECT unnest(?))")
-        params.append(list(sel.events))
+    params: list[object] = [files]
+    for col, allowed in (("process", processes), ("image", images), ("event", events)):
+        if allowed is not None:
+            where.append(f"{col} IN (SELECT unnest(?))")
+            params.append(list(allowed))
     cols = 'image, event, "offset"' + (", process" if by_process else "")
     # Each sample counts for the period it stood for: periods are drawn at random and re-drawn every
     # 200 ms, so a phase of the program sampled while the period was long would otherwise count for
@@ -284,13 +346,26 @@ def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) ->
         'sum(CASE WHEN weight IS NULL THEN "count" ELSE 0 END)::DOUBLE AS unweighted '
         "FROM read_parquet(?, hive_partitioning=false, union_by_name=true) "
         + ("WHERE " + " AND ".join(where) + " " if where else "")
-        + f"GROUP BY {cols} ORDER BY image, event, \"offset\""
+        + f"GROUP BY {cols}" + (' ORDER BY image, event, "offset"' if ordered else "")
     )
+    return sql, params
+
+
+def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) -> pa.Table:
+    if not ps.segments:
+        return _empty_counts(by_process)
+    sel = ps.selection
+    keys = images if images is not None else (match_images(ps, sel.images) if sel.images else None)
+    processes, events = list(sel.processes) or None, list(sel.events) or None
+    files = ps.files
     last: Exception | None = None
     for attempt in range(4):
-        con = _connect()
         try:
-            t = con.sql(sql, params=params).to_arrow_table()
+            if ps.engine is not None:
+                t = ps.engine.counts(files, processes, keys, events, by_process)
+            else:
+                sql, params = counts_sql(files, processes, keys, events, by_process)
+                t = _connect().sql(sql, params=params).to_arrow_table()
             return _weigh(ps, t)
         except Exception as e:  # duckdb raises its own IOException when compaction removed a file
             last = e
@@ -298,9 +373,8 @@ def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) ->
             if attempt < 3 and ("IO Error" in text or "No files found" in text or "No such file" in text):
                 # A compaction replaced files since the selection was listed: list it again.
                 time.sleep(0.05 * (attempt + 1))
-                fresh = open_profile(ps.db, ps.selection)
-                params[0] = fresh.files
-                if not fresh.files:
+                files = open_profile(ps.db, ps.selection, ps.engine).files
+                if not files:
                     return _empty_counts(by_process)
                 continue
             break

@@ -16,7 +16,6 @@ import contextlib
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
-from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
+from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope-stacks"
@@ -120,11 +119,11 @@ def write_stacks(db: Database, epoch: int, host: str, sc: StackCounts, image_key
                    [[o for _, o in st] for st in stacks])
     with db.host_lock(epoch, host):
         d = db.ensure(stacks_dir(db, epoch, host))
-        seq = max((s.last for s in stack_files(db, epoch, host, live_only=False)), default=0) + 1
+        seq = max((s.last for s in own_segments(stack_files(db, epoch, host, live_only=False))), default=0) + 1
         return _link(db, d, table, {"epoch": epoch, "host": host, "images": images}, seq, seq)
 
 
-def _read(path: Path) -> tuple[dict[str, Any], pa.Table]:
+def read_stack_file(path: Path) -> tuple[dict[str, Any], pa.Table]:
     """One stack file: its footer and its rows (DataError when it cannot be read)."""
     try:
         pf = pq.ParquetFile(path)
@@ -161,7 +160,7 @@ def compact_stacks(db: Database, epoch: int, host: str, min_files: int = 2) -> C
         corrupt: list[SegmentRef] = []
         for s in live:
             try:
-                readable[s.name] = _read(s.path)
+                readable[s.name] = read_stack_file(s.path)
             except DataError:
                 corrupt.append(s)
         run = contiguous_run([s for s in live if s.name in readable], corrupt)
@@ -196,22 +195,10 @@ class StackSelection:
     corrupt: list[str] = field(default_factory=list)
 
 
-def _readable(db: Database, epochs: list[int], hosts: list[str] | None, corrupt: list[str],
-              parse: Callable[[Path, pa.Table], Any] | None = None) -> Iterator[tuple[dict[str, Any], pa.Table, Any]]:
-    """Each readable stack file of the selection's epochs and hosts: (footer, rows, what
-    ``parse(path, rows)`` made of them); a file that cannot be read or parsed goes to ``corrupt``."""
-    for epoch in epochs:
-        for host in db.hosts(epoch):
-            if hosts is not None and host not in hosts:
-                continue
-            for ref in stack_files(db, epoch, host):
-                try:
-                    meta, t = _read(ref.path)
-                    parsed = parse(ref.path, t) if parse is not None else None
-                except DataError as err:
-                    corrupt.append(str(err))
-                    continue
-                yield meta, t, parsed
+def stack_paths(db: Database, epochs: list[int], hosts: list[str] | None = None) -> list[Path]:
+    """The live stack files of the selection's epochs and hosts."""
+    return [ref.path for epoch in epochs for host in db.hosts(epoch) if hosts is None or host in hosts
+            for ref in stack_files(db, epoch, host)]
 
 
 def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
@@ -219,19 +206,16 @@ def load_stacks(db: Database, epochs: list[int], hosts: list[str] | None = None,
     """Every stack of the selection, summed. ``images``: keep the stacks whose leaf is in one of
     these images; ``processes``: those of these commands (files written before stacks recorded
     the command have none to match). Corrupt files are reported and skipped."""
-    out = StackSelection()
-    for meta, t, _ in _readable(db, epochs, hosts, out.corrupt):
-        out.files += 1
-        out.images.update(meta.get("images", {}))
-        for name, c, im, of, pr in _rows(t):
-            if images is not None and (not im or im[0] not in images):
-                continue
-            if processes is not None and pr not in processes:
-                continue
-            out.counts[(name, tuple(zip(im, of, strict=True)))] += int(c)
+    out = sum_stack_files(stack_paths(db, epochs, hosts), images, processes)
     if not out.files and out.corrupt:
         raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
     return out
+
+
+def sum_stack_files(paths: list[Path], images: set[str] | None = None,
+                    processes: set[str] | None = None) -> StackSelection:
+    """load_stacks over these files; a file that cannot be read goes to ``corrupt``."""
+    return sum_in_groups(paths, images, processes).selection()
 
 
 @dataclass
@@ -265,6 +249,83 @@ class StackArrays:
         np.cumsum(lengths, out=splits[1:])
         return StackArrays(events, event.astype(np.int32), count.astype(np.float64), splits, keys,
                            image.astype(np.int32), offset.astype(np.uint64))
+
+    def summed(self) -> StackArrays:
+        """Equal stacks (the same event and frames) in one row, their counts added, rows in the
+        order of their first occurrence: a fleet's files repeat the same stacks thousands of times.
+        Rows are told apart by their event, length and a 64-bit polynomial hash of their frames
+        (two distinct stacks of one event and length collide with probability 2**-64 a pair)."""
+        n = len(self)
+        if n < 2:
+            return self
+        lengths = np.diff(self.splits)
+        depth = int(lengths.max(initial=0))
+        pw = np.ones(max(depth, 1), np.uint64)
+        with np.errstate(over="ignore"):
+            for i in range(1, depth):
+                pw[i] = pw[i - 1] * np.uint64(0x100000001B3)
+            f = self.offset.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            f ^= (self.image.astype(np.uint64) + np.uint64(1)) * np.uint64(0xC2B2AE3D27D4EB4F)
+            f ^= f >> np.uint64(29)
+            pos = np.arange(len(self.image), dtype=np.int64) - np.repeat(self.splits[:-1], lengths)
+            contrib = f * pw[pos]
+        h = np.zeros(n, np.uint64)
+        nz = np.nonzero(lengths > 0)[0]
+        if len(nz):
+            h[nz] = np.add.reduceat(contrib, self.splits[:-1][nz])
+        order = np.lexsort((h, lengths, self.event))
+        k_ev, k_len, k_h = self.event[order], lengths[order], h[order]
+        new = np.ones(n, bool)
+        new[1:] = (k_ev[1:] != k_ev[:-1]) | (k_len[1:] != k_len[:-1]) | (k_h[1:] != k_h[:-1])
+        group = np.cumsum(new) - 1
+        if group[-1] == n - 1:
+            return self  # nothing to sum
+        inverse = np.empty(n, np.int64)
+        inverse[order] = group
+        first = np.full(group[-1] + 1, n, np.int64)
+        np.minimum.at(first, inverse, np.arange(n))
+        count = np.bincount(inverse, weights=self.count, minlength=len(first))
+        rank = np.argsort(first, kind="stable")
+        rows = first[rank]
+        splits, frames = select_rows(self.splits, rows)
+        return StackArrays(self.events, self.event[rows], count[rank], splits, self.keys, self.image[frames],
+                           self.offset[frames], self.images, self.files, self.corrupt)
+
+    @staticmethod
+    def concat(parts: list[StackArrays]) -> StackArrays:
+        """The rows of ``parts`` together, their event and image codes made common."""
+        events: list[str] = []
+        keys: list[str] = []
+        ev_ix: dict[str, int] = {}
+        key_ix: dict[str, int] = {}
+        cols: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        out = StackArrays([], np.zeros(0, np.int32), np.zeros(0), np.zeros(1, np.int64), [], np.zeros(0, np.int32),
+                          np.zeros(0, np.uint64))
+        for p in parts:
+            em = np.array([ev_ix.setdefault(e, len(ev_ix)) for e in p.events] or [0], np.int32)
+            km = np.array([key_ix.setdefault(k, len(key_ix)) for k in p.keys] or [0], np.int32)
+            cols.append((em[p.event], p.count, np.diff(p.splits), km[p.image], p.offset))
+            out.images.update(p.images)
+            out.files += p.files
+            out.corrupt += p.corrupt
+        events, keys = list(ev_ix), list(key_ix)
+        if not cols:
+            out.events, out.keys = events, keys
+            return out
+        ev, count, lengths, image, offset = (np.concatenate([c[i] for c in cols]) for i in range(5))
+        built = StackArrays.build(events, ev, count, lengths, keys, image, offset)
+        built.images, built.files, built.corrupt = out.images, out.files, out.corrupt
+        return built
+
+    def selection(self) -> StackSelection:
+        """The rows as load_stacks's Counter of (event, frames) -> samples."""
+        out = StackSelection(images=dict(self.images), files=self.files, corrupt=list(self.corrupt))
+        summed = self.summed()
+        keys, img, off, sp = summed.keys, summed.image.tolist(), summed.offset.tolist(), summed.splits.tolist()
+        for r, (e, c) in enumerate(zip(summed.event.tolist(), summed.count.tolist(), strict=True)):
+            stack = tuple((keys[img[j]], off[j]) for j in range(sp[r], sp[r + 1]))
+            out.counts[(summed.events[e], stack)] += round(c)
+        return out
 
 
 def _codes(arr: pa.Array, index: dict[str | None, int], names: list[Any]) -> np.ndarray:
@@ -309,8 +370,35 @@ def select_rows(splits: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
 def load_stack_arrays(db: Database, epochs: list[int], hosts: list[str] | None = None,
                       images: set[str] | None = None, processes: set[str] | None = None,
                       events: set[str] | None = None) -> StackArrays:
-    """load_stacks's selection as columns (``events``: of these events only). Corrupt files are
-    reported and skipped."""
+    """load_stacks's selection as columns, equal stacks summed (``events``: of these events only).
+    Corrupt files are reported and skipped; DataError when every file is."""
+    out = sum_in_groups(stack_paths(db, epochs, hosts), images, processes, events)
+    if not out.files and out.corrupt:
+        raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
+    return out
+
+
+def sum_in_groups(paths: list[Path], images: set[str] | None = None, processes: set[str] | None = None,
+                  events: set[str] | None = None, group: int = 32, max_rows: int = 1 << 21) -> StackArrays:
+    """stack_arrays_of summed, ``group`` files at a time, the sums summed again whenever they pass
+    ``max_rows`` rows: memory follows the distinct stacks, not the files (a fleet's thousands of
+    files repeat the same stacks)."""
+    parts: list[StackArrays] = []
+    rows = 0
+    for lo in range(0, max(len(paths), 1), group):
+        part = stack_arrays_of(paths[lo : lo + group], images, processes, events).summed()
+        parts.append(part)
+        rows += len(part)
+        if rows > max_rows and len(parts) > 1:
+            parts = [StackArrays.concat(parts).summed()]
+            rows = len(parts[0])
+    return parts[0] if len(parts) == 1 else StackArrays.concat(parts).summed()
+
+
+def stack_arrays_of(paths: list[Path], images: set[str] | None = None, processes: set[str] | None = None,
+                    events: set[str] | None = None) -> StackArrays:
+    """The rows of these stack files as columns (not summed: see StackArrays.summed), filtered as
+    load_stack_arrays says; a file that cannot be read goes to ``corrupt``."""
     ev_index: dict[str | None, int] = {}
     ev_names: list[str] = []
     key_index: dict[str | None, int] = {}
@@ -318,7 +406,13 @@ def load_stack_arrays(db: Database, epochs: list[int], hosts: list[str] | None =
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     out = StackArrays([], np.zeros(0, np.int32), np.zeros(0), np.zeros(1, np.int64), [], np.zeros(0, np.int32),
                       np.zeros(0, np.uint64))
-    for meta, t, (lengths, im, of) in _readable(db, epochs, hosts, out.corrupt, _frames):
+    for path in paths:
+        try:
+            meta, t = read_stack_file(path)
+            lengths, im, of = _frames(path, t)
+        except DataError as err:
+            out.corrupt.append(str(err))
+            continue
         out.files += 1
         out.images.update(meta.get("images", {}))
         ev = _codes(t.column("event").combine_chunks(), ev_index, ev_names)
@@ -343,8 +437,6 @@ def load_stack_arrays(db: Database, epochs: list[int], hosts: list[str] | None =
         _, frames = select_rows(splits, rows)
         parts.append((ev[rows], t.column("count").to_numpy().astype(np.float64)[rows], lengths[rows], img[frames],
                       of.to_numpy(zero_copy_only=False).astype(np.uint64)[frames]))
-    if not out.files and out.corrupt:
-        raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
     if parts:
         cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
         built = StackArrays.build(ev_names, cols[0], cols[1], cols[2], key_names, cols[3], cols[4])

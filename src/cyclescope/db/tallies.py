@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
-from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments
+from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope-tally"
@@ -171,7 +171,7 @@ def write_tally(db: Database, epoch: int, host: str, kind: TallyKind, table: pa.
     """One flush's tally of ``kind``, under the next free flush number of its directory."""
     with db.host_lock(epoch, host):
         d = db.ensure(tally_dir(db, epoch, host, kind))
-        seq = max((s.last for s in tally_files(db, epoch, host, kind, live_only=False)), default=0) + 1
+        seq = max((s.last for s in own_segments(tally_files(db, epoch, host, kind, live_only=False))), default=0) + 1
         return _link(db, d, table, {"epoch": epoch, "host": host, "kind": kind.name, **(meta or {})}, seq, seq,
                      kind)
 

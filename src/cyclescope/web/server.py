@@ -9,6 +9,7 @@ value files the file system lets them read, no more (db.values)."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import threading
 import time
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
     from cyclescope.app.stacks import SelectedArrays
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
-    from cyclescope.db.query import Selection
+    from cyclescope.db.query import Engine, Selection
+    from cyclescope.fleet.place import Central
 
 STATIC = Path(__file__).parent / "static"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -58,6 +60,9 @@ class Site:
     loopback: bool = True
     port: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # one query at a time (one DuckDB connection)
+    ingest_token: str | None = None  # `serve --ingest`: hosts ship files with this token (and only with it)
+    engine: Engine | None = None  # `serve --engine dask`: where counts and stacks are summed
+    central: Central | None = None  # `serve --ingest`: where shipped files are filed (its placements cached)
     _sym: Symbolizer | None = None
 
     @property
@@ -72,7 +77,7 @@ class Site:
 
         if self._sym is None:
             self._sym = Symbolizer(self.db)
-        return open_profile(self.db, sel, warnings.append if warnings is not None else _drop, self._sym)
+        return open_profile(self.db, sel, warnings.append if warnings is not None else _drop, self._sym, self.engine)
 
 
 def _drop(_: str) -> None:
@@ -93,12 +98,19 @@ def selection(q: Any, prefix: str = "") -> Selection:
 
 # --- security --------------------------------------------------------------------------------------
 
-def _authorized(site: Site, request: Request) -> bool:
-    given = [request.query_params.get("token"), request.cookies.get(site.cookie)]
+def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
-    if auth.lower().startswith(("token ", "bearer ")):
-        given.append(auth.split(None, 1)[1].strip())
-    return any(g is not None and hmac.compare_digest(g.encode(), site.token.encode()) for g in given)
+    return auth.split(None, 1)[1].strip() if auth.lower().startswith(("token ", "bearer ")) and " " in auth else None
+
+
+def _authorized(site: Site, request: Request) -> bool:
+    if request.url.path.startswith("/api/ingest"):
+        # Shipping hosts write with the ingest token, in a header; a viewer's token does not write.
+        given, want = [_bearer(request)], site.ingest_token
+    else:
+        given = [request.query_params.get("token"), request.cookies.get(site.cookie), _bearer(request)]
+        want = site.token
+    return want is not None and any(g is not None and hmac.compare_digest(g.encode(), want.encode()) for g in given)
 
 
 def _host_allowed(site: Site, request: Request) -> bool:
@@ -432,6 +444,59 @@ def download_route(site: Site, request: Request) -> Any:
                     headers={"Content-Disposition": f'attachment; filename="cyclescope-{eps}.{ext}"'})
 
 
+async def ingest_route(request: Request) -> Response:
+    """`serve --ingest`: one file of a host's database (the body), filed into this database
+    (fleet/place.py). Query: host, database, epoch, created (the source epoch), path (the file's
+    path under the host's directory, or symbols/NAME, binaries/NAME), sha256, private (binaries
+    not readable by all at the host). Answers {"result": "stored" | "duplicate" | "superseded"};
+    a malformed file or request gets 422/400 and a one-line error, and nothing is kept of it."""
+    import asyncio
+    import os
+    import secrets
+
+    from cyclescope.fleet.place import MAX_FILE_BYTES, Central, parse_source
+
+    site: Site = request.app.state.site
+    q = request.query_params
+    rel, sha = q.get("path", ""), q.get("sha256")
+    tmp = site.db.root / f".tmp-ingest-{os.getpid()}-{secrets.token_hex(6)}"
+    try:
+        size = 0
+        with open(tmp, "wb") as f:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_FILE_BYTES:
+                    return _json({"error": f"{rel}: larger than {MAX_FILE_BYTES >> 20} MiB"}, 413)
+                f.write(chunk)
+
+        def place() -> str:
+            if site.central is None:
+                site.central = Central(site.db)
+            central = site.central
+            if rel.startswith(("symbols/", "binaries/")):
+                return central.place_side(rel, tmp, private=q.get("private") == "1")
+            src = parse_source(q.get("host", ""), q.get("database", ""), q.get("epoch", ""), q.get("created", ""))
+            return central.place(src, rel, tmp, sha)
+
+        try:
+            result = await asyncio.to_thread(place)
+        except UsageError as e:
+            return _json({"error": str(e)}, 400)
+        except CycleScopeError as e:
+            return _json({"error": str(e)}, 422)
+        return _json({"result": result})
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def ingest_epochs_route(request: Request) -> Response:
+    """The epochs of this database with their creation times: a shipping host follows them."""
+    site: Site = request.app.state.site
+    db = site.db
+    return _json({"epochs": [{"id": e, "created": db.epoch_info(e).get("created")} for e in db.epochs()]})
+
+
 def index(request: Request) -> Response:
     return FileResponse(STATIC / "index.html", media_type="text/html")
 
@@ -446,6 +511,9 @@ def make_app(site: Site) -> Any:
         ("/api/download/{fmt}", download_route),
     ]
     routes = [Route(path, _errors(fn)) for path, fn in api]
+    if site.ingest_token is not None:
+        routes.append(Route("/api/ingest", ingest_route, methods=["POST"]))
+        routes.append(Route("/api/ingest/epochs", ingest_epochs_route))
     routes.append(Route("/", index))
     for name, kind in (("app.js", "text/javascript"), ("app.css", "text/css")):
         routes.append(Route(f"/static/{name}", _static(name, kind)))
