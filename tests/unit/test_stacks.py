@@ -325,3 +325,39 @@ def test_equal_stacks_are_summed_and_parts_with_their_own_codes_concatenate() ->
     assert _as_counter(summed) == naive and len(summed) == len(naive) < len(whole)
     assert summed.selection().counts == naive
     assert _as_counter(StackArrays.concat([]).summed()) == Counter()
+
+
+def test_compaction_sums_equal_stacks_per_event_and_command_in_columns(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    db = Database.create_or_open(tmp_path / "db")
+    epoch = db.ensure_epoch()
+    d = db.ensure(stacks_dir(db, epoch, "h"))
+    rng = np.random.default_rng(9)
+    frames = [[], [("a", 16)], [("a", 16), ("b", 32)], [("b", 32), ("a", 16)], [("b", 16)]]
+    naive: Counter[tuple[str, str | None, tuple[tuple[str, int], ...]]] = Counter()
+    for f in range(1, 6):
+        rows = [(str(rng.choice(["cpu-clock", "page-faults"])), str(rng.choice(["sh", "prog"])),
+                 frames[int(rng.integers(len(frames)))], int(rng.integers(1, 9))) for _ in range(30)]
+        cols: dict[str, object] = {
+            "event": pa.array([r[0] for r in rows]).dictionary_encode(),
+            "count": pa.array([r[3] for r in rows], pa.uint64()),
+            "images": pa.array([[k for k, _ in r[2]] for r in rows], pa.list_(pa.string())),
+            "offsets": pa.array([[o for _, o in r[2]] for r in rows], pa.list_(pa.uint64())),
+        }
+        if f != 2:  # the second file is from before commands were kept: none to sum by
+            cols["process"] = pa.array([r[1] for r in rows]).dictionary_encode()
+        pq.write_table(pa.table(cols), d / f"stk-{f:08d}-{f:08d}.parquet")
+        for ev, pr, fr, n in rows:
+            naive[(ev, pr if f != 2 else None, tuple(fr))] += n
+    r = compact_stacks(db, epoch, "h")
+    assert r is not None and r.merged == 5 and r.rows_after == len(naive)
+    (out,) = [p for p in d.iterdir() if p.name.startswith("stk-")]
+    t = pq.read_table(out)
+    got: Counter[tuple[str, str | None, tuple[tuple[str, int], ...]]] = Counter()
+    for ev, pr, n, im, of in zip(*(t.column(c).to_pylist() for c in ("event", "process", "count", "images",
+                                                                      "offsets")), strict=True):
+        got[(ev, pr, tuple(zip(im, of, strict=True)))] += n
+    assert got == naive
+    assert t.schema.field("images").type == pa.list_(pa.dictionary(pa.int32(), pa.string()))

@@ -138,11 +138,46 @@ def read_stack_file(path: Path) -> tuple[dict[str, Any], pa.Table]:
     return meta, t
 
 
-def _rows(t: pa.Table) -> zip[tuple[str, int, list[str], list[int], str | None]]:
-    """(event, count, images, offsets, process) per row; process None in files from before it."""
-    procs = t.column("process").to_pylist() if "process" in t.column_names else [None] * t.num_rows
-    return zip(t.column("event").to_pylist(), t.column("count").to_pylist(), t.column("images").to_pylist(),
-               t.column("offsets").to_pylist(), procs, strict=True)
+def _merge_files(files: list[tuple[Path, pa.Table]]) -> pa.Table:
+    """The rows of stack files summed over equal (event, command, frames), the most samples first,
+    as one table: in columns (StackArrays.summed, its event being the pair), no Python object per
+    row or frame."""
+    ev_index: dict[str | None, int] = {}
+    ev_names: list[str | None] = []
+    pr_index: dict[str | None, int] = {}
+    pr_names: list[str | None] = []
+    key_index: dict[str | None, int] = {}
+    key_names: list[str | None] = []
+    parts = []
+    for path, t in files:
+        lengths, im, of = _frames(path, t)
+        ev = _codes(t.column("event").combine_chunks(), ev_index, ev_names).astype(np.int64)
+        if "process" in t.column_names:  # files from before it have no command
+            pr = _codes(t.column("process").combine_chunks(), pr_index, pr_names)
+        else:
+            pr = np.full(t.num_rows, pr_index.setdefault(None, len(pr_index)), np.int32)
+            pr_names += [None] * (len(pr_index) - len(pr_names))
+        parts.append(((ev << 32) | pr.astype(np.int64), t.column("count").to_numpy().astype(np.float64), lengths,
+                      _codes(im, key_index, key_names), of.to_numpy(zero_copy_only=False).astype(np.uint64)))
+    pair, count, lengths, image, offset = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    pairs, code = np.unique(pair, return_inverse=True)
+    arr = StackArrays.build([str(i) for i in range(len(pairs))], code, count, lengths, [], image, offset).summed()
+    rows = np.argsort(-arr.count, kind="stable")
+    splits, frames = select_rows(arr.splits, rows)
+    pair = pairs[arr.event[rows]]
+    ev, pr = (pair >> 32).astype(np.int32), (pair & 0xFFFFFFFF).astype(np.int32)
+
+    def names(codes: np.ndarray, table: list[str | None]) -> pa.DictionaryArray:
+        none = [i for i, n in enumerate(table) if n is None]
+        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=np.isin(codes, none) if none else None),
+                                              pa.array([n or "" for n in table], pa.string()))
+
+    bounds = pa.array(splits.astype(np.int32))
+    return pa.Table.from_arrays([
+        names(ev, ev_names), names(pr, pr_names), pa.array(np.rint(arr.count[rows]).astype(np.uint64)),
+        pa.ListArray.from_arrays(bounds, names(arr.image[frames], key_names)),
+        pa.ListArray.from_arrays(bounds, pa.array(arr.offset[frames], pa.uint64())),
+    ], schema=SCHEMA)
 
 
 def compact_stacks(db: Database, epoch: int, host: str, min_files: int = 2) -> CompactResult | None:
@@ -166,16 +201,10 @@ def compact_stacks(db: Database, epoch: int, host: str, min_files: int = 2) -> C
         run = contiguous_run([s for s in live if s.name in readable], corrupt)
         if len(run) < min_files:
             return None
-        summed: Counter[tuple[str, str | None, tuple[str, ...], tuple[int, ...]]] = Counter()
         images: dict[str, Any] = {}
         for s in run:
-            meta, t = readable[s.name]
-            images.update(meta.get("images", {}))
-            for ev, c, im, of, pr in _rows(t):
-                summed[(ev, pr, tuple(im), tuple(of))] += int(c)
-        rows = summed.most_common()
-        table = _table([k[0] for k, _ in rows], [k[1] for k, _ in rows], [c for _, c in rows],
-                       [list(k[2]) for k, _ in rows], [list(k[3]) for k, _ in rows])
+            images.update(readable[s.name][0].get("images", {}))
+        table = _merge_files([(s.path, readable[s.name][1]) for s in run])
         first, last = run[0].first, run[-1].last
         out = _link(db, d, table, {"epoch": epoch, "host": host, "images": images}, first, last)
         before = sum(s.path.stat().st_size for s in run)
@@ -184,7 +213,7 @@ def compact_stacks(db: Database, epoch: int, host: str, min_files: int = 2) -> C
                 s.path.unlink()
         fsync_dir(d)
         return CompactResult(epoch, host, len(run), before, out.stat().st_size,
-                             sum(readable[s.name][1].num_rows for s in run), len(rows), [c.name for c in corrupt])
+                             sum(readable[s.name][1].num_rows for s in run), table.num_rows, [c.name for c in corrupt])
 
 
 @dataclass
