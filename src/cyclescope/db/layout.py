@@ -158,6 +158,17 @@ def ensure_dir(root: Path, path: Path, mode: int = DIR_MODE) -> Path:
         os.close(fd)
 
 
+def files_named(d: Path, prefix: str) -> list[SegmentRef]:
+    """The files ``prefix-A-B.parquet`` of directory ``d`` (none if it does not exist), in order."""
+    pat = re.compile(rf"^{re.escape(prefix)}-(\d{{8,}})-(\d{{8,}})\.parquet$")
+    out = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for f in d.iterdir():
+            if m := pat.match(f.name):
+                out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
+    return sorted(out)
+
+
 def own_segments(segs: list[SegmentRef]) -> list[SegmentRef]:
     """The files this database's own writers made (not shipped from another): the only ones its
     compactions merge, since a host's later shipments must still nest with what it shipped."""

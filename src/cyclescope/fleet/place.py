@@ -39,7 +39,7 @@ from pathlib import Path
 from cyclescope.db.layout import (
     SOURCE_BLOCK,
     Database,
-    SegmentRef,
+    files_named,
     fsync_dir,
     fsync_file,
     safe_host,
@@ -225,7 +225,7 @@ class Central:
                 if sha256_file(final) == (sha256 or sha256_file(path)):
                     return "duplicate"
                 raise DataError(f"{rel}: {final.relative_to(self.db.root)} already holds other bytes; not replaced")
-            block_files = [s for s in self._files(d, kind) if base < s.first and s.last < base + SOURCE_BLOCK]
+            block_files = [s for s in files_named(d, kind.prefix) if base < s.first and s.last < base + SOURCE_BLOCK]
             if any(s.first <= a and b <= s.last for s in block_files):
                 return "superseded"
             tmp = self.db.temp_path(d)
@@ -251,16 +251,6 @@ class Central:
             if covered:
                 fsync_dir(d)
         return "stored"
-
-    @staticmethod
-    def _files(d: Path, kind: FileKind) -> list[SegmentRef]:
-        pat = re.compile(rf"^{re.escape(kind.prefix)}-(\d{{8,}})-(\d{{8,}})\.parquet$")
-        out = []
-        with contextlib.suppress(FileNotFoundError):
-            for f in d.iterdir():
-                if m := pat.match(f.name):
-                    out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
-        return sorted(out)
 
     def place_side(self, rel: str, path: Path, private: bool = False) -> str:
         """A symbol table or an archived binary (named by its image key, so the same name holds

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cyclescope.db.layout import MERGED, Database, fsync_dir, live_segments, write_atomic
+from cyclescope.db.layout import MERGED, Database, files_named, fsync_dir, live_segments, write_atomic
 from cyclescope.errors import DataError, UsageError
 from cyclescope.fleet.place import SOURCES, file_kinds
 
@@ -117,7 +117,7 @@ def _link_group(db: Database, tdb: Database, epochs: list[int], into: int) -> No
             hd, td = db.host_dir(ep, host), tdb.host_dir(into, host)
             for kind in file_kinds():
                 d = hd / kind.subdir if kind.subdir else hd
-                refs = _refs(d, kind.prefix)
+                refs = files_named(d, kind.prefix)
                 if not refs:
                     continue
                 dest = tdb.ensure(td / kind.subdir if kind.subdir else td)
@@ -150,24 +150,12 @@ def _carry_markers(hd: Path, td: Path, tdb: Database, host: str, blocks: dict[st
         covered: dict[str, list[list[int]]] = {k: list(v) for k, v in d.get("covered", {}).items()}
         for kind in file_kinds():
             kd = hd / kind.subdir if kind.subdir else hd
-            for ref in live_segments(_refs(kd, kind.prefix)):
+            for ref in live_segments(files_named(kd, kind.prefix)):
                 if ref.first // SOURCE_BLOCK == block:
                     covered.setdefault(kind.prefix, []).append([ref.first % SOURCE_BLOCK, ref.last % SOURCE_BLOCK])
         n = blocks[host] = blocks.get(host, 0) + 1
         out = tdb.ensure(td / SOURCES)
         write_atomic(out / f"block-{n:06d}.json", json.dumps({**d, "covered": covered}).encode())
-
-
-def _refs(d: Path, prefix: str) -> list:  # type: ignore[type-arg]
-    from cyclescope.db.layout import SegmentRef
-
-    pat = re.compile(rf"^{re.escape(prefix)}-(\d{{8,}})-(\d{{8,}})\.parquet$")
-    out = []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for f in d.iterdir():
-            if m := pat.match(f.name):
-                out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
-    return sorted(out)
 
 
 def _compact_all(tdb: Database, epoch: int) -> None:

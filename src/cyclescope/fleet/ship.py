@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from cyclescope.db.layout import Database, SegmentRef, live_segments, write_atomic
+from cyclescope.db.layout import Database, files_named, live_segments, write_atomic
 from cyclescope.errors import DataError, UsageError
 from cyclescope.fleet.place import Central, Source, file_kinds, sha256_file
 
@@ -184,18 +184,7 @@ def _pending(local: Database, done: dict[str, str]) -> Iterator[tuple[str, Sourc
             src = Source(host, ident, ep, _float(created))
             hd = local.host_dir(ep, host)
             for kind in file_kinds():
-                d = hd / kind.subdir if kind.subdir else hd
-                pat = kind.pattern()
-                refs = []
-                try:
-                    names = [f.name for f in d.iterdir()]
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for n in names:
-                    rel = f"{kind.subdir}/{n}" if kind.subdir else n
-                    if m := pat.match(rel):
-                        refs.append(SegmentRef(int(m.group(1)), int(m.group(2)), d / n))
-                for ref in live_segments(refs):
+                for ref in live_segments(files_named(hd / kind.subdir if kind.subdir else hd, kind.prefix)):
                     rel = f"{kind.subdir}/{ref.name}" if kind.subdir else ref.name
                     key = f"{ep}/{host}/{rel}"
                     if key not in done:
