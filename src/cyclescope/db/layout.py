@@ -46,7 +46,6 @@ MARKER = "cyclescope.json"
 MERGED = "merged.json"  # in an epoch that replaces others (retention): which
 _EPOCH_RE = re.compile(r"^epoch=(\d{6,})$")
 _HOST_RE = re.compile(r"^host=(.+)$")
-_SEG_RE = re.compile(r"^seg-(\d{8,})-(\d{8,})\.parquet$")
 _SAFE_HOST_RE = re.compile(r"[^A-Za-z0-9_.-]")
 # Flush numbers of files shipped from another database are offset by a multiple of this (fleet/
 # place.py): a database's own writers number from 1 and never reach it.
@@ -394,14 +393,8 @@ class Database:
         return sorted(out)
 
     def segments(self, epoch: int, host: str, live_only: bool = True) -> list[SegmentRef]:
-        d = self.host_dir(epoch, host)
-        segs = []
-        with contextlib.suppress(FileNotFoundError):
-            for f in d.iterdir():
-                m = _SEG_RE.match(f.name)
-                if m:
-                    segs.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
-        return live_segments(segs) if live_only else sorted(segs)
+        segs = files_named(self.host_dir(epoch, host), "seg")
+        return live_segments(segs) if live_only else segs
 
     def next_seq(self, epoch: int, host: str) -> int:
         return max((s.last for s in own_segments(self.segments(epoch, host, live_only=False))), default=0) + 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
-from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments, own_segments
+from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope-stacks"
-_STK_RE = re.compile(r"^stk-(\d{8,})-(\d{8,})\.parquet$")
 SCHEMA = pa.schema([
     ("event", pa.dictionary(pa.int32(), pa.string())),
     ("process", pa.dictionary(pa.int32(), pa.string())),  # the command when sampled (absent in early files)
@@ -77,12 +75,8 @@ def stacks_dir(db: Database, epoch: int, host: str) -> Path:
 def stack_files(db: Database, epoch: int, host: str, live_only: bool = True) -> list[SegmentRef]:
     """The stack files of ``epoch``/``host`` in flush order; ``live_only``: without those a
     compacted file covers (left behind by a crash before their deletion)."""
-    out = []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for f in stacks_dir(db, epoch, host).iterdir():
-            if m := _STK_RE.match(f.name):
-                out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
-    return live_segments(out) if live_only else sorted(out)
+    out = files_named(stacks_dir(db, epoch, host), "stk")
+    return live_segments(out) if live_only else out
 
 
 def _table(events: list[str], processes: list[str | None], counts: list[int],

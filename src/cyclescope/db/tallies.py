@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
-from cyclescope.db.layout import Database, SegmentRef, fsync_dir, fsync_file, live_segments, own_segments
+from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
 
 META_KEY = b"cyclescope-tally"
@@ -58,10 +57,6 @@ class TallyKind:
     @property
     def sum_names(self) -> list[str]:
         return [n for n, _ in self.sums]
-
-    @property
-    def pattern(self) -> re.Pattern[str]:
-        return re.compile(rf"^{re.escape(self.prefix)}-(\d{{8,}})-(\d{{8,}})\.parquet$")
 
 
 # Loops whose iterations a counter register gives between two samples of one thread
@@ -106,13 +101,8 @@ def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:
 
 
 def tally_files(db: Database, epoch: int, host: str, kind: TallyKind, live_only: bool = True) -> list[SegmentRef]:
-    out = []
-    pat = kind.pattern
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for f in tally_dir(db, epoch, host, kind).iterdir():
-            if m := pat.match(f.name):
-                out.append(SegmentRef(int(m.group(1)), int(m.group(2)), f))
-    return live_segments(out) if live_only else sorted(out)
+    out = files_named(tally_dir(db, epoch, host, kind), kind.prefix)
+    return live_segments(out) if live_only else out
 
 
 def build(kind: TallyKind, columns: dict[str, Any]) -> pa.Table:
