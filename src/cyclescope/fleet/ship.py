@@ -174,9 +174,9 @@ def _ledger_path(local: Database, dest: Destination) -> Path:
     return local.root / "ship" / (hashlib.sha256(dest.name.encode()).hexdigest()[:16] + ".json")
 
 
-def _pending(local: Database, done: dict[str, str]) -> Iterator[tuple[str, Source | None, str, Path]]:
-    """(ledger key, source, path under the host's directory, file) of each file not yet sent,
-    epoch by epoch, oldest flushes first; then the side stores."""
+def _files(local: Database) -> Iterator[tuple[str, Source | None, str, Path]]:
+    """(ledger key, source, path under the host's directory, file) of each file to ship, epoch by
+    epoch, oldest flushes first; then the side stores."""
     ident = local.identity()
     for ep in local.epochs():
         created = local.epoch_info(ep).get("created")
@@ -186,9 +186,7 @@ def _pending(local: Database, done: dict[str, str]) -> Iterator[tuple[str, Sourc
             for kind in file_kinds():
                 for ref in live_segments(files_named(hd / kind.subdir if kind.subdir else hd, kind.prefix)):
                     rel = f"{kind.subdir}/{ref.name}" if kind.subdir else ref.name
-                    key = f"{ep}/{host}/{rel}"
-                    if key not in done:
-                        yield key, src, rel, ref.path
+                    yield f"{ep}/{host}/{rel}", src, rel, ref.path
     for side in (local.symbols_dir, local.binaries_dir):
         try:
             names = sorted(f.name for f in side.iterdir() if not f.name.startswith(".tmp-"))
@@ -196,8 +194,7 @@ def _pending(local: Database, done: dict[str, str]) -> Iterator[tuple[str, Sourc
             continue
         for n in names:
             rel = f"{side.name}/{n}"
-            if f"side/{rel}" not in done:
-                yield f"side/{rel}", None, rel, side / n
+            yield f"side/{rel}", None, rel, side / n
 
 
 def ship(local: Database, dest: Destination, follow: bool = False,
@@ -218,12 +215,17 @@ def ship(local: Database, dest: Destination, follow: bool = False,
         local.ensure(lpath.parent)
         write_atomic(lpath, json.dumps({"destination": dest.name, "files": done}, indent=0).encode())
 
+    present: set[str] = set()
     try:
-        for key, src, rel, path in _pending(local, done):
+        for key, src, rel, path in _files(local):
+            present.add(key)
+            if key in done:
+                continue
             try:
-                size = path.stat().st_size
+                st = path.stat()
+                size = st.st_size
                 if src is None:
-                    private = not path.stat().st_mode & 0o004
+                    private = not st.st_mode & 0o004
                     result = dest.send_side(rel, path, private)
                     rep.side += result == "stored"
                 else:
@@ -246,11 +248,11 @@ def ship(local: Database, dest: Destination, follow: bool = False,
                 dirty = 0
         if follow:
             rep.new_epoch = _follow(local, dest)
+        # Forget what is gone here (compacted away): the ledger stays as large as the database.
+        # Only after a whole listing: a pass cut short has not seen every file.
+        done = {k: v for k, v in done.items() if k in present}
     except Offline as e:
         rep.offline = str(e)
-    # Forget what is gone here (compacted away): the ledger stays as large as the database.
-    keep = {k for k, *_ in _pending(local, {})}
-    done = {k: v for k, v in done.items() if k in keep}
     save()
     rep.seconds = time.monotonic() - t0
     return rep
