@@ -5,6 +5,12 @@ version specialized by hand.
 
     python bench/specialize.py                       # planted, gzip, lua, sqlite; 3 rounds
     python bench/specialize.py --programs planted --rounds 5
+    python bench/specialize.py --programs planted,planted-wide --goal-budget 0.1
+
+"planted-wide" is the planted program with 65,536 elements per call instead of 256: its candidates'
+entries run a few thousand times a second, so that `record --goal` can probe them at every execution
+(values/probes.py) within a budget of a few percent; in "planted" they run 600,000 times a second
+and only samples can afford them.
 
 Each round runs, alternated: the program alone, `record` (plain sampling), `record --values`
 (straightforward: every module, every sampled instruction's operands, results and loads) and
@@ -54,6 +60,8 @@ def main() -> None:
     ap.add_argument("--programs", default="planted,gzip,lua,sqlite")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--save-as", default="specialize")
+    ap.add_argument("--goal-budget", default=None,
+                    help="record --goal's --goal-budget (default: the recorder's)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cs-bench-spec-"))
     progs: list[tuple[str, Path, list[str]]] = []
@@ -61,7 +69,10 @@ def main() -> None:
     if "planted" in names:
         exe = build("../tests/programs/specialize.c", tmp / "specialize")
         progs.append(("planted", exe, ["1500000"]))
-    rest = [n for n in names if n != "planted"]
+    if "planted-wide" in names:
+        exe = build("../tests/programs/specialize.c", tmp / "specialize")
+        progs.append(("planted-wide", exe, ["12000", "x", "65536"]))
+    rest = [n for n in names if n not in ("planted", "planted-wide")]
     if rest:
         from suite import programs
 
@@ -77,13 +88,18 @@ def main() -> None:
         cpu: dict[str, list[float]] = {"alone": [], "plain": [], "straightforward": [], "goal": []}
         space: dict[str, list[int]] = {"straightforward": [], "goal": []}
         reps: dict[str, dict[str, Any]] = {}
+        probed: list[str] = []
+        goal_args = ["--goal", str(plan)] + (["--goal-budget", a.goal_budget] if a.goal_budget else [])
         for i in range(a.rounds):
             cpu["alone"].append(run([str(exe), *args]).cpu_s)
-            for how, extra in (("plain", []), ("straightforward", ["--values"]), ("goal", ["--goal", str(plan)])):
+            for how, extra in (("plain", []), ("straightforward", ["--values"]), ("goal", goal_args)):
                 db = tmp / f"{name}-{how}-{i}"
-                rr = run(cyclescope_cmd("record", "--db", str(db), "-q", "-F", RATE, *extra, "--", str(exe), *args))
+                quiet = ["-q"] if how != "goal" else []
+                rr = run(cyclescope_cmd("record", "--db", str(db), *quiet, "-F", RATE, *extra, "--", str(exe), *args))
                 if rr.returncode:
                     raise SystemExit(f"{name} {how}: {rr.stderr[-600:]}")
+                if how == "goal":
+                    probed += [x.strip().split(";")[0] for x in rr.stderr.split("exact:")[1:2]]
                 cpu[how].append(rr.cpu_s)
                 if how != "plain":
                     space[how].append(value_bytes(db))
@@ -98,9 +114,9 @@ def main() -> None:
         out = {"counts": static["counts"], "cpu": cpu, "extra": extra_cost, "goal_over_straight_extra": ratio,
                "space": space, "space_ratio": median(space["goal"]) / max(1, median(space["straightforward"])),
                "opportunities_kept": kept_share(reps["straightforward"], reps["goal"]),
-               "top_goal": reps["goal"]["opportunities"][:5],
+               "top_goal": reps["goal"]["opportunities"][:5], "probes": probed,
                "top_straight": reps["straightforward"]["opportunities"][:5]}
-        if name == "planted":
+        if name.startswith("planted"):
             t_gen, t_spec = [], []
             for _ in range(max(5, a.rounds)):
                 t_gen.append(run([str(exe), *args]).cpu_s)
@@ -119,6 +135,8 @@ def main() -> None:
         print(f"  goal's extra over straightforward's (values only, plain subtracted): {fmt_spread(ratio)}")
         print(f"  value bytes: straightforward {median(space['straightforward']):,.0f}, goal "
               f"{median(space['goal']):,.0f} ({100 * out['space_ratio']:.1f}%)")
+        if probed:
+            print(f"  probes (record --goal): {probed[0]}")
         ks = out["opportunities_kept"]
         print(f"  opportunities of straightforward profiling also found by goal (by net benefit): "
               f"{'-' if ks is None else f'{100 * ks:.0f}%'} ({len(reps['straightforward']['opportunities'])} vs "

@@ -20,7 +20,7 @@ static unsigned long next_rand(void) {
 }
 
 #define N 256
-unsigned data[N];
+unsigned *data;
 volatile unsigned long sink;
 
 __attribute__((noinline)) unsigned long bucket_sum(const unsigned *a, long n, unsigned div) {
@@ -58,17 +58,23 @@ __attribute__((noinline)) unsigned long scaled_spec(const unsigned *a, long n, i
 int main(int argc, char **argv) {
     long rounds = argc > 1 ? atol(argv[1]) : 200000;
     int spec = argc > 2 && strcmp(argv[2], "spec") == 0;
-    for (int i = 0; i < N; i++) data[i] = (unsigned)next_rand();
+    /* elements per call (default N): with many, the calls are few enough for `record --goal` to
+       probe both functions' entries at every execution */
+    long n = argc > 3 ? atol(argv[3]) : N;
+    if (n < 1) n = N;
+    data = malloc(n * sizeof *data);
+    if (!data) return 1;
+    for (long i = 0; i < n; i++) data[i] = (unsigned)next_rand();
     for (long r = 0; r < rounds; r++) {
         unsigned long u = next_rand() % 100;
         unsigned div = u < 97 ? 16 : 3 + (unsigned)(next_rand() % 96);
         int mode = u == 0 ? 1 : 2;
         if (spec) {
-            sink += bucket_sum_spec(data, N, div);
-            sink += scaled_spec(data, N, mode);
+            sink += bucket_sum_spec(data, n, div);
+            sink += scaled_spec(data, n, mode);
         } else {
-            sink += bucket_sum(data, N, div);
-            sink += scaled(data, N, mode);
+            sink += bucket_sum(data, n, div);
+            sink += scaled(data, n, mode);
         }
     }
     printf("%lu\n", (unsigned long)sink);

@@ -63,3 +63,54 @@ def test_a_bad_plan_is_one_line(tmp_path: Path) -> None:
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a plan" in lines[0], p.stderr
+
+
+def _planted_truth(rounds: int, n: int) -> tuple[int, int]:
+    """specialize.c's calls with div 16 and with mode 2, from its xorshift sequence."""
+    m = (1 << 64) - 1
+    s = 88172645463325252
+
+    def nxt() -> int:
+        nonlocal s
+        s ^= (s << 13) & m
+        s ^= s >> 7
+        s ^= (s << 17) & m
+        return s
+
+    for _ in range(n):
+        nxt()
+    div16 = mode2 = 0
+    for _ in range(rounds):
+        u = nxt() % 100
+        div = 16 if u < 97 else 3 + nxt() % 96
+        div16 += div == 16
+        mode2 += u != 0
+    return div16, mode2
+
+
+def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, tmp_path: Path) -> None:
+    """With many elements per call the entries are rare enough to probe: every call's divisor and
+    mode are captured (the counts equal the program's own sequence), and `specialize` says so."""
+    rounds, n = 3000, 65536
+    first, second, plan = tmp_path / "plain", tmp_path / "goal", tmp_path / "plan.json"
+    cs("record", "--db", str(first), "-q", "-F", "2000", "--", str(program), str(rounds), "x", str(n), timeout=300)
+    cs("specialize", "--db", str(first), "--plan", str(plan), "--json", timeout=300)
+    doc = json.loads(plan.read_text())
+    sites = {(p["procedure"], p["what"]) for p in doc["points"] if p.get("probe")}
+    assert {("bucket_sum", "rdx"), ("scaled", "rdx")} <= sites, doc["points"]
+    # A budget of a whole CPU: the sites are probed whatever rate the plain recording gave them
+    # (anchors may have had no window on a busy machine), and none is closed for its cost.
+    p = cs("record", "--db", str(second), "-F", "2000", "--goal", str(plan), "--goal-budget", "1", "--",
+           str(program), str(rounds), "x", str(n), timeout=300)
+    assert "exact:" in p.stderr and "lost" not in p.stderr.split("exact:")[1].split(";")[0], p.stderr
+    rows = json.loads(cs("values", "--db", str(second), "--json").stdout)["rows"]
+    exact = {(r["where"], r["kind"]): r for r in rows if r["kind"].startswith("exact:")}
+    div, mode = exact[("bucket_sum", "exact:rdx")], exact[("scaled", "exact:rdx")]
+    div16, mode2 = _planted_truth(rounds, n)
+    assert div["vtot"] == rounds and mode["vtot"] == rounds
+    top = {h["value"]: h["count"] for h in div["hotlist"]}
+    assert top["16"] == div16 and {h["value"]: h["count"] for h in mode["hotlist"]}["2"] == mode2
+    rep = json.loads(cs("specialize", "--db", str(second), "--json", timeout=300).stdout)
+    found = {(o["procedure"], o["what"]): o for o in rep["opportunities"]}
+    assert found[("bucket_sum", "rdx")]["exact"] and found[("bucket_sum", "rdx")]["prob"] == round(div16 / rounds, 6)
+    assert found[("scaled", "rdx")]["value"] == 2 and found[("scaled", "rdx")]["observed"] == rounds

@@ -67,7 +67,7 @@ class _Hotlists:
         for i, a in zip(mine.tolist(), addrs.tolist(), strict=True):
             kind = nh.kinds[int(hl.keys["kind"][i])]
             io, _, reg = kind.partition(":")
-            if io not in ("in", "out", "goal") or "@" in reg or reg not in REG_VIEWS:
+            if io not in ("in", "out", "goal", "exact") or "@" in reg or reg not in REG_VIEWS:
                 continue
             io = "in" if io == "goal" else io  # goal:REG: the value live at the instruction, as in:REG
             key = (int(a), REG_VIEWS[reg].full, io)
@@ -111,7 +111,7 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
             dwarf[g.image] = DwarfIndex(src, g.image) if src else None
         hot, dw = hots[g.image], dwarf[g.image]
         for c in g.kept:
-            best = None
+            best, exact = None, []
             if hot is not None and c.kind != "difference":
                 m = models.get(f"{g.image}:{g.start}")
                 live = m.available(c.point, c.reg) if m is not None and c.kind in ("argument", "register") \
@@ -119,7 +119,10 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
                 keys = [(g.addresses[k], r, "in") for k, r in live]
                 if c.point >= 0 and c.kind == "register":
                     keys.append((g.addresses[c.point], c.reg, "out"))
-                found = [hot.at[k] for k in keys if k in hot.at]
+                # Every execution of the point (a probe's) where there is one; else what samples saw.
+                probed = (g.addresses[c.at], c.reg, "exact") if 0 <= c.at < len(g.addresses) else None
+                exact = [hot.at[probed]] if probed in hot.at else []
+                found = exact or [hot.at[k] for k in keys if k in hot.at]
                 if found:
                     best = hot.top(found)
             if best is None or best[3] < min_values:
@@ -136,7 +139,8 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
                 line = f"{os.path.basename(pos.file)}:{pos.line}" if pos is not None else ""
             off = at - g.start
             out.append(Opportunity(g.name, at, g.name + (f"+{off:#x}" if off else ""), line, c.reg, c.kind, value,
-                                   prob, se, n, c.benefit, net, net / total if total else 0.0, len(c.folded)))
+                                   prob, se, n, c.benefit, net, net / total if total else 0.0, len(c.folded),
+                                   bool(exact)))
     for dw in dwarf.values():
         if dw is not None:
             dw.close()
@@ -197,7 +201,9 @@ def specialize(p: Profile, targets: list[Target], event: str, mcpu: str | None =
         notes.append("no value samples in this selection: record with --values (or --goal PLAN) to see which "
                      "kept candidates pay")
     opps, unobserved = opportunities(p, goals, models, phi, total, nh, min_values)
-    return SpecializeReport(opps, goals, unobserved, phi, total, period_cycles(p, event), notes, models)
+    clock = p.ps.clock_ghz
+    rate_scale = clock * 1e9 / total if clock and total else None
+    return SpecializeReport(opps, goals, unobserved, phi, total, period_cycles(p, event), notes, models, rate_scale)
 
 
 def _vaddr_to_offsets(p: Profile, t: Target, path: str, addrs: np.ndarray) -> np.ndarray:
@@ -219,9 +225,12 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
     `record --goal` (values/goal.py reads it), with rule (3)'s probability for dynamic elimination.
     Differences are left out (their two registers' values would have to be taken together).
     Returns the number of candidates in the plan."""
+    from cyclescope.errors import CycleScopeError
+    from cyclescope.images.elf import ElfInfo, read_load_info
     from cyclescope.values.goal import PLAN_VERSION
 
     points = []
+    elves: dict[str, ElfInfo | None] = {}
     for g in rep.procedures:
         m = rep.models.get(f"{g.image}:{g.start}")
         for c in g.kept:
@@ -230,9 +239,25 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
             at = m.available(c.point, c.reg) if c.kind in ("argument", "register") else c.observe
             if not at:
                 continue
-            points.append({"image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
-                           "min_prob": round(min(c.min_prob(rep.phi), 2.0), 6),
-                           "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]})
+            point = {"image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
+                     "min_prob": round(min(c.min_prob(rep.phi), 2.0), 6),
+                     "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]}
+            # The probe site: the instruction just after the definition (an argument: the entry),
+            # where every execution of the point shows its value, if the value is live there.
+            if c.kind in ("argument", "register") and (c.at, c.reg) in at:
+                if g.path not in elves:
+                    try:
+                        elves[g.path] = read_load_info(g.path)
+                    except (OSError, CycleScopeError):
+                        elves[g.path] = None
+                elf = elves[g.path]
+                vaddr = g.addresses[c.at]
+                file_offset = elf.file_offset(vaddr) if elf is not None else None
+                if file_offset is not None:
+                    point["probe"] = {"at": g.offsets.get(vaddr, vaddr), "reg": c.reg, "path": g.path,
+                                      "file_offset": file_offset, "build_id": g.build_id,
+                                      "rate": round(c.freq * (rep.rate_scale or 0.0), 3)}
+            points.append(point)
     doc = {"version": PLAN_VERSION, "counts": rep.counts, "points": points}
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(doc))

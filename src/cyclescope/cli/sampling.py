@@ -136,13 +136,18 @@ def add_value_options(p: argparse.ArgumentParser, exact: bool) -> None:
                    help="most of one CPU interpretation may use (default: 0.5); samples past it are "
                         "captured but not interpreted, and counted, so that PC samples are never lost to "
                         "it; 0: no limit")
-    g.add_argument("--value-stack", type=int, default=512, metavar="BYTES",
-                   help="bytes of user stack copied at each interrupt (default: 512)")
+    g.add_argument("--value-stack", type=int, default=None, metavar="BYTES",
+                   help="bytes of user stack copied at each interrupt (default: 512; 0 with --goal alone, "
+                        "whose candidates are registers)")
     g.add_argument("--goal", metavar="PLAN",
                    help="goal-directed value profiling: capture only the candidates of PLAN (written by "
                         "`cyclescope specialize --plan PLAN`), wherever a sample finds their value live, and "
                         "switch off those whose top value can no longer pay (implies --values goal "
                         "--interpret 0 unless --values is given)")
+    g.add_argument("--goal-budget", type=finite_float, default=0.01, metavar="SHARE",
+                   help="with --goal: most of one CPU the programs may lose to probes that capture the "
+                        "plan's cheapest candidates at every execution (uprobes with registers; default: "
+                        "0.01); the others are captured at samples; 0: samples only")
     g.add_argument("--values-users", metavar="USER[,USER]",
                    help="capture values only from processes of these users (names or uids)")
     g.add_argument("--values-commands", metavar="COMM[,COMM]",
@@ -166,6 +171,8 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
         if args.values is None:
             args.values = "goal"
             args.interpret = 0
+            if args.value_stack is None:
+                args.value_stack = 0
     if args.values is None:
         for flag in ("values_users", "values_commands"):
             if getattr(args, flag, None):
@@ -173,6 +180,11 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
         if getattr(args, "exact", False):
             raise UsageError("--exact needs --values")
         return None
+    if args.value_stack is None:
+        args.value_stack = 512
+    goal_budget = getattr(args, "goal_budget", 0.0)
+    if not 0 <= goal_budget <= 1:
+        raise UsageError("--goal-budget must be a share of one CPU between 0 and 1")
     if args.interpret < 0 or args.interpret > 1024:
         raise UsageError("--interpret must be between 0 and 1024")
     if args.interpret_every < 1:
@@ -203,7 +215,8 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
         users = frozenset(uids)
     commands = frozenset(c.strip() for c in args.values_commands.split(",")) if args.values_commands else None
     return ValueOptions(modules=names, length=args.interpret, every=args.interpret_every, stack=args.value_stack,
-                        users=users, commands=commands, budget=args.interpret_budget, goal=goal)
+                        users=users, commands=commands, budget=args.interpret_budget, goal=goal,
+                        goal_budget=goal_budget if goal is not None else 0.0)
 
 
 def add_count_options(p: argparse.ArgumentParser) -> None:

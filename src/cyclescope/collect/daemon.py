@@ -203,9 +203,10 @@ class Collector:
         if self.python is not None:
             py = self.python
             python_stack = lambda pid, native, raw: py.splice(pid, native, py.frames(pid, raw))  # noqa: E731
+        tasks = tuple(sorted({ev.tid for ev in self.session.open_events if ev.tid >= 0}))
         ctx = Context(self.table, self.mapper, tuple(s.label for s in self.session.events),
                       not isinstance(self.session.target, SystemWide), time_event, cols, self.vdso_bytes,
-                      self.flusher.store_symbols, python_stack)
+                      self.flusher.store_symbols, python_stack, tasks, self.session.child_pid is not None)
         for p in self.processors:
             p.bind(ctx)
         self._attach_bpf()

@@ -14,6 +14,7 @@ import fcntl
 import mmap
 import os
 import struct
+import time
 
 from cyclescope.errors import CycleScopeError
 from cyclescope.perf.abi import (
@@ -111,6 +112,58 @@ def open_uprobe_counter(pmu: int, path: str, file_offset: int, pid: int, cpu: in
     a.read_format = ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING
     a.flags = AttrFlag.DISABLED
     return perf_event_open(a, pid, cpu, what=f"uprobe counter at {path}+{file_offset:#x}")
+
+
+def open_uprobe_sampler(pmu: int, path: str, file_offset: int, pid: int, cpu: int, regs_mask: int,
+                        inherit: bool = False, on_exec: bool = False, ring_bytes: int = 1 << 16) -> int:
+    """A uprobe perf event that samples *every* execution of the instruction at ``file_offset`` of
+    ``path`` (period 1), each sample with the identifier, IP, pid/tid, time and the user registers
+    in ``regs_mask``: the registers as they are just before the instruction runs. For task ``pid``
+    (``inherit``: and the tasks it creates; then ``cpu`` must be a CPU, since an inherited event
+    with cpu -1 cannot be mmapped) or for every task on ``cpu`` (pid -1). Opened disabled (or
+    enabled at the task's exec with ``on_exec``). Each hit traps, as the counter's do."""
+    from cyclescope.perf.abi import AttrFlag, ReadFormat, Sample
+
+    buf = ctypes.create_string_buffer(os.fsencode(path))
+    a = PerfEventAttr()
+    a.type = pmu
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config1 = ctypes.addressof(buf)
+    a.config2 = file_offset
+    a.sample_period = 1
+    a.sample_type = int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME | Sample.REGS_USER)
+    a.sample_regs_user = regs_mask
+    a.read_format = int(ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING)
+    flags = AttrFlag.DISABLED | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK | AttrFlag.SAMPLE_ID_ALL
+    if inherit:
+        flags |= AttrFlag.INHERIT
+    if on_exec:
+        flags |= AttrFlag.ENABLE_ON_EXEC
+    a.flags = int(flags)
+    a.clockid = time.CLOCK_MONOTONIC
+    a.wakeup_events = ring_bytes // 2  # wakeup_watermark (bytes)
+    return perf_event_open(a, pid, cpu, what=f"uprobe sampler at {path}+{file_offset:#x}")
+
+
+def open_ring_owner(pid: int, cpu: int, inherit: bool = False, ring_bytes: int = 1 << 16) -> int:
+    """A software dummy event (it never samples) to own one CPU's ring buffer, so that the events
+    redirected into it (SET_OUTPUT) can be closed one by one; its attr matches the uprobe
+    samplers' (clock, inheritance) as SET_OUTPUT requires."""
+    from cyclescope.perf.abi import AttrFlag, EventType, Sample, SwId
+
+    a = PerfEventAttr()
+    a.type = int(EventType.SOFTWARE)
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config = int(SwId.DUMMY)
+    a.sample_period = 1
+    a.sample_type = int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME)
+    flags = AttrFlag.DISABLED | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK | AttrFlag.SAMPLE_ID_ALL
+    if inherit:
+        flags |= AttrFlag.INHERIT
+    a.flags = int(flags)
+    a.clockid = time.CLOCK_MONOTONIC
+    a.wakeup_events = ring_bytes // 2
+    return perf_event_open(a, pid, cpu, what=f"ring buffer on CPU {cpu}")
 
 
 def ioctl_enable(fd: int) -> None:

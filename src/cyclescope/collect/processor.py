@@ -69,6 +69,11 @@ class Context:
     # (collect/pyframes.py's PythonFrames: names the frames, splices them in); the eBPF path only
     python_stack: Callable[[int, tuple[tuple[int, int], ...], tuple[int, ...]],
                            tuple[tuple[int, int], ...]] | None = None
+    # The tasks the per-task events follow (a command's first process, or each thread of -p's
+    # processes); empty system-wide. ``on_exec``: the command has not exec'd yet (events opened for
+    # it now must be enabled by its exec)
+    tasks: tuple[int, ...] = ()
+    on_exec: bool = False
 
 
 class Processor(Protocol):

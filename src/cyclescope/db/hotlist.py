@@ -33,12 +33,18 @@ N_PER_CALL_SITE = 64
 # indirect jumps and calls ever use the room.
 EDGE_KIND = "edge"
 N_EDGE = 256
+# Every execution of a probed goal candidate (values/probes.py): room for the values of a
+# semi-invariant's uncommon cases, so that its top value's share is counted rather than estimated.
+EXACT_PREFIX = "exact:"
+N_EXACT = 256
 
 
 def hotlist_size(kind: str) -> int:
     """N for a hotlist of this value kind."""
     if kind == EDGE_KIND:
         return N_EDGE
+    if kind.startswith(EXACT_PREFIX):
+        return N_EXACT
     return N_PER_CALL_SITE if kind.endswith(PER_CALL_SITE) else N_DEFAULT
 
 

@@ -27,6 +27,7 @@ class Opportunity:
     net: float  # rule (1): benefit x prob - test cost x executions of the point
     share: float  # net as a share of the selection's cycles
     folded: int  # instructions the value evaluates or reduces
+    exact: bool = False  # prob from every execution of the point (a probe), not from samples
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -59,6 +60,9 @@ class SpecializeReport:
     period_cycles: float | None
     notes: list[str] = field(default_factory=list)
     models: dict[str, GoalModel] = field(default_factory=dict)  # "image:start" -> the procedure's model
+    # executions per CPU-second of the profiled programs per unit of calc's frequencies (the core
+    # clock over the samples' count); None where the clock was not measured
+    rate_scale: float | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -99,7 +103,7 @@ def specialize_table(rep: SpecializeReport) -> Table:
         rows.append([fmt_pct(100 * o.share, 2), unit(o.net), unit(o.benefit), f"{o.address:x}", o.where,
                      f"{o.what} ({o.kind})", fmt_int(o.value),
                      f"{fmt_pct(100 * o.prob, 0)} (>={fmt_pct(100 * max(0.0, o.prob - 2 * o.se), 0)})",
-                     fmt_count(o.observed), str(o.folded), o.source])
+                     fmt_count(o.observed) + ("*" if o.exact else ""), str(o.folded), o.source])
     pre = ["cyclescope specialize: where knowing a value pays for its test (goal-directed value profiling)",
            counts_line(rep)]
     if rep.unobserved:
@@ -111,6 +115,8 @@ def specialize_table(rep: SpecializeReport) -> Table:
               f"benefit: what the value known on every execution would save (the instructions it folds, times "
               f"calc's counts of them, times their latency)",
               f"kept: rule (2), benefit >= test x executions + phi (phi: {phi} of the selection's cycles)"]
+    if any(o.exact for o in rep.opportunities):
+        footer.append("n*: every execution of the point, captured by a probe (record --goal), not sampled")
     footer += [f"note: {n}" for n in rep.notes]
     if not rep.opportunities:
         footer.insert(0, "no opportunity passes rule (1)")

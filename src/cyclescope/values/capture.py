@@ -88,6 +88,9 @@ class ValueOptions:
     budget: float = 0.5
     exact: bool = False  # sequences come from single-stepping (values/exact.py), not the interpreter
     goal: str | None = None  # a plan of `specialize --plan`: the goal module captures its candidates
+    # A share of one CPU the programs may lose to the goal plan's probes (values/probes.py), which
+    # capture cheap candidates at every execution; 0: samples only.
+    goal_budget: float = 0.0
 
 
 @dataclass
@@ -737,6 +740,31 @@ class ValueCapture:
                                    hotlist_sizes(self.kinds), rng=self._rng)
             self._pending.append(batch_set)
             self._pending_rows += batch_set.rows
+
+    def add_exact(self, pid: np.ndarray, image: np.ndarray, offset: np.ndarray, kind: list[str],
+                  value: np.ndarray) -> int:
+        """Register values of every execution of probed instructions (values/probes.py): one row
+        per execution, ``kind`` per row; counted as they are, not thinned like samples. Returns the
+        rows kept (the owner known and allowed, the image known)."""
+        if not len(pid):
+            return 0
+        upids, inv = np.unique(pid, return_inverse=True)
+        owner = np.array([(-2 if (u := self._uid(int(p))) is None else u) for p in upids.tolist()], np.int64)[inv]
+        self.skipped["not allowed"] += int((owner == -1).sum())
+        self.skipped["owner unknown"] += int((owner == -2).sum())
+        ok = (owner >= 0) & (image > 0)
+        n = int(ok.sum())
+        if not n:
+            return 0
+        kinds = np.array([self._kind(k) for k in kind], np.int32)
+        k = np.empty(n, MEM_KEY_DTYPE)
+        k["uid"], k["image"], k["offset"], k["kind"] = owner[ok], image[ok], offset[ok], kinds[ok]
+        v = np.zeros(n, VALUE_DTYPE)
+        v["v0"], v["vimg"] = value[ok], -1
+        batch_set = reduce_set(HotlistSet.exact(k, v), hotlist_sizes(self.kinds), rng=self._rng)
+        self._pending.append(batch_set)
+        self._pending_rows += batch_set.rows
+        return n
 
     # --- flushing -----------------------------------------------------------------------------
     def replan(self) -> None:

@@ -31,9 +31,24 @@ from cyclescope.values.insn import REG_VIEWS, InsnDetail
 if TYPE_CHECKING:
     from cyclescope.db.values import NamedHotlists
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
+READS_VERSIONS = (2, 3)  # 2: plans without probe sites
 KIND = "goal:"
+EXACT_KIND = "exact:"  # values/probes.py: every execution of a probed point
 MIN_VALUES = 64  # values a candidate must have before it may be switched off
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Where a candidate can be captured at every execution (values/probes.py): the instruction just
+    after its definition (an argument: the procedure's entry), in its file, and how often it ran."""
+
+    at: int  # image offset as samples key it (one of the point's ``at``)
+    reg: str
+    path: str
+    file_offset: int
+    build_id: str | None
+    rate: float  # executions per CPU-second of the profiled programs, in the plan's profile
 
 
 @dataclass
@@ -46,6 +61,8 @@ class GoalPoint:
     min_prob: float
     at: list[tuple[int, str]]  # (instruction address = image offset, 64-bit register)
     on: bool = True
+    probe: ProbeSpec | None = None
+    exact: bool = False  # its probe is open: the samples need not capture it
 
 
 @dataclass
@@ -62,16 +79,22 @@ def read_plan(path: str | Path) -> Plan:
         raise DataError(f"{path}: {e.strerror}") from None
     except ValueError as e:
         raise DataError(f"{path}: not a plan (`cyclescope specialize --plan FILE` writes one): {e}") from None
-    if not isinstance(doc, dict) or doc.get("version") != PLAN_VERSION or not isinstance(doc.get("points"), list):
+    if not isinstance(doc, dict) or doc.get("version") not in READS_VERSIONS or not isinstance(doc.get("points"), list):
         raise DataError(f"{path}: not a plan of this version (write it again with `cyclescope specialize --plan`)")
     points = []
     for p in doc["points"]:
         try:
             at = [(int(a), str(r)) for a, r in p["at"]]
+            pr = p.get("probe")
+            probe = None
+            if pr is not None and str(pr["reg"]) in REG_VIEWS:
+                probe = ProbeSpec(int(pr["at"]), str(pr["reg"]), str(pr["path"]), int(pr["file_offset"]),
+                                  str(pr["build_id"]) if pr.get("build_id") else None, float(pr["rate"]))
             points.append(GoalPoint(str(p["image"]), str(p.get("procedure", "")), str(p.get("what", "")),
-                                    float(p["min_prob"]), [(a, r) for a, r in at if r in REG_VIEWS]))
+                                    float(p["min_prob"]), [(a, r) for a, r in at if r in REG_VIEWS], probe=probe))
         except (KeyError, TypeError, ValueError):
-            raise DataError(f"{path}: a point lacks image, min_prob or at (instruction, register) pairs") from None
+            raise DataError(f"{path}: a point lacks image, min_prob or at (instruction, register) pairs, "
+                            "or its probe site is malformed") from None
     return Plan(points, doc)
 
 
@@ -107,11 +130,12 @@ class GoalModule(BaseModule):
         self._n: dict[tuple[str, int, str], float] = {}
 
     def plan_in(self, image: str, insn: InsnDetail) -> Sequence[Capture]:
-        regs = {r for i, r in self._at.get((image, insn.address), ()) if self.goal_plan.points[i].on}
+        points = self.goal_plan.points
+        regs = {r for i, r in self._at.get((image, insn.address), ()) if points[i].on and not points[i].exact}
         return [Capture(KIND + r, "reg", REG_VIEWS[r]) for r in sorted(regs)]
 
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
-        if not kind.startswith(KIND):
+        if not kind.startswith((KIND, EXACT_KIND)):
             return None
         from cyclescope.values.modules import fmt_int
 
@@ -122,9 +146,9 @@ class GoalModule(BaseModule):
         hl = nh.hl
         for i in range(len(hl)):
             kind = nh.kinds[int(hl.keys["kind"][i])]
-            if not kind.startswith(KIND):
+            if not kind.startswith((KIND, EXACT_KIND)):
                 continue
-            key = (nh.images[int(hl.keys["image"][i])], int(hl.keys["offset"][i]), kind[len(KIND):])
+            key = (nh.images[int(hl.keys["image"][i])], int(hl.keys["offset"][i]), kind.partition(":")[2])
             vals = self._values.setdefault(key, {})
             rows = np.flatnonzero(hl.hot == i)
             p = float(hl.p[i]) or 1.0

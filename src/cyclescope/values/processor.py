@@ -6,14 +6,20 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from cyclescope.values.capture import ValueCapture, ValueOptions
-from cyclescope.values.goal import GoalModule
+from cyclescope.values.goal import EXACT_KIND, GoalModule
+from cyclescope.values.probes import ExactValues
+
+HELD_MAX = 1 << 20  # probe hits kept while their image is not in the table yet
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from cyclescope.collect.processor import Context, Drain
     from cyclescope.db.layout import Database
+    from cyclescope.values.probes import GoalProbes
 
 
 class ValueProcessor:
@@ -25,22 +31,81 @@ class ValueProcessor:
         self.capture: ValueCapture | None = None
         self.written = 0  # files written so far (compacted with the segments later)
         self._since = time.time()
+        self.probes: GoalProbes | None = None
+        self._held: ExactValues | None = None  # probe hits of images not in the table yet
+        self._table: Any = None
+        self._image_index: dict[str, int] = {}
 
     def bind(self, ctx: Context) -> None:
         self.capture = ValueCapture(self.opts, ctx.mapper, ctx.table)
         self._since = time.time()
+        self._table = ctx.table
+        goal = self._goal()
+        if goal is not None and self.opts.goal_budget > 0 and any(p.probe for p in goal.goal_plan.points):
+            from cyclescope.collect.session import online_cpus
+            from cyclescope.values.probes import GoalProbes
+
+            self.probes = GoalProbes(goal.goal_plan, self.opts.goal_budget)
+            if self.probes.open(ctx.tasks, online_cpus(), ctx.on_exec):
+                self.capture.replan()
+
+    def _goal(self) -> GoalModule | None:
+        if self.capture is None:
+            return None
+        return next((m for m in self.capture.modules if isinstance(m, GoalModule)), None)
 
     def process(self, d: Drain) -> None:
-        if self.capture is None or d.regs is None or d.stack is None or d.stack_len is None:
+        if self.capture is None or d.regs is None:
             return
-        self.capture.process(d.samples, d.image, d.offset, d.regs, d.stack, d.stack_len, d.comm)
+        if d.stack is None or d.stack_len is None or len(d.stack_len) != len(d.regs):
+            # registers only (--value-stack 0, goal recordings)
+            stack, stack_len = np.zeros((len(d.regs), 0), np.uint8), np.zeros(len(d.regs), np.uint32)
+        else:
+            stack, stack_len = d.stack, d.stack_len
+        self.capture.process(d.samples, d.image, d.offset, d.regs, stack, stack_len, d.comm)
+        self._poll()
+
+    def _poll(self) -> None:
+        """The probes' hits into the hotlists; probes over budget closed (their candidates go back
+        to the samples). Hits of an image the table does not have yet (a drain's side records are
+        handled before its samples are mapped) wait for the next poll."""
+        if self.probes is None or self.capture is None:
+            return
+        got = self.probes.poll()
+        if self._held is not None:
+            got = ExactValues(*(np.concatenate([a, b]) for a, b in zip(
+                (self._held.pid, self._held.site, self._held.value), (got.pid, got.site, got.value), strict=True)))
+            self._held = None
+        if len(got):
+            sites = self.probes.sites
+            img = np.array([self._image_of(s.image) for s in sites], np.int64)[got.site]
+            off = np.array([s.at for s in sites], np.uint64)[got.site]
+            kinds = [EXACT_KIND + sites[i].reg for i in got.site.tolist()]
+            self.capture.add_exact(got.pid, img, off, kinds, got.value)
+            wait = img == 0
+            if wait.any() and wait.sum() <= HELD_MAX:
+                self._held = ExactValues(got.pid[wait], got.site[wait], got.value[wait])
+        if self.probes.police():
+            self.capture.replan()
+
+    def _image_of(self, key: str) -> int:
+        """The image table's index of ``key`` (0: not in the table yet)."""
+        i = self._image_index.get(key)
+        if i is None:
+            keys = self._table.keys()
+            self._image_index = {k: j for j, k in enumerate(keys)}
+            i = self._image_index.get(key, 0)
+        return i
 
     def forget(self, pid: int, tid: int) -> None:
         if self.capture is not None and pid == tid:  # a process's owner, name and memory go with it
+            self._poll()  # its probes' hits first, while its owner is known
             self.capture.forget(pid)
 
     def finish(self) -> None:
-        pass
+        if self.probes is not None:
+            self._poll()
+            self.probes.close()
 
     def flush(self, db: Database, epoch: int, host: str) -> list[Path]:
         from cyclescope.db.values import write_values
@@ -49,10 +114,15 @@ class ValueProcessor:
             return []
         now = time.time()
         out = []
-        goal = next((m for m in self.capture.modules if isinstance(m, GoalModule)), None)
+        if self.probes is not None and self.probes.rings:
+            self._poll()
+        goal = self._goal()
         for _uid, (hotlists, vmeta) in self.capture.take(self._since, now).items():
-            if goal is not None and goal.observe(hotlists):
+            off = goal.observe(hotlists) if goal is not None else []
+            if off:
                 self.capture.replan()  # candidates switched off: their captures stop
+                if self.probes is not None:
+                    self.probes.drop(off, "closed: switched off by rule (3)")
             if len(hotlists.hl) or vmeta.samples:
                 out.append(write_values(db, epoch, host, hotlists, vmeta))
         self._since = now
@@ -60,15 +130,19 @@ class ValueProcessor:
         return out
 
     def close(self) -> None:
-        pass
+        if self.probes is not None:
+            self.probes.close()
 
     def status(self) -> dict[str, Any]:
         v = self.capture
         if v is None:
             return {}
         it = v.interp
-        return {"hotlist_rows_pending": v._pending_rows, "skipped": dict(v.skipped),
-                "interpreted": it.runs if it else 0, "stops": dict(it.stops) if it else {}}
+        out = {"hotlist_rows_pending": v._pending_rows, "skipped": dict(v.skipped),
+               "interpreted": it.runs if it else 0, "stops": dict(it.stops) if it else {}}
+        if self.probes is not None:
+            out["exact"] = self.probes.status()
+        return out
 
     def summary(self) -> str | None:
         v = self.capture
@@ -80,6 +154,8 @@ class ValueProcessor:
         if goal is not None:
             parts.append(f"goal: {len(goal.goal_plan.points)} candidate(s) profiled, {goal.switched_off} switched off "
                          "by rule (3)")
+        if self.probes is not None and (line := self.probes.summary()):
+            parts.append(line)
         if it is not None and it.runs:
             from cyclescope.values.interp import describe_stops
 
