@@ -311,6 +311,7 @@ class ValueCapture:
         self._prev_capturers: list[Any] = [m for m in self.modules if hasattr(m, "prev_plan")]
         self.started = 0.0
         self._last_interp = time.perf_counter()
+        self._only = self._only_at()  # None: samples anywhere may give values
 
     # --- owners and filters ---------------------------------------------------------------
     def pin_owner(self, pid: int) -> int | None:
@@ -403,6 +404,8 @@ class ValueCapture:
         an exec (a forked profiler child, say, before it becomes the profiled command)."""
         rows = samples["regs"]
         sel = np.flatnonzero((rows >= 0) & (samples["cpumode"] == MISC_USER) & (image > 0))
+        if len(sel) and self._only is not None:
+            sel = self._restrict(sel, image, offset)
         if not len(sel):
             return 0
         pids = samples["pid"][sel].astype(np.int64)
@@ -442,6 +445,19 @@ class ValueCapture:
                 or (self.interp is not None and self.interp.buffered_steps >= CRUNCH_STEPS)):
             self._crunch()
         return n
+
+    def _restrict(self, sel: np.ndarray, image: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """The samples at the only instructions the modules capture at (a goal plan's live ranges):
+        the others cost nothing more, not even their instructions' decoding."""
+        assert self._only is not None
+        im, off = image[sel], offset[sel]
+        keep = np.zeros(len(sel), bool)
+        for i in np.unique(im).tolist():
+            offs = self._only.get(self.table[int(i)].key)
+            if offs is not None and len(offs):
+                m = im == i
+                keep[m] = np.isin(off[m], offs)
+        return sel[keep]
 
     def _crunch(self) -> None:
         """Capture, interpreted steps' values and hotlist counting over the drains waiting."""
@@ -770,6 +786,17 @@ class ValueCapture:
     def replan(self) -> None:
         """Forget the compiled plans: a module's captures changed (the goal module's pruning)."""
         self._plans.clear()
+        self._only = self._only_at()
+
+    def _only_at(self) -> dict[str, np.ndarray] | None:
+        """Where the modules capture, if every one of them says (``only_at``): image key -> offsets."""
+        if not self.modules or self.interp is not None or not all(hasattr(m, "only_at") for m in self.modules):
+            return None
+        out: dict[str, list[int]] = {}
+        for m in self.modules:
+            for key, offs in getattr(m, "only_at")().items():  # noqa: B009 (not part of ValueModule)
+                out.setdefault(key, []).extend(offs)
+        return {k: np.unique(np.array(v, np.uint64)) for k, v in out.items()}
 
     def take(self, start: float, end: float) -> dict[int, tuple[NamedHotlists, ValuesMeta]]:
         """Everything since the last take, per owner uid."""

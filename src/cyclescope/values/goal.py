@@ -134,6 +134,15 @@ class GoalModule(BaseModule):
         regs = {r for i, r in self._at.get((image, insn.address), ()) if points[i].on and not points[i].exact}
         return [Capture(KIND + r, "reg", REG_VIEWS[r]) for r in sorted(regs)]
 
+    def only_at(self) -> dict[str, list[int]]:
+        """Image key -> the offsets where this module captures anything (the points switched on and
+        not probed): samples elsewhere are not looked at."""
+        out: dict[str, list[int]] = {}
+        for p in self.goal_plan.points:
+            if p.on and not p.exact:
+                out.setdefault(p.image, []).extend(a for a, _ in p.at)
+        return out
+
     def format(self, kind: str, value: Value, ctx: FormatContext) -> str | None:
         if not kind.startswith((KIND, EXACT_KIND)):
             return None
