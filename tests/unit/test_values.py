@@ -768,3 +768,31 @@ def test_a_hotlist_whose_estimate_exceeds_the_values_seen_reports_without_failin
     assert top.value.v0 == 16 and top.share == pytest.approx(1.2)
     assert isinstance(top.se, float) and top.se > 0
     assert rows[0].to_json()["hotlist"][0]["se"] == round(top.se, 6)
+
+
+def test_a_goal_plan_looks_only_at_samples_in_its_live_ranges() -> None:
+    from cyclescope.values.goal import GoalModule, GoalPoint, Plan
+
+    class Counting(_Code):
+        def __init__(self, table: ImageTable) -> None:
+            super().__init__(table)
+            self.decoded: list[int] = []
+
+        def insn(self, img: int, off: int) -> InsnDetail | None:
+            self.decoded.append(off)
+            return super().insn(img, off)
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    code = Counting(table)
+    plan = Plan([GoalPoint("prog", "f", "rsi", 0.5, [(0x1003, "rsi")])])
+    vc = ValueCapture(ValueOptions(modules=("goal",), length=0, seed=1), _Mapper(), table, code=code,
+                      modules=[GoalModule(plan)])
+    pcs = [0x1003] * 12 + [0x1007] * 30  # most samples outside the candidate's live range
+    assert vc.process(*_batch(pcs, [0x8000] * 42, [16] * 12 + [5] * 30, 0)) == 12
+    assert _rows(vc) == {(0x1003, "goal:rsi"): {(16, 0, -1): 12}}
+    assert 0x1007 not in code.decoded
+    # a point switched off (rule (3)) or probed exactly: nothing is looked at any more
+    plan.points[0].exact = True
+    vc.replan()
+    assert vc.process(*_batch([0x1003] * 5, [0] * 5, [16] * 5, 0)) == 0
