@@ -114,3 +114,65 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
     found = {(o["procedure"], o["what"]): o for o in rep["opportunities"]}
     assert found[("bucket_sum", "rdx")]["exact"] and found[("bucket_sum", "rdx")]["prob"] == round(div16 / rounds, 6)
     assert found[("scaled", "rdx")]["value"] == 2 and found[("scaled", "rdx")]["observed"] == rounds
+
+
+def _difference_truth(rounds: int, n: int) -> int:
+    """difference.c's calls with x == y, from its xorshift sequence."""
+    m = (1 << 64) - 1
+    s = 88172645463325252
+
+    def nxt() -> int:
+        nonlocal s
+        s ^= (s << 13) & m
+        s ^= s >> 7
+        s ^= (s << 17) & m
+        return s
+
+    for _ in range(n):
+        nxt()
+    equal = 0
+    for _ in range(rounds):
+        x = nxt() % 1000
+        y = x if nxt() % 100 < 95 else nxt() % 1000
+        equal += x == y
+    return equal
+
+
+def test_a_difference_of_two_registers_is_captured_together(tmp_path: Path) -> None:
+    """`cmp rdx, rcx` in mix's loop compares two arguments equal on 95% of the calls: the plan takes
+    the two registers together, samples see the difference in the loop, and a probe at the entry
+    sees every call's (its count of 0 equals the program's own sequence)."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    exe = tmp_path / "difference"
+    src = Path(__file__).parents[1] / "programs" / "difference.c"
+    subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), str(src)], check=True, capture_output=True)
+    rounds, n = 3000, 262144
+    args = [str(exe), str(rounds), str(n)]
+    plan = tmp_path / "plan.json"
+    cs("record", "--db", str(tmp_path / "plain"), "-q", "-F", "2000", "--", *args, timeout=300)
+    cs("specialize", "--db", str(tmp_path / "plain"), "mix", "--plan", str(plan), timeout=300)
+    points = {p["what"]: p for p in json.loads(plan.read_text())["points"]}
+    diff = points.get("rdx-rcx")
+    assert diff is not None and diff["kind"] == "difference", points
+    assert {r for _, r in diff["at"]} == {"rdx-rcx"} and len(diff["at"]) > 3  # live beyond the cmp itself
+    # Samples only: the difference wherever a sample finds both registers unchanged.
+    cs("record", "--db", str(tmp_path / "sampled"), "-q", "-F", "2000", "--goal", str(plan), "--goal-budget", "0",
+       "--", *args, timeout=300)
+    rows = json.loads(cs("values", "--db", str(tmp_path / "sampled"), "--json", "--limit", "0").stdout)["rows"]
+    sampled = [r for r in rows if r["kind"] == "goal:rdx-rcx"]
+    assert sampled and sum(r["vtot"] for r in sampled) >= 30
+    top = max(sampled, key=lambda r: r["vtot"])["hotlist"][0]
+    assert top["value"] == "0" and top["share"] > 0.8
+    # A probe at the entry: every call.
+    cs("record", "--db", str(tmp_path / "exact"), "-q", "-F", "2000", "--goal", str(plan), "--goal-budget", "1",
+       "--", *args, timeout=300)
+    rows = json.loads(cs("values", "--db", str(tmp_path / "exact"), "--json", "--limit", "0").stdout)["rows"]
+    exact = [r for r in rows if r["kind"] == "exact:rdx-rcx"]
+    assert len(exact) == 1 and exact[0]["where"] == "mix" and exact[0]["vtot"] == rounds
+    counts = {h["value"]: h["count"] for h in exact[0]["hotlist"]}
+    assert counts["0"] == _difference_truth(rounds, n)
+    rep = json.loads(cs("specialize", "--db", str(tmp_path / "exact"), "mix", "--json", timeout=300).stdout)
+    found = {o["what"]: o for o in rep["opportunities"]}
+    assert found["rdx-rcx"]["value"] == 0 and found["rdx-rcx"]["exact"], found
+    assert found["rdx-rcx"]["source"] == "difference.c:21"

@@ -157,3 +157,30 @@ def test_rule_3_switches_a_candidate_off_once_its_top_value_cannot_reach_the_thr
     assert plan.points[0].on and not plan.points[1].on
     assert not mod.plan_in("img", type("I", (), {"address": 0x1020})())  # its capture stops
     assert mod.switched_off == 1
+
+
+# mix's loop from tests/programs/difference.c: two arguments compared on every trip, and a register
+# compared with one redefined in the loop.
+DIFF = """
+    xor eax, eax
+1:  cmp rdx, rcx
+    je 2f
+    add rax, 3
+2:  add rdi, 8
+    cmp rdi, rsi
+    jne 1b
+    ret
+"""
+
+
+def test_a_difference_of_two_arguments_is_live_everywhere_and_of_a_counter_only_after_its_step(
+        tmp_path: Path) -> None:
+    m = model(DIFF, tmp_path, {1: 64.0, 2: 32.0, 3: 64.0})
+    cands = {c.reg: c for c in m.differences()}
+    assert set(cands) == {"rdx-rcx", "rdi-rsi"}
+    name, where = m.difference_range(cands["rdx-rcx"].point)
+    assert name == "rdx-rcx" and where == list(range(len(m.cfg.insns)))  # two arguments: never redefined
+    name, where = m.difference_range(cands["rdi-rsi"].point)
+    # from just after `add rdi, 8` to the loop's exit (the values of the last trip), not before it
+    assert name == "rdi-rsi" and where[0] == cands["rdi-rsi"].point
+    assert [m.cfg.insns[j].mnemonic for j in where] == ["cmp", "jne", "ret"]

@@ -796,3 +796,20 @@ def test_a_goal_plan_looks_only_at_samples_in_its_live_ranges() -> None:
     plan.points[0].exact = True
     vc.replan()
     assert vc.process(*_batch([0x1003] * 5, [0] * 5, [16] * 5, 0)) == 0
+
+
+def test_a_difference_is_taken_from_both_registers_in_the_compared_width() -> None:
+    from cyclescope.values.goal import GoalModule, GoalPoint, Plan
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    plan = Plan([GoalPoint("prog", "f", "rdi-rsi", 0.5, [(0x1003, "rdi-rsi")]),
+                 GoalPoint("prog", "f", "edi-esi", 0.5, [(0x1007, "edi-esi")])])
+    vc = ValueCapture(ValueOptions(modules=("goal",), length=0, seed=1), _Mapper(), table, code=_Code(table),
+                      modules=[GoalModule(plan)])
+    # 64-bit: 5 - 7 wraps; 32-bit: the upper halves differ but the compared halves are equal
+    rdi = [5] * 4 + [(1 << 32) | 9] * 6
+    rsi = [7] * 4 + [9] * 6
+    vc.process(*_batch([0x1003] * 4 + [0x1007] * 6, rdi, rsi, 0))
+    assert _rows(vc) == {(0x1003, "goal:rdi-rsi"): {((5 - 7) % (1 << 64), 0, -1): 4},
+                         (0x1007, "goal:rdi-rsi"): {(0, 0, -1): 6}}

@@ -244,6 +244,22 @@ class GoalModel:
                                  sorted({k, *folded}), [(k, a), (k, b)], at=k))
         return out
 
+    def difference_range(self, k: int) -> tuple[str, list[int]]:
+        """The operands of the ``cmp`` at ``k`` as written ("edi-esi") and the instructions where
+        both registers hold the values it compares: the same single definition of each reaches
+        them (in its own block, any definitions that reach the cmp). Where a sample shows the
+        difference; the cmp itself always."""
+        ops = [o.strip() for o in self.cfg.insns[k].op_str.split(",")]
+        regs = [str(wide_register(o)) for o in ops]
+        defs = [self.rd.defs(r, k) for r in regs]
+        b = self.cfg.blocks[self.cfg.block_of[k]]
+        if all(len(d) == 1 for d in defs):
+            where = [j for j in range(len(self.cfg.insns)) if self.cfg.block_of[j] not in self.cfg.unreachable]
+        else:
+            where = list(range(b.first, b.last + 1))
+        same = [j for j in where if all(self.rd.defs(r, j) == d for r, d in zip(regs, defs, strict=True))]
+        return "-".join(ops), same
+
     def trip_counts(self, loops: Sequence[Loop]) -> list[Candidate]:
         """A loop whose counter runs to a limit held in a register, or from a start held in one:
         its trip count known at entry unrolls it completely (its counter steps, compare and

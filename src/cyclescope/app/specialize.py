@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cyclescope.analysis.goal import PHI_SHARE, GoalModel, select
+from cyclescope.analysis.goal import PHI_SHARE, Candidate, GoalModel, select
 from cyclescope.errors import NotFoundError
 from cyclescope.report.specialize import Opportunity, ProcedureGoal, SpecializeReport
 from cyclescope.values.goal import share_se
@@ -23,6 +23,20 @@ if TYPE_CHECKING:
     from cyclescope.report.listing import Target
 
 MIN_VALUES = 30  # values behind a probability before rule (1) is applied to it
+
+
+def live_points(m: GoalModel, c: Candidate) -> tuple[str, list[tuple[int, str]], int, float]:
+    """Where candidate ``c``'s value can be seen: the register(s) as the plan names them ("rdx", or
+    "edx-ecx" for a difference as its cmp reads them), every (instruction, that name) where the
+    value is live, the instruction a probe would go before (the one after the definition; for a
+    difference, the cmp, or the procedure's entry when both registers are arguments: once a call,
+    and on every path) and that instruction's executions."""
+    if c.kind == "difference":
+        name, same = m.difference_range(c.point)
+        args = 0 in same and all(m.rd.defs(str(r), c.point) == {-1} for r in c.reg.split("-"))
+        return name, [(k, name) for k in same], (0 if args else c.at), (m.entry_freq if args else c.freq)
+    live = m.available(c.point, c.reg) if c.kind in ("argument", "register") else c.observe
+    return c.reg, live, c.at, c.freq
 
 
 def goal_model(c: Calc) -> GoalModel:
@@ -54,7 +68,7 @@ class _Hotlists:
     """The register hotlists (in:REG, out:REG) of one image by (ELF address, 64-bit register)."""
 
     def __init__(self, p: Profile, nh: NamedHotlists, image_key: str) -> None:
-        from cyclescope.values.insn import REG_VIEWS
+        from cyclescope.values.goal import kind_of, operands
 
         self.nh = nh
         self.at: dict[tuple[int, str, str], int] = {}
@@ -67,10 +81,10 @@ class _Hotlists:
         for i, a in zip(mine.tolist(), addrs.tolist(), strict=True):
             kind = nh.kinds[int(hl.keys["kind"][i])]
             io, _, reg = kind.partition(":")
-            if io not in ("in", "out", "goal", "exact") or "@" in reg or reg not in REG_VIEWS:
+            if io not in ("in", "out", "goal", "exact") or "@" in reg or operands(reg) is None:
                 continue
             io = "in" if io == "goal" else io  # goal:REG: the value live at the instruction, as in:REG
-            key = (int(a), REG_VIEWS[reg].full, io)
+            key = (int(a), kind_of(reg), io)
             if key not in self.at or hl.total[i] > hl.total[self.at[key]]:
                 self.at[key] = i
 
@@ -112,15 +126,18 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
         hot, dw = hots[g.image], dwarf[g.image]
         for c in g.kept:
             best, exact = None, []
-            if hot is not None and c.kind != "difference":
-                m = models.get(f"{g.image}:{g.start}")
-                live = m.available(c.point, c.reg) if m is not None and c.kind in ("argument", "register") \
-                    else c.observe
-                keys = [(g.addresses[k], r, "in") for k, r in live]
+            m = models.get(f"{g.image}:{g.start}")
+            if hot is not None and (c.kind != "difference" or m is not None):
+                if m is not None:
+                    _, live, probe_at, _ = live_points(m, c)
+                else:
+                    live, probe_at = c.observe, c.at
+                # keys name registers as the hotlists do: 64-bit, a difference's as "rdx-rcx"
+                keys = [(g.addresses[k], c.reg if c.kind == "difference" else r, "in") for k, r in live]
                 if c.point >= 0 and c.kind == "register":
                     keys.append((g.addresses[c.point], c.reg, "out"))
                 # Every execution of the point (a probe's) where there is one; else what samples saw.
-                probed = (g.addresses[c.at], c.reg, "exact") if 0 <= c.at < len(g.addresses) else None
+                probed = (g.addresses[probe_at], c.reg, "exact") if 0 <= probe_at < len(g.addresses) else None
                 exact = [hot.at[probed]] if probed in hot.at else []
                 found = exact or [hot.at[k] for k in keys if k in hot.at]
                 if found:
@@ -223,7 +240,7 @@ def _vaddr_to_offsets(p: Profile, t: Target, path: str, addrs: np.ndarray) -> np
 def write_plan(rep: SpecializeReport, path: str | Path) -> int:
     """The kept candidates and every instruction where each one's value is live, as a JSON plan for
     `record --goal` (values/goal.py reads it), with rule (3)'s probability for dynamic elimination.
-    Differences are left out (their two registers' values would have to be taken together).
+    A difference's two registers are taken together, as its ``cmp`` reads them ("edi-esi").
     Returns the number of candidates in the plan."""
     from cyclescope.errors import CycleScopeError
     from cyclescope.images.elf import ElfInfo, read_load_info
@@ -234,9 +251,9 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
     for g in rep.procedures:
         m = rep.models.get(f"{g.image}:{g.start}")
         for c in g.kept:
-            if c.kind == "difference" or m is None:
+            if m is None:
                 continue
-            at = m.available(c.point, c.reg) if c.kind in ("argument", "register") else c.observe
+            probe_reg, at, probe_at, rate = live_points(m, c)
             if not at:
                 continue
             point = {"image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
@@ -244,19 +261,19 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
                      "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]}
             # The probe site: the instruction just after the definition (an argument: the entry),
             # where every execution of the point shows its value, if the value is live there.
-            if c.kind in ("argument", "register") and (c.at, c.reg) in at:
+            if c.kind in ("argument", "register", "difference") and (probe_at, probe_reg) in at:
                 if g.path not in elves:
                     try:
                         elves[g.path] = read_load_info(g.path)
                     except (OSError, CycleScopeError):
                         elves[g.path] = None
                 elf = elves[g.path]
-                vaddr = g.addresses[c.at]
+                vaddr = g.addresses[probe_at]
                 file_offset = elf.file_offset(vaddr) if elf is not None else None
                 if file_offset is not None:
-                    point["probe"] = {"at": g.offsets.get(vaddr, vaddr), "reg": c.reg, "path": g.path,
+                    point["probe"] = {"at": g.offsets.get(vaddr, vaddr), "reg": probe_reg, "path": g.path,
                                       "file_offset": file_offset, "build_id": g.build_id,
-                                      "rate": round(c.freq * (rep.rate_scale or 0.0), 3)}
+                                      "rate": round(rate * (rep.rate_scale or 0.0), 3)}
             points.append(point)
     doc = {"version": PLAN_VERSION, "counts": rep.counts, "points": points}
     tmp = Path(str(path) + ".tmp")

@@ -51,7 +51,9 @@ class Capture:
       "addr"  the effective address of the memory operand of the instruction at PC;
       "ctx"   the call context: the return address into the caller, recorded at the
               procedure's entry;
-      "stack" the 8-byte word at [rsp + ``offset``] in the stack snapshot.
+      "stack" the 8-byte word at [rsp + ``offset``] in the stack snapshot;
+      "diff"  ``reg`` minus ``reg2`` as the instruction at PC reads them, in ``reg``'s width
+              (the expression a ``cmp reg, reg2`` tests: goal-directed profiling's differences).
     with_ctx: record (value, call site) pairs instead of the value alone (kind gets "@ctx").
     """
 
@@ -60,6 +62,7 @@ class Capture:
     reg: RegView | None = None
     offset: int = 0
     with_ctx: bool = False
+    reg2: RegView | None = None
 
 
 class Value(NamedTuple):

@@ -103,7 +103,7 @@ class ProcCode:
 
 # A plan's captures as rows of int64 columns, for evaluating the captures of all a drain's PCs at
 # once (plain columns: gathering and concatenating structured rows costs numpy several times more).
-OP_REG, OP_REG_CTX, OP_PREV, OP_ADDR, OP_CTX, OP_STACK = range(6)
+OP_REG, OP_REG_CTX, OP_PREV, OP_ADDR, OP_CTX, OP_STACK, OP_DIFF = range(7)
 _KIND, _OP, _COL, _COL2, _SCALE, _DISP, _SHIFT, _MASK, _KOFF = range(9)  # _DISP: stack offset for OP_STACK
 _NO_OPS = np.zeros((0, 9), np.int64)
 
@@ -140,6 +140,10 @@ def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
             rows.append((kind, OP_CTX, -1, -1, 0, 0, 0, 0, plan.entry))
         elif cap.source == "stack" and cap.offset >= 0:
             rows.append((kind, OP_STACK, -1, -1, 0, cap.offset, 0, 0, -1))
+        elif cap.source == "diff" and cap.reg is not None and cap.reg2 is not None and not cap.reg.shift \
+                and not cap.reg2.shift:
+            rows.append((kind, OP_DIFF, PERF_COLUMNS[cap.reg.full], PERF_COLUMNS[cap.reg2.full], 0, 0, 0,
+                         cap.reg.mask, -1))
     if plan.prev_off is not None:
         for kind, cap in plan.prev:
             reg_row(kind, OP_PREV, cap, plan.prev_off)
@@ -538,6 +542,10 @@ class ValueCapture:
             if len(regs):
                 r = op[regs]
                 v0[regs] = (R[smp[regs], ops[r, _COL]] >> u64[r, _SHIFT]) & u64[r, _MASK]
+            df = np.flatnonzero(code == OP_DIFF)
+            if len(df):
+                d, s_ = op[df], smp[df]
+                v0[df] = (R[s_, ops[d, _COL]] - R[s_, ops[d, _COL2]]) & u64[d, _MASK]
             ea = np.flatnonzero(code == OP_ADDR)
             if len(ea):
                 a, s_ = op[ea], smp[ea]

@@ -26,7 +26,7 @@ import numpy as np
 
 from cyclescope.errors import DataError
 from cyclescope.values.api import BaseModule, Capture, FormatContext, Value
-from cyclescope.values.insn import REG_VIEWS, InsnDetail
+from cyclescope.values.insn import REG_VIEWS, InsnDetail, RegView
 
 if TYPE_CHECKING:
     from cyclescope.db.values import NamedHotlists
@@ -87,15 +87,34 @@ def read_plan(path: str | Path) -> Plan:
             at = [(int(a), str(r)) for a, r in p["at"]]
             pr = p.get("probe")
             probe = None
-            if pr is not None and str(pr["reg"]) in REG_VIEWS:
+            if pr is not None and operands(str(pr["reg"])):
                 probe = ProbeSpec(int(pr["at"]), str(pr["reg"]), str(pr["path"]), int(pr["file_offset"]),
                                   str(pr["build_id"]) if pr.get("build_id") else None, float(pr["rate"]))
             points.append(GoalPoint(str(p["image"]), str(p.get("procedure", "")), str(p.get("what", "")),
-                                    float(p["min_prob"]), [(a, r) for a, r in at if r in REG_VIEWS], probe=probe))
+                                    float(p["min_prob"]), [(a, r) for a, r in at if operands(r)], probe=probe))
         except (KeyError, TypeError, ValueError):
             raise DataError(f"{path}: a point lacks image, min_prob or at (instruction, register) pairs, "
                             "or its probe site is malformed") from None
     return Plan(points, doc)
+
+
+def operands(what: str) -> tuple[RegView] | tuple[RegView, RegView] | None:
+    """The register views a plan's ``what`` names: one register ("rdx", "edx"), or the difference of
+    two as a ``cmp`` reads them ("edi-esi"); None if it names neither."""
+    a, sep, b = what.partition("-")
+    if not sep:
+        return (REG_VIEWS[a],) if a in REG_VIEWS else None
+    if a in REG_VIEWS and b in REG_VIEWS:
+        return REG_VIEWS[a], REG_VIEWS[b]
+    return None
+
+
+def kind_of(what: str) -> str:
+    """The hotlist kind's name after ``goal:``/``exact:``: the 64-bit register(s)."""
+    ops = operands(what)
+    if ops is None:
+        return what
+    return "-".join(v.full for v in ops)
 
 
 def share_se(share: float, n: float) -> float:
@@ -132,7 +151,16 @@ class GoalModule(BaseModule):
     def plan_in(self, image: str, insn: InsnDetail) -> Sequence[Capture]:
         points = self.goal_plan.points
         regs = {r for i, r in self._at.get((image, insn.address), ()) if points[i].on and not points[i].exact}
-        return [Capture(KIND + r, "reg", REG_VIEWS[r]) for r in sorted(regs)]
+        out = []
+        for r in sorted(regs):
+            ops = operands(r)
+            if ops is None:
+                continue
+            if len(ops) == 1:
+                out.append(Capture(KIND + ops[0].full, "reg", REG_VIEWS[ops[0].full]))
+            else:
+                out.append(Capture(KIND + kind_of(r), "diff", ops[0], reg2=ops[1]))
+        return out
 
     def only_at(self) -> dict[str, list[int]]:
         """Image key -> the offsets where this module captures anything (the points switched on and
@@ -180,7 +208,7 @@ class GoalModule(BaseModule):
         for i, p in enumerate(self.goal_plan.points):
             if not p.on:
                 continue
-            seen = [tops[(p.image, a, r)] for a, r in p.at if (p.image, a, r) in tops]
+            seen = [tops[k] for a, r in p.at if (k := (p.image, a, kind_of(r))) in tops]
             if not seen:
                 continue
             top, n = max(seen, key=lambda t: t[1])

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from cyclescope.errors import CycleScopeError
-from cyclescope.values.goal import Plan
+from cyclescope.values.goal import Plan, operands
 
 KIND = "exact:"
 # A sampled uprobe hit's cost to the probed task: 6.8-6.9 us of its system time on Zen 3 machines of
@@ -144,10 +144,17 @@ class GoalProbes:
         # holds thousands of hits between two drains.
         full = regs_in_mask(X86_REGS_USER_MASK)
         self.regs_mask = 0
-        for s in self.sites:
-            self.regs_mask |= 1 << int(full[PERF_COLUMNS[s.reg]])
+        views = [operands(s.reg) or () for s in self.sites]
+        for vs in views:
+            for v in vs:
+                self.regs_mask |= 1 << int(full[PERF_COLUMNS[v.full]])
         order = [int(r) for r in regs_in_mask(self.regs_mask)]
-        self._col = {name: order.index(int(full[c])) for name, c in PERF_COLUMNS.items() if int(full[c]) in order}
+        col = {name: order.index(int(full[c])) for name, c in PERF_COLUMNS.items() if int(full[c]) in order}
+        # Per site: the column of its register (of the first operand of a difference), the second
+        # operand's column (-1: none) and the width's mask.
+        self._a = np.array([col[vs[0].full] if vs else 0 for vs in views], np.int64)
+        self._b = np.array([col[vs[1].full] if len(vs) == 2 else -1 for vs in views], np.int64)
+        self._mask = np.array([vs[0].mask if len(vs) == 2 else (1 << 64) - 1 for vs in views], np.uint64)
         self.decoder = RecordDecoder(SampleLayout(int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME
                                                       | Sample.REGS_USER), self.regs_mask))
         self.rings: list[tuple[int, Any]] = []  # (owner fd, RingBuffer) per CPU
@@ -264,10 +271,15 @@ class GoalProbes:
             s, rows, idx = s[known], rows[known], idx[known]
             if not len(s):
                 continue
-            cols = np.array([self._col[self.sites[i].reg] for i in idx.tolist()], np.int64)
+            regs = b.regs[rows].astype(np.uint64)
+            v = regs[np.arange(len(idx)), self._a[idx]]
+            two = self._b[idx] >= 0
+            if two.any():  # a difference, in the compared registers' width
+                with np.errstate(over="ignore"):
+                    v[two] = (v[two] - regs[np.flatnonzero(two), self._b[idx][two]]) & self._mask[idx][two]
             pids.append(s["pid"].astype(np.int64))
             sites.append(idx)
-            values.append(b.regs[rows, cols].astype(np.uint64))
+            values.append(v)
         if not pids:
             return ExactValues(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64))
         out = ExactValues(np.concatenate(pids), np.concatenate(sites), np.concatenate(values))

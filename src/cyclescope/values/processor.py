@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cyclescope.values.capture import ValueCapture, ValueOptions
-from cyclescope.values.goal import EXACT_KIND, GoalModule
+from cyclescope.values.goal import EXACT_KIND, GoalModule, kind_of
 from cyclescope.values.probes import ExactValues
 
 HELD_MAX = 1 << 20  # probe hits kept while their image is not in the table yet
@@ -80,7 +80,7 @@ class ValueProcessor:
             sites = self.probes.sites
             img = np.array([self._image_of(s.image) for s in sites], np.int64)[got.site]
             off = np.array([s.at for s in sites], np.uint64)[got.site]
-            kinds = [EXACT_KIND + sites[i].reg for i in got.site.tolist()]
+            kinds = [EXACT_KIND + kind_of(sites[i].reg) for i in got.site.tolist()]
             self.capture.add_exact(got.pid, img, off, kinds, got.value)
             wait = img == 0
             if wait.any() and wait.sum() <= HELD_MAX:
