@@ -176,3 +176,27 @@ def test_a_difference_of_two_registers_is_captured_together(tmp_path: Path) -> N
     found = {o["what"]: o for o in rep["opportunities"]}
     assert found["rdx-rcx"]["value"] == 0 and found["rdx-rcx"]["exact"], found
     assert found["rdx-rcx"]["source"] == "difference.c:21"
+
+
+def test_a_load_that_reads_what_the_store_before_it_wrote_is_found(tmp_path: Path) -> None:
+    """Load avoidance: accumulate stores through p and loads through q, the same cell on 95% of the
+    calls; the plan compares the two addresses, and the samples find them equal."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    exe = tmp_path / "loads"
+    src = Path(__file__).parents[1] / "programs" / "loads.c"
+    subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), str(src)], check=True, capture_output=True)
+    args = [str(exe), "3000000"]
+    plan = tmp_path / "plan.json"
+    cs("record", "--db", str(tmp_path / "plain"), "-q", "-F", "2000", "--", *args, timeout=300)
+    cs("specialize", "--db", str(tmp_path / "plain"), "accumulate", "--plan", str(plan), timeout=300)
+    loads = [p for p in json.loads(plan.read_text())["points"] if p["kind"] == "load"]
+    assert len(loads) == 1 and loads[0]["what"].startswith("same-as-"), loads
+    assert [m[0] for m in loads[0]["mems"]] == ["rdi", "rsi"]  # the store's address, the load's
+    cs("record", "--db", str(tmp_path / "goal"), "-q", "-F", "2000", "--goal", str(plan), "--", *args,
+       timeout=300)
+    rep = json.loads(cs("specialize", "--db", str(tmp_path / "goal"), "accumulate", "--json", timeout=300).stdout)
+    found = {o["what"]: o for o in rep["opportunities"]}
+    load = found.get(loads[0]["what"])
+    assert load is not None and load["kind"] == "load", found
+    assert load["value"] == 0 and load["prob"] > 0.8 and load["source"] == "loads.c:22"

@@ -184,3 +184,46 @@ def test_a_difference_of_two_arguments_is_live_everywhere_and_of_a_counter_only_
     # from just after `add rdi, 8` to the loop's exit (the values of the last trip), not before it
     assert name == "rdi-rsi" and where[0] == cands["rdi-rsi"].point
     assert [m.cfg.insns[j].mnemonic for j in where] == ["cmp", "jne", "ret"]
+
+
+# accumulate's loop from tests/programs/loads.c: a store through rdi, then a load through rsi that
+# may read the same cell; then a load through rdi again (the same registers: statically known), a
+# call (nothing survives it) and a load after rsi changed.
+LOADS = """
+1:  add rcx, rax
+    mov qword ptr [rdi + 8], rcx
+    mov r8, qword ptr [rsi + 8]
+    mov r9, qword ptr [rdi + 16]
+    add r9, r8
+    add rax, 1
+    cmp rax, rdx
+    jne 1b
+    call 2f
+    mov r10, qword ptr [rsi]
+2:  mov r11, qword ptr [rdi]
+    add rdi, 8
+    mov r11, qword ptr [rsi]
+    ret
+"""
+
+
+def test_load_avoidance_pairs_a_load_with_the_access_before_it_whose_address_it_may_share(
+        tmp_path: Path) -> None:
+    m = model(LOADS, tmp_path, {0: 64.0})
+    pairs = m.load_pairs()
+    got = {(m.cfg.insns[c.pair].address - AT, m.cfg.insns[c.point].address - AT) for c in pairs}
+    store, load_q = 3, 7  # mov [rdi + 8], rcx; mov r8, [rsi + 8]
+    assert (store, load_q) in got
+    c = next(c for c in pairs if m.cfg.insns[c.point].address - AT == load_q)
+    assert c.kind == "load" and c.reg == f"same-as-{AT + store:x}" and c.benefit == c.freq * 1.0
+    # [rdi + 16] after [rdi + 8]: the same register, a known difference, no candidate; the loads
+    # after the call pair with nothing before it; [rsi] after `add rdi, 8` is not paired with [rdi]
+    # (its register changed between them)
+    points = [m.cfg.insns[c.point].address - AT for c in pairs]
+    assert all(m.cfg.insns[c.pair].mnemonic == "mov" for c in pairs)
+    assert len([p for p in points if p == load_q]) == 1
+    last = next(k for k, i in enumerate(m.cfg.insns) if i.mnemonic == "ret") - 1
+    assert all(c.point != last or m.infos[c.pair].mem.base != "rdi" for c in pairs)  # type: ignore[union-attr]
+    # where the two addresses are the ones at the load: the whole loop (rdi, rsi never change in it)
+    where = m.load_range(c.pair, c.point)
+    assert {m.cfg.block_of[x] for x in where} >= {m.cfg.block_of[c.point]}

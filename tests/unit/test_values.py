@@ -813,3 +813,20 @@ def test_a_difference_is_taken_from_both_registers_in_the_compared_width() -> No
     vc.process(*_batch([0x1003] * 4 + [0x1007] * 6, rdi, rsi, 0))
     assert _rows(vc) == {(0x1003, "goal:rdi-rsi"): {((5 - 7) % (1 << 64), 0, -1): 4},
                          (0x1007, "goal:rdi-rsi"): {(0, 0, -1): 6}}
+
+
+def test_two_addresses_are_formed_from_one_samples_registers_and_subtracted() -> None:
+    from cyclescope.images.disasm import MemOperand
+    from cyclescope.values.goal import GoalModule, GoalPoint, Plan
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    mems = (MemOperand("rdi", "", 1, 8, 8), MemOperand("rsi", "rdi", 2, -8, 8))
+    plan = Plan([GoalPoint("prog", "f", "same-as-1000", 0.5, [(0x1003, "same-as-1000")], mems=mems)])
+    vc = ValueCapture(ValueOptions(modules=("goal",), length=0, seed=1), _Mapper(), table, code=_Code(table),
+                      modules=[GoalModule(plan)])
+    # (rdi + 8) - (rsi + rdi*2 - 8)
+    vc.process(*_batch([0x1003] * 3, [0x100, 0x100, 0x100], [-0x100 % (1 << 64), 0x10, 0x10], 0))
+    want = {(0x100 + 8 - ((-0x100 + 0x200 - 8) % (1 << 64))) % (1 << 64): 1,
+            (0x100 + 8 - (0x10 + 0x200 - 8)) % (1 << 64): 2}
+    assert _rows(vc) == {(0x1003, "goal:same-as-1000"): {(v, 0, -1): n for v, n in want.items()}}

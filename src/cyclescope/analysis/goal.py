@@ -69,14 +69,15 @@ class Candidate:
     """A profiling candidate: the value of ``reg`` (or of an expression) at a program point."""
 
     point: int  # instruction index: the definition (the value just after it); -1: the procedure's entry
-    reg: str  # 64-bit register name, or the expression ("rdi-rsi", "trips")
-    kind: str  # "argument" (entry), "register" (a definition), "trips", "difference"
+    reg: str  # 64-bit register name, or the expression ("rdi-rsi", "trips@...", "same-as-ADDR")
+    kind: str  # "argument" (entry), "register" (a definition), "trips", "difference", "load"
     freq: float  # ExecutionFreq(p): executions of the point
     benefit: float  # Benefit(p, r): cycles the run would save if the value were always known
     folded: list[int] = field(default_factory=list)  # instructions evaluated or reduced, direct and indirect
     observe: list[tuple[int, str]] = field(default_factory=list)  # (instruction, register) that read the value
     at: int = -1  # instruction before which the test would go (the expressions' point)
     kept: bool = False  # rule (2)
+    pair: int = -1  # "load": the instruction whose address the load's is compared with (M1)
 
     def net(self, prob: float, value: int | None) -> float:
         """Rule (1)'s left side, before phi: cycles saved net of the test."""
@@ -259,6 +260,63 @@ class GoalModel:
             where = list(range(b.first, b.last + 1))
         same = [j for j in where if all(self.rd.defs(r, j) == d for r, d in zip(regs, defs, strict=True))]
         return "-".join(ops), same
+
+    def load_pairs(self, window: int = 8) -> list[Candidate]:
+        """Section 4.2's load avoidance: a load M2 after a store or load M1 of the same size in its
+        block, with no other store and no call between them, whose address registers have not
+        changed since M1, and whose address is not statically M1's or statically different (the
+        same registers): if the two addresses are usually equal, M2 need not load (it takes what
+        M1 stored or loaded, after a test of the addresses). The expression profiled is
+        address(M1) - address(M2), named ``same-as-<M1's address>``; the saving is M2's latency."""
+        out = []
+        infos = self.infos
+        for b in self.cfg.blocks:
+            if b.id in self.cfg.unreachable:
+                continue
+            prior: list[int] = []  # M1 candidates: the last store and the loads since
+            for k in range(b.first, b.last + 1):
+                info = infos[k]
+                if info.kind in ("call", "ret"):
+                    prior = []
+                    continue
+                mk = info.mem
+                if info.loads and not info.stores and mk is not None and self.freq[k] > 0:
+                    for j in prior[-window:]:
+                        c = self._load_pair(j, k)
+                        if c is not None:
+                            out.append(c)
+                if info.stores:
+                    prior = [k] if mk is not None else []
+                elif info.loads and mk is not None:
+                    prior.append(k)
+        return out
+
+    def _load_pair(self, j: int, k: int) -> Candidate | None:
+        mj, mk = self.infos[j].mem, self.infos[k].mem
+        if mj is None or mk is None or mj.size != mk.size:
+            return None
+        regs_j = [r for r in (mj.base, mj.index) if r]
+        regs_k = [r for r in (mk.base, mk.index) if r]
+        if "rsp" in regs_j + regs_k:  # the stack frame: the compiler knows
+            return None
+        for r in regs_j:  # M1's address still formed by the same registers at M2
+            d = self.rd.defs(r, j)
+            if len(d) != 1 or self.rd.defs(r, k) != d:
+                return None
+        if (mj.base, mj.index, mj.scale) == (mk.base, mk.index, mk.scale):
+            return None  # the same registers: the difference is the displacements', known statically
+        fk = self.freq[k]
+        name = f"same-as-{self.cfg.insns[j].address:x}"
+        return Candidate(k, name, "load", fk, fk * self.latency[k], [k], [(k, name)], at=k, pair=j)
+
+    def load_range(self, j: int, k: int) -> list[int]:
+        """Where both addresses of the pair (j, k) are formed by the same single definitions as at k."""
+        regs = {r for m in (self.infos[j].mem, self.infos[k].mem) if m is not None for r in (m.base, m.index) if r}
+        defs = {r: self.rd.defs(r, k) for r in regs}
+        if any(len(d) != 1 for d in defs.values()):
+            return [k]
+        return [x for x in range(len(self.cfg.insns)) if self.cfg.block_of[x] not in self.cfg.unreachable
+                and all(self.rd.defs(r, x) == d for r, d in defs.items())]
 
     def trip_counts(self, loops: Sequence[Loop]) -> list[Candidate]:
         """A loop whose counter runs to a limit held in a register, or from a start held in one:

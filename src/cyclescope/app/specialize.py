@@ -35,6 +35,8 @@ def live_points(m: GoalModel, c: Candidate) -> tuple[str, list[tuple[int, str]],
         name, same = m.difference_range(c.point)
         args = 0 in same and all(m.rd.defs(str(r), c.point) == {-1} for r in c.reg.split("-"))
         return name, [(k, name) for k in same], (0 if args else c.at), (m.entry_freq if args else c.freq)
+    if c.kind == "load":  # both addresses: wherever their registers are those at the load
+        return c.reg, [(k, c.reg) for k in m.load_range(c.pair, c.point)], c.at, c.freq
     live = m.available(c.point, c.reg) if c.kind in ("argument", "register") else c.observe
     return c.reg, live, c.at, c.freq
 
@@ -57,7 +59,7 @@ def procedure_goal(c: Calc, target: Target, phi: float, path: str, offsets: dict
     from cyclescope.analysis.calc import _loops
 
     m = goal_model(c)
-    cands = m.candidates() + m.differences() + m.trip_counts(_loops(c.cfg, c.infos))
+    cands = m.candidates() + m.differences() + m.load_pairs() + m.trip_counts(_loops(c.cfg, c.infos))
     kept = select(cands, phi)
     return ProcedureGoal(target.name, target.info.key, path, target.info.build_id, target.start, len(c.cfg.insns),
                          sum(1 for i in c.infos if i.loads), cands, kept, [i.address for i in c.cfg.insns],
@@ -68,7 +70,7 @@ class _Hotlists:
     """The register hotlists (in:REG, out:REG) of one image by (ELF address, 64-bit register)."""
 
     def __init__(self, p: Profile, nh: NamedHotlists, image_key: str) -> None:
-        from cyclescope.values.goal import kind_of, operands
+        from cyclescope.values.goal import SAME, kind_of, operands
 
         self.nh = nh
         self.at: dict[tuple[int, str, str], int] = {}
@@ -81,7 +83,8 @@ class _Hotlists:
         for i, a in zip(mine.tolist(), addrs.tolist(), strict=True):
             kind = nh.kinds[int(hl.keys["kind"][i])]
             io, _, reg = kind.partition(":")
-            if io not in ("in", "out", "goal", "exact") or "@" in reg or operands(reg) is None:
+            if io not in ("in", "out", "goal", "exact") or "@" in reg or (operands(reg) is None
+                                                                           and not reg.startswith(SAME)):
                 continue
             io = "in" if io == "goal" else io  # goal:REG: the value live at the instruction, as in:REG
             key = (int(a), kind_of(reg), io)
@@ -256,9 +259,13 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
             probe_reg, at, probe_at, rate = live_points(m, c)
             if not at:
                 continue
-            point = {"image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
-                     "min_prob": round(min(c.min_prob(rep.phi), 2.0), 6),
-                     "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]}
+            point: dict[str, object] = {
+                "image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
+                "min_prob": round(min(c.min_prob(rep.phi), 2.0), 6),
+                "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]}
+            if c.kind == "load":  # the two addresses, formed from the registers where a sample lands
+                mems = [m.infos[c.pair].mem, m.infos[c.point].mem]
+                point["mems"] = [[x.base, x.index, x.scale, x.disp, x.size] for x in mems if x is not None]
             # The probe site: the instruction just after the definition (an argument: the entry),
             # where every execution of the point shows its value, if the value is live there.
             if c.kind in ("argument", "register", "difference") and (probe_at, probe_reg) in at:

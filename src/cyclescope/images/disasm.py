@@ -72,6 +72,24 @@ def read_code(path: str, start: int, end: int, info: ElfInfo | None = None) -> b
 
 
 @dataclass(frozen=True)
+class MemOperand:
+    """An explicit memory operand: [base + index*scale + disp] (64-bit register names, "" for none),
+    ``size`` bytes; rip-relative and segment-based operands are not described."""
+
+    base: str
+    index: str
+    scale: int
+    disp: int
+    size: int
+
+    def text(self) -> str:
+        parts = [p for p in (self.base, f"{self.index}*{self.scale}" if self.index else "") if p]
+        if self.disp or not parts:
+            parts.append(f"{self.disp:#x}" if self.disp >= 0 else f"-{-self.disp:#x}")
+        return "[" + "+".join(parts).replace("+-", "-") + "]"
+
+
+@dataclass(frozen=True)
 class InsnInfo:
     """What the analysis needs of an instruction beyond its text (capstone details)."""
 
@@ -81,6 +99,7 @@ class InsnInfo:
     stores: bool  # writes memory
     mem_regs: frozenset[str]  # registers used to form the memory address
     kind: str  # "div", "sqrt", "mul", "fp", "branch", "call", "ret", "other"
+    mem: MemOperand | None = None  # the explicit memory operand (not push/pop/call/ret's stack)
 
 
 # The general-purpose registers by their 64-bit names, with their 32-bit halves (writing one
@@ -149,6 +168,7 @@ def _info(ins: Any) -> InsnInfo:
         reads, writes = set(), set()
     loads = stores = False
     mem_regs: set[str] = set()
+    mem: MemOperand | None = None
     for op in ins.operands:
         if op.type == x86_const.X86_OP_MEM:
             if ins.mnemonic in ("lea", "nop") or ins.mnemonic.startswith("nop") or ins.mnemonic == "prefetcht0":
@@ -161,6 +181,10 @@ def _info(ins: Any) -> InsnInfo:
             for reg in (op.mem.base, op.mem.index):
                 if reg:
                     mem_regs.add(_wide(ins.reg_name(reg)))
+            base = _wide(ins.reg_name(op.mem.base)) if op.mem.base else ""
+            if mem is None and not op.mem.segment and base != "rip":
+                mem = MemOperand(base, _wide(ins.reg_name(op.mem.index)) if op.mem.index else "",
+                                 op.mem.scale, op.mem.disp, op.size)
     ops = ins.op_str.split(", ")
     if ins.mnemonic in _ZERO_IDIOMS and len(ops) == 2 and ops[0] == ops[1]:
         reads = set()  # xor eax, eax and the like: no input, whatever capstone says
@@ -168,7 +192,8 @@ def _info(ins: Any) -> InsnInfo:
         stores = True
     if ins.mnemonic.startswith(("pop", "ret")):
         loads = True
-    return InsnInfo(frozenset(reads), frozenset(writes), loads, stores, frozenset(mem_regs), _kind(ins.mnemonic))
+    return InsnInfo(frozenset(reads), frozenset(writes), loads, stores, frozenset(mem_regs), _kind(ins.mnemonic),
+                    mem)
 
 
 def insn_info(code: bytes, address: int) -> list[InsnInfo]:

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from cyclescope.images.disasm import MemOperand
 from cyclescope.values.insn import REG_VIEWS, ROW_COL, ROW_REGS, InsnDetail, RegView
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -53,7 +54,9 @@ class Capture:
               procedure's entry;
       "stack" the 8-byte word at [rsp + ``offset``] in the stack snapshot;
       "diff"  ``reg`` minus ``reg2`` as the instruction at PC reads them, in ``reg``'s width
-              (the expression a ``cmp reg, reg2`` tests: goal-directed profiling's differences).
+              (the expression a ``cmp reg, reg2`` tests: goal-directed profiling's differences);
+      "addrdiff" the address ``mems[0]`` minus the address ``mems[1]``, both formed from the
+              registers at PC (two memory accesses' addresses: load avoidance).
     with_ctx: record (value, call site) pairs instead of the value alone (kind gets "@ctx").
     """
 
@@ -63,6 +66,7 @@ class Capture:
     offset: int = 0
     with_ctx: bool = False
     reg2: RegView | None = None
+    mems: tuple[MemOperand, MemOperand] | None = None
 
 
 class Value(NamedTuple):

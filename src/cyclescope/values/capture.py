@@ -103,9 +103,10 @@ class ProcCode:
 
 # A plan's captures as rows of int64 columns, for evaluating the captures of all a drain's PCs at
 # once (plain columns: gathering and concatenating structured rows costs numpy several times more).
-OP_REG, OP_REG_CTX, OP_PREV, OP_ADDR, OP_CTX, OP_STACK, OP_DIFF = range(7)
-_KIND, _OP, _COL, _COL2, _SCALE, _DISP, _SHIFT, _MASK, _KOFF = range(9)  # _DISP: stack offset for OP_STACK
-_NO_OPS = np.zeros((0, 9), np.int64)
+OP_REG, OP_REG_CTX, OP_PREV, OP_ADDR, OP_CTX, OP_STACK, OP_DIFF, OP_ADDRDIFF = range(8)
+# _DISP: the stack offset for OP_STACK; _COL3.._DISP2: OP_ADDRDIFF's second address
+_KIND, _OP, _COL, _COL2, _SCALE, _DISP, _SHIFT, _MASK, _KOFF, _COL3, _COL4, _SCALE2, _DISP2 = range(13)
+_NO_OPS = np.zeros((0, 13), np.int64)
 
 
 @dataclass
@@ -144,11 +145,20 @@ def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
                 and not cap.reg2.shift:
             rows.append((kind, OP_DIFF, PERF_COLUMNS[cap.reg.full], PERF_COLUMNS[cap.reg2.full], 0, 0, 0,
                          cap.reg.mask, -1))
+        elif cap.source == "addrdiff" and cap.mems is not None:
+            a, b = cap.mems
+
+            def col(r: str) -> int:
+                return PERF_COLUMNS[r] if r else -1
+
+            rows.append((kind, OP_ADDRDIFF, col(a.base), col(a.index), a.scale, a.disp & MASK64, 0, 0, -1,
+                         col(b.base), col(b.index), b.scale, b.disp & MASK64))
     if plan.prev_off is not None:
         for kind, cap in plan.prev:
             reg_row(kind, OP_PREV, cap, plan.prev_off)
     # disp and mask are 64-bit patterns: kept as int64, read back as uint64.
-    return np.array([[x - (1 << 64) if x >= 1 << 63 else x for x in r] for r in rows], np.int64).reshape(-1, 9)
+    rows = [r if len(r) == 13 else (*r, -1, -1, 0, 0) for r in rows]
+    return np.array([[x - (1 << 64) if x >= 1 << 63 else x for x in r] for r in rows], np.int64).reshape(-1, 13)
 
 
 class CodeIndex:
@@ -546,6 +556,18 @@ class ValueCapture:
             if len(df):
                 d, s_ = op[df], smp[df]
                 v0[df] = (R[s_, ops[d, _COL]] - R[s_, ops[d, _COL2]]) & u64[d, _MASK]
+            ad = np.flatnonzero(code == OP_ADDRDIFF)
+            if len(ad):
+                d, s_ = op[ad], smp[ad]
+
+                def address(base: np.ndarray, index: np.ndarray, scale: np.ndarray, disp: np.ndarray
+                            ) -> np.ndarray:
+                    out: np.ndarray = (disp + np.where(base >= 0, R[s_, np.maximum(base, 0)], 0)
+                                       + np.where(index >= 0, R[s_, np.maximum(index, 0)], 0) * scale)
+                    return out
+
+                v0[ad] = (address(ops[d, _COL], ops[d, _COL2], u64[d, _SCALE], u64[d, _DISP])
+                          - address(ops[d, _COL3], ops[d, _COL4], u64[d, _SCALE2], u64[d, _DISP2]))
             ea = np.flatnonzero(code == OP_ADDR)
             if len(ea):
                 a, s_ = op[ea], smp[ea]

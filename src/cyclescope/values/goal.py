@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cyclescope.errors import DataError
+from cyclescope.images.disasm import MemOperand
 from cyclescope.values.api import BaseModule, Capture, FormatContext, Value
 from cyclescope.values.insn import REG_VIEWS, InsnDetail, RegView
 
@@ -63,6 +64,7 @@ class GoalPoint:
     on: bool = True
     probe: ProbeSpec | None = None
     exact: bool = False  # its probe is open: the samples need not capture it
+    mems: tuple[MemOperand, MemOperand] | None = None  # load avoidance: the two addresses compared
 
 
 @dataclass
@@ -90,12 +92,23 @@ def read_plan(path: str | Path) -> Plan:
             if pr is not None and operands(str(pr["reg"])):
                 probe = ProbeSpec(int(pr["at"]), str(pr["reg"]), str(pr["path"]), int(pr["file_offset"]),
                                   str(pr["build_id"]) if pr.get("build_id") else None, float(pr["rate"]))
+            mems = None
+            if p.get("mems") is not None:
+                m1, m2 = (MemOperand(str(b), str(i), int(sc), int(d), int(sz)) for b, i, sc, d, sz in p["mems"])
+                if not all(r in REG_VIEWS for x in (m1, m2) for r in (x.base, x.index) if r):
+                    raise ValueError(p["mems"])
+                mems = (m1, m2)
             points.append(GoalPoint(str(p["image"]), str(p.get("procedure", "")), str(p.get("what", "")),
-                                    float(p["min_prob"]), [(a, r) for a, r in at if operands(r)], probe=probe))
+                                    float(p["min_prob"]),
+                                    [(a, r) for a, r in at if operands(r) or (mems and r.startswith(SAME))],
+                                    probe=probe, mems=mems))
         except (KeyError, TypeError, ValueError):
             raise DataError(f"{path}: a point lacks image, min_prob or at (instruction, register) pairs, "
                             "or its probe site is malformed") from None
     return Plan(points, doc)
+
+
+SAME = "same-as-"  # load avoidance's expression: address(M1) - address(M2), named by M1's address
 
 
 def operands(what: str) -> tuple[RegView] | tuple[RegView, RegView] | None:
@@ -153,6 +166,11 @@ class GoalModule(BaseModule):
         regs = {r for i, r in self._at.get((image, insn.address), ()) if points[i].on and not points[i].exact}
         out = []
         for r in sorted(regs):
+            if r.startswith(SAME):
+                mems = next((points[i].mems for i, x in self._at.get((image, insn.address), ()) if x == r), None)
+                if mems is not None:
+                    out.append(Capture(KIND + r, "addrdiff", mems=mems))
+                continue
             ops = operands(r)
             if ops is None:
                 continue
