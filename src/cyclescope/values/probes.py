@@ -39,8 +39,8 @@ from cyclescope.errors import CycleScopeError
 from cyclescope.values.goal import Plan, operands
 
 KIND = "exact:"
-# A sampled uprobe hit's cost to the probed task: 6.8-6.9 us of its system time on Zen 3 machines of
-# this kind (5.9 us counting only), 9.5 us counting on the Zen 4 ones; the slower kind plus the sample.
+# A sampled uprobe hit's cost to the probed task: 7.25 us on Zen 3 machines of this kind (5.8 us
+# counting only; bench/probecost.py), 9.5 us counting on the Zen 4 ones: the slower kind plus the sample.
 HIT_COST_S = 11e-6
 DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to the probes' traps
 ALLOWANCE_S = 0.02  # trap seconds a probe may spend ahead of its budget before it is closed
