@@ -297,6 +297,10 @@ def load_module(spec: str) -> ValueModule:
             raise UsageError(f"value module '{spec}': {e}") from None
     elif spec in BUILTIN:
         obj = BUILTIN[spec]
+    elif spec == "goal":  # ours, but a module of its own (values/goal.py imports this one)
+        from cyclescope.values.goal import GoalModule
+
+        obj = GoalModule
     else:
         ep = _plugins().get(spec)
         if ep is None:
