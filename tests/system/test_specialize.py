@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,24 +66,26 @@ def test_a_bad_plan_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "not a plan" in lines[0], p.stderr
 
 
-def _planted_truth(rounds: int, n: int) -> tuple[int, int]:
-    """specialize.c's calls with div 16 and with mode 2, from its xorshift sequence."""
+def _xorshift() -> Iterator[int]:
+    """The test programs' generator (tests/programs/*.c: next_rand, nr), from the same seed."""
     m = (1 << 64) - 1
     s = 88172645463325252
-
-    def nxt() -> int:
-        nonlocal s
+    while True:
         s ^= (s << 13) & m
         s ^= s >> 7
         s ^= (s << 17) & m
-        return s
+        yield s
 
+
+def _planted_truth(rounds: int, n: int) -> tuple[int, int]:
+    """specialize.c's calls with div 16 and with mode 2, from its xorshift sequence."""
+    rand = _xorshift()
     for _ in range(n):
-        nxt()
+        next(rand)
     div16 = mode2 = 0
     for _ in range(rounds):
-        u = nxt() % 100
-        div = 16 if u < 97 else 3 + nxt() % 96
+        u = next(rand) % 100
+        div = 16 if u < 97 else 3 + next(rand) % 96
         div16 += div == 16
         mode2 += u != 0
     return div16, mode2
@@ -118,22 +121,13 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
 
 def _difference_truth(rounds: int, n: int) -> int:
     """difference.c's calls with x == y, from its xorshift sequence."""
-    m = (1 << 64) - 1
-    s = 88172645463325252
-
-    def nxt() -> int:
-        nonlocal s
-        s ^= (s << 13) & m
-        s ^= s >> 7
-        s ^= (s << 17) & m
-        return s
-
+    rand = _xorshift()
     for _ in range(n):
-        nxt()
+        next(rand)
     equal = 0
     for _ in range(rounds):
-        x = nxt() % 1000
-        y = x if nxt() % 100 < 95 else nxt() % 1000
+        x = next(rand) % 1000
+        y = x if next(rand) % 100 < 95 else next(rand) % 1000
         equal += x == y
     return equal
 
