@@ -38,6 +38,21 @@ def value_bytes(db: Path) -> int:
     return sum(f.stat().st_size for f in db.rglob("*") if f.is_file() and "values" in f.parts)
 
 
+def value_data_bytes(db: Path) -> int:
+    """The stored value data: the compressed size of the values files' column chunks (hotlist keys,
+    values, counts), without the files' fixed part (schema, footer, per-file metadata)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for f in db.rglob("*.parquet"):
+        if "values" not in f.parts:
+            continue
+        md = pq.ParquetFile(f).metadata
+        total += sum(md.row_group(g).column(c).total_compressed_size
+                     for g in range(md.num_row_groups) for c in range(md.num_columns))
+    return total
+
+
 def specialize(db: Path, *extra: str) -> dict[str, Any]:
     r = run(cyclescope_cmd("specialize", "--db", str(db), "--json", *extra))
     if r.returncode != 0:
@@ -87,6 +102,7 @@ def main() -> None:
         static = specialize(plain0, "--plan", str(plan))
         cpu: dict[str, list[float]] = {"alone": [], "plain": [], "straightforward": [], "goal": []}
         space: dict[str, list[int]] = {"straightforward": [], "goal": []}
+        data: dict[str, list[int]] = {"straightforward": [], "goal": []}
         reps: dict[str, dict[str, Any]] = {}
         probed: list[str] = []
         goal_args = ["--goal", str(plan)] + (["--goal-budget", a.goal_budget] if a.goal_budget else [])
@@ -103,6 +119,7 @@ def main() -> None:
                 cpu[how].append(rr.cpu_s)
                 if how != "plain":
                     space[how].append(value_bytes(db))
+                    data[how].append(value_data_bytes(db))
                     if i == 0:
                         reps[how] = specialize(db)
                 if i > 0:
@@ -113,6 +130,7 @@ def main() -> None:
                  for g, s, p in zip(cpu["goal"], cpu["straightforward"], cpu["plain"], strict=True)]
         out = {"counts": static["counts"], "cpu": cpu, "extra": extra_cost, "goal_over_straight_extra": ratio,
                "space": space, "space_ratio": median(space["goal"]) / max(1, median(space["straightforward"])),
+               "data": data, "data_ratio": median(data["goal"]) / max(1, median(data["straightforward"])),
                "opportunities_kept": kept_share(reps["straightforward"], reps["goal"]),
                "top_goal": reps["goal"]["opportunities"][:5], "probes": probed,
                "top_straight": reps["straightforward"]["opportunities"][:5]}
@@ -134,7 +152,9 @@ def main() -> None:
             print(f"  extra CPU {h:16s} {fmt_spread(extra_cost[h], ' s')}")
         print(f"  goal's extra over straightforward's (values only, plain subtracted): {fmt_spread(ratio)}")
         print(f"  value bytes: straightforward {median(space['straightforward']):,.0f}, goal "
-              f"{median(space['goal']):,.0f} ({100 * out['space_ratio']:.1f}%)")
+              f"{median(space['goal']):,.0f} ({100 * out['space_ratio']:.1f}%); value data (column chunks): "
+              f"straightforward {median(data['straightforward']):,.0f}, goal {median(data['goal']):,.0f} "
+              f"({100 * out['data_ratio']:.1f}%)")
         if probed:
             print(f"  probes (record --goal): {probed[0]}")
         ks = out["opportunities_kept"]
