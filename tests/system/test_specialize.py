@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.system.helpers import cs
+from tests.system.helpers import cs, cs_popen
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
 
@@ -93,7 +95,8 @@ def _planted_truth(rounds: int, n: int) -> tuple[int, int]:
 
 def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, tmp_path: Path) -> None:
     """With many elements per call the entries are rare enough to probe: every call's divisor and
-    mode are captured (the counts equal the program's own sequence), and `specialize` says so."""
+    mode are captured (the counts equal the program's own sequence), and `specialize` says so; the
+    daemon's system-wide probes count the same."""
     rounds, n = 3000, 65536
     first, second, plan = tmp_path / "plain", tmp_path / "goal", tmp_path / "plan.json"
     cs("record", "--db", str(first), "-q", "-F", "2000", "--", str(program), str(rounds), "x", str(n), timeout=300)
@@ -117,6 +120,28 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
     found = {(o["procedure"], o["what"]): o for o in rep["opportunities"]}
     assert found[("bucket_sum", "rdx")]["exact"] and found[("bucket_sum", "rdx")]["prob"] == round(div16 / rounds, 6)
     assert found[("scaled", "rdx")]["value"] == 2 and found[("scaled", "rdx")]["observed"] == rounds
+
+    # The daemon probes system-wide (every task, per CPU): the same counts.
+    db = tmp_path / "daemon"
+    d = cs_popen("daemon", "--db", str(db), "-F", "500", "--archive", "none", "--goal", str(plan),
+                 "--goal-budget", "1")
+    try:
+        t0 = time.monotonic()
+        while cs("status", "--db", str(db), check=False).returncode != 0:
+            assert time.monotonic() - t0 < 30 and d.poll() is None, "the daemon did not come up"
+            time.sleep(0.2)
+        subprocess.run([str(program), str(rounds), "x", str(n)], check=True, capture_output=True, timeout=120)
+        d.send_signal(signal.SIGTERM)
+        _, err = d.communicate(timeout=180)
+        assert d.returncode == 0 and "exact:" in err, err
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.communicate()
+    rows = json.loads(cs("values", "--db", str(db), "--json").stdout)["rows"]
+    daemon = {(r["where"], r["kind"]): r for r in rows if r["kind"].startswith("exact:")}
+    assert daemon[("bucket_sum", "exact:rdx")]["vtot"] == rounds
+    assert {h["value"]: h["count"] for h in daemon[("bucket_sum", "exact:rdx")]["hotlist"]}["16"] == div16
 
 
 def _difference_truth(rounds: int, n: int) -> int:
