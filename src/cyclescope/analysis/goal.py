@@ -251,15 +251,24 @@ class GoalModel:
         them (in its own block, any definitions that reach the cmp). Where a sample shows the
         difference; the cmp itself always."""
         ops = [o.strip() for o in self.cfg.insns[k].op_str.split(",")]
-        regs = [str(wide_register(o)) for o in ops]
-        defs = [self.rd.defs(r, k) for r in regs]
-        b = self.cfg.blocks[self.cfg.block_of[k]]
-        if all(len(d) == 1 for d in defs):
-            where = [j for j in range(len(self.cfg.insns)) if self.cfg.block_of[j] not in self.cfg.unreachable]
-        else:
-            where = list(range(b.first, b.last + 1))
-        same = [j for j in where if all(self.rd.defs(r, j) == d for r, d in zip(regs, defs, strict=True))]
+        regs = {str(wide_register(o)) for o in ops}
+        same = self._same_definitions(regs, k)
+        if same is None:
+            b = self.cfg.blocks[self.cfg.block_of[k]]
+            same = self._same_definitions(regs, k, range(b.first, b.last + 1), single=False) or [k]
         return "-".join(ops), same
+
+    def _same_definitions(self, regs: set[str], k: int, where: Sequence[int] | None = None,
+                          single: bool = True) -> list[int] | None:
+        """The instructions (of ``where``, else every reachable one) that the same definitions of
+        ``regs`` reach as reach ``k``, so that the registers hold the values they hold at ``k``;
+        None when ``single`` and some register has several definitions reaching ``k``."""
+        defs = {r: self.rd.defs(r, k) for r in regs}
+        if single and any(len(d) != 1 for d in defs.values()):
+            return None
+        if where is None:
+            where = [x for x in range(len(self.cfg.insns)) if self.cfg.block_of[x] not in self.cfg.unreachable]
+        return [x for x in where if all(self.rd.defs(r, x) == d for r, d in defs.items())]
 
     def load_pairs(self, window: int = 8) -> list[Candidate]:
         """Section 4.2's load avoidance: a load M2 after a store or load M1 of the same size in its
@@ -312,11 +321,7 @@ class GoalModel:
     def load_range(self, j: int, k: int) -> list[int]:
         """Where both addresses of the pair (j, k) are formed by the same single definitions as at k."""
         regs = {r for m in (self.infos[j].mem, self.infos[k].mem) if m is not None for r in (m.base, m.index) if r}
-        defs = {r: self.rd.defs(r, k) for r in regs}
-        if any(len(d) != 1 for d in defs.values()):
-            return [k]
-        return [x for x in range(len(self.cfg.insns)) if self.cfg.block_of[x] not in self.cfg.unreachable
-                and all(self.rd.defs(r, x) == d for r, d in defs.items())]
+        return self._same_definitions(regs, k) or [k]
 
     def trip_counts(self, loops: Sequence[Loop]) -> list[Candidate]:
         """A loop whose counter runs to a limit held in a register, or from a start held in one:

@@ -14,7 +14,7 @@ import numpy as np
 from cyclescope.analysis.goal import PHI_SHARE, Candidate, GoalModel, select
 from cyclescope.errors import NotFoundError
 from cyclescope.report.specialize import Opportunity, ProcedureGoal, SpecializeReport
-from cyclescope.values.goal import share_se
+from cyclescope.values.goal import kind_of, share_se
 
 if TYPE_CHECKING:
     from cyclescope.analysis.calc import Calc
@@ -70,7 +70,7 @@ class _Hotlists:
     """The register hotlists (in:REG, out:REG) of one image by (ELF address, 64-bit register)."""
 
     def __init__(self, p: Profile, nh: NamedHotlists, image_key: str) -> None:
-        from cyclescope.values.goal import SAME, kind_of, operands
+        from cyclescope.values.goal import SAME, operands
 
         self.nh = nh
         self.at: dict[tuple[int, str, str], int] = {}
@@ -136,7 +136,7 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
                 else:
                     live, probe_at = c.observe, c.at
                 # keys name registers as the hotlists do: 64-bit, a difference's as "rdx-rcx"
-                keys = [(g.addresses[k], c.reg if c.kind == "difference" else r, "in") for k, r in live]
+                keys = [(g.addresses[k], kind_of(r), "in") for k, r in live]
                 if c.point >= 0 and c.kind == "register":
                     keys.append((g.addresses[c.point], c.reg, "out"))
                 # Every execution of the point (a probe's) where there is one; else what samples saw.

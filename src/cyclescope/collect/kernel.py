@@ -96,6 +96,36 @@ def uprobe_pmu_type() -> int | None:
         return None
 
 
+def _uprobe_attr(pmu: int, path: str, file_offset: int) -> tuple[PerfEventAttr, ctypes.Array[ctypes.c_char]]:
+    """A uprobe event's attr for the instruction at ``file_offset`` of ``path``, and the path's
+    buffer, which must outlive the perf_event_open call (the kernel copies the path during it)."""
+    buf = ctypes.create_string_buffer(os.fsencode(path))
+    a = PerfEventAttr()
+    a.type = pmu
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config1 = ctypes.addressof(buf)
+    a.config2 = file_offset
+    return a, buf
+
+
+def _every_event(a: PerfEventAttr, sample_type: int, inherit: bool, on_exec: bool, ring_bytes: int) -> None:
+    """A sample at every event (period 1) with ``sample_type``, opened disabled (``on_exec``: enabled
+    at the task's exec), on CLOCK_MONOTONIC, waking the reader at half of a ``ring_bytes`` ring: what
+    the uprobe samplers and their ring's owner share (SET_OUTPUT needs the same clock)."""
+    from cyclescope.perf.abi import AttrFlag
+
+    a.sample_period = 1
+    a.sample_type = sample_type
+    flags = AttrFlag.DISABLED | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK | AttrFlag.SAMPLE_ID_ALL
+    if inherit:
+        flags |= AttrFlag.INHERIT
+    if on_exec:
+        flags |= AttrFlag.ENABLE_ON_EXEC
+    a.flags = int(flags)
+    a.clockid = time.CLOCK_MONOTONIC
+    a.wakeup_events = ring_bytes // 2  # wakeup_watermark (bytes)
+
+
 def open_uprobe_counter(pmu: int, path: str, file_offset: int, pid: int, cpu: int) -> int:
     """An exact counter of executions of the instruction at ``file_offset`` of ``path``, for task
     ``pid`` (any CPU) or for every task on ``cpu`` (pid -1): counting mode, no samples, opened
@@ -103,12 +133,7 @@ def open_uprobe_counter(pmu: int, path: str, file_offset: int, pid: int, cpu: in
     traps (about 9.5 us here), so what must cost nothing must be closed, not disabled."""
     from cyclescope.perf.abi import AttrFlag, ReadFormat
 
-    buf = ctypes.create_string_buffer(os.fsencode(path))
-    a = PerfEventAttr()
-    a.type = pmu
-    a.size = ctypes.sizeof(PerfEventAttr)
-    a.config1 = ctypes.addressof(buf)  # the kernel copies the path during the call
-    a.config2 = file_offset
+    a, _buf = _uprobe_attr(pmu, path, file_offset)
     a.read_format = ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING
     a.flags = AttrFlag.DISABLED
     return perf_event_open(a, pid, cpu, what=f"uprobe counter at {path}+{file_offset:#x}")
@@ -122,26 +147,13 @@ def open_uprobe_sampler(pmu: int, path: str, file_offset: int, pid: int, cpu: in
     (``inherit``: and the tasks it creates; then ``cpu`` must be a CPU, since an inherited event
     with cpu -1 cannot be mmapped) or for every task on ``cpu`` (pid -1). Opened disabled (or
     enabled at the task's exec with ``on_exec``). Each hit traps, as the counter's do."""
-    from cyclescope.perf.abi import AttrFlag, ReadFormat, Sample
+    from cyclescope.perf.abi import ReadFormat, Sample
 
-    buf = ctypes.create_string_buffer(os.fsencode(path))
-    a = PerfEventAttr()
-    a.type = pmu
-    a.size = ctypes.sizeof(PerfEventAttr)
-    a.config1 = ctypes.addressof(buf)
-    a.config2 = file_offset
-    a.sample_period = 1
-    a.sample_type = int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME | Sample.REGS_USER)
+    a, _buf = _uprobe_attr(pmu, path, file_offset)
+    _every_event(a, int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME | Sample.REGS_USER), inherit,
+                 on_exec, ring_bytes)
     a.sample_regs_user = regs_mask
     a.read_format = int(ReadFormat.TOTAL_TIME_ENABLED | ReadFormat.TOTAL_TIME_RUNNING)
-    flags = AttrFlag.DISABLED | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK | AttrFlag.SAMPLE_ID_ALL
-    if inherit:
-        flags |= AttrFlag.INHERIT
-    if on_exec:
-        flags |= AttrFlag.ENABLE_ON_EXEC
-    a.flags = int(flags)
-    a.clockid = time.CLOCK_MONOTONIC
-    a.wakeup_events = ring_bytes // 2  # wakeup_watermark (bytes)
     return perf_event_open(a, pid, cpu, what=f"uprobe sampler at {path}+{file_offset:#x}")
 
 
@@ -149,20 +161,13 @@ def open_ring_owner(pid: int, cpu: int, inherit: bool = False, ring_bytes: int =
     """A software dummy event (it never samples) to own one CPU's ring buffer, so that the events
     redirected into it (SET_OUTPUT) can be closed one by one; its attr matches the uprobe
     samplers' (clock, inheritance) as SET_OUTPUT requires."""
-    from cyclescope.perf.abi import AttrFlag, EventType, Sample, SwId
+    from cyclescope.perf.abi import EventType, Sample, SwId
 
     a = PerfEventAttr()
     a.type = int(EventType.SOFTWARE)
     a.size = ctypes.sizeof(PerfEventAttr)
     a.config = int(SwId.DUMMY)
-    a.sample_period = 1
-    a.sample_type = int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME)
-    flags = AttrFlag.DISABLED | AttrFlag.USE_CLOCKID | AttrFlag.WATERMARK | AttrFlag.SAMPLE_ID_ALL
-    if inherit:
-        flags |= AttrFlag.INHERIT
-    a.flags = int(flags)
-    a.clockid = time.CLOCK_MONOTONIC
-    a.wakeup_events = ring_bytes // 2
+    _every_event(a, int(Sample.IDENTIFIER | Sample.IP | Sample.TID | Sample.TIME), inherit, False, ring_bytes)
     return perf_event_open(a, pid, cpu, what=f"ring buffer on CPU {cpu}")
 
 

@@ -82,12 +82,6 @@ class MemOperand:
     disp: int
     size: int
 
-    def text(self) -> str:
-        parts = [p for p in (self.base, f"{self.index}*{self.scale}" if self.index else "") if p]
-        if self.disp or not parts:
-            parts.append(f"{self.disp:#x}" if self.disp >= 0 else f"-{-self.disp:#x}")
-        return "[" + "+".join(parts).replace("+-", "-") + "]"
-
 
 @dataclass(frozen=True)
 class InsnInfo:

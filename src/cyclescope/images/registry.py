@@ -86,6 +86,10 @@ class ImageTable:
     def keys(self) -> list[str]:
         return [i.key for i in self.infos]
 
+    def index_of(self, key: str) -> ImageIndex:
+        """The index of the image with ``key`` (0, the unknown image, if it has not been interned)."""
+        return self._by_key.get(key, 0)
+
 
 ANON_NAMES = ("//anon", "[anon", "/dev/zero", "[heap]", "[stack", "/memfd:", "/SYSV")
 

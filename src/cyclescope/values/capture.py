@@ -124,6 +124,9 @@ def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
     outside a known procedure) are left out."""
     rows: list[tuple[int, ...]] = []
 
+    def col(r: str) -> int:
+        return PERF_COLUMNS[r] if r else -1
+
     def reg_row(kind: int, op: int, cap: Capture, koff: int) -> None:
         assert cap.reg is not None
         rows.append((kind, op, PERF_COLUMNS[cap.reg.full], -1, 0, 0, cap.reg.shift, cap.reg.mask, koff))
@@ -135,8 +138,7 @@ def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
             m = insn.mem
             if m is None or m.segment or m.base == "rip":
                 continue
-            rows.append((kind, OP_ADDR, PERF_COLUMNS[m.base] if m.base else -1,
-                         PERF_COLUMNS[m.index] if m.index else -1, m.scale, m.disp & MASK64, 0, 0, -1))
+            rows.append((kind, OP_ADDR, col(m.base), col(m.index), m.scale, m.disp & MASK64, 0, 0, -1))
         elif cap.source == "ctx" and plan.entry is not None:
             rows.append((kind, OP_CTX, -1, -1, 0, 0, 0, 0, plan.entry))
         elif cap.source == "stack" and cap.offset >= 0:
@@ -147,10 +149,6 @@ def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
                          cap.reg.mask, -1))
         elif cap.source == "addrdiff" and cap.mems is not None:
             a, b = cap.mems
-
-            def col(r: str) -> int:
-                return PERF_COLUMNS[r] if r else -1
-
             rows.append((kind, OP_ADDRDIFF, col(a.base), col(a.index), a.scale, a.disp & MASK64, 0, 0, -1,
                          col(b.base), col(b.index), b.scale, b.disp & MASK64))
     if plan.prev_off is not None:
@@ -547,6 +545,14 @@ class ValueCapture:
         vimg = np.full(n, -1, np.int64)
         keep = np.ones(n, bool)
         u64 = ops.view(np.uint64)
+        def address(at: np.ndarray, s_: np.ndarray, base: int, index: int, scale: int, disp: int) -> np.ndarray:
+            """disp + base + index * scale of the op rows ``at`` over the samples ``s_`` (column
+            numbers of the op rows: base and index -1 where there is none)."""
+            b, i = ops[at, base], ops[at, index]
+            out: np.ndarray = (u64[at, disp] + np.where(b >= 0, R[s_, np.maximum(b, 0)], 0)
+                               + np.where(i >= 0, R[s_, np.maximum(i, 0)], 0) * u64[at, scale])
+            return out
+
         with np.errstate(over="ignore"):
             regs = np.flatnonzero(code <= OP_PREV)
             if len(regs):
@@ -559,21 +565,10 @@ class ValueCapture:
             ad = np.flatnonzero(code == OP_ADDRDIFF)
             if len(ad):
                 d, s_ = op[ad], smp[ad]
-
-                def address(base: np.ndarray, index: np.ndarray, scale: np.ndarray, disp: np.ndarray
-                            ) -> np.ndarray:
-                    out: np.ndarray = (disp + np.where(base >= 0, R[s_, np.maximum(base, 0)], 0)
-                                       + np.where(index >= 0, R[s_, np.maximum(index, 0)], 0) * scale)
-                    return out
-
-                v0[ad] = (address(ops[d, _COL], ops[d, _COL2], u64[d, _SCALE], u64[d, _DISP])
-                          - address(ops[d, _COL3], ops[d, _COL4], u64[d, _SCALE2], u64[d, _DISP2]))
+                v0[ad] = (address(d, s_, _COL, _COL2, _SCALE, _DISP) - address(d, s_, _COL3, _COL4, _SCALE2, _DISP2))
             ea = np.flatnonzero(code == OP_ADDR)
             if len(ea):
-                a, s_ = op[ea], smp[ea]
-                base, index = ops[a, _COL], ops[a, _COL2]
-                v0[ea] = (u64[a, _DISP] + np.where(base >= 0, R[s_, np.maximum(base, 0)], 0)
-                          + np.where(index >= 0, R[s_, np.maximum(index, 0)], 0) * u64[a, _SCALE])
+                v0[ea] = address(op[ea], smp[ea], _COL, _COL2, _SCALE, _DISP)
         pairs, ctx = code == OP_REG_CTX, code == OP_CTX
         with_ctx = pairs | ctx
         keep &= ~with_ctx | (ctx_img[smp] >= 0)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cyclescope.db.hotlist import EXACT_PREFIX
 from cyclescope.errors import DataError
 from cyclescope.images.disasm import MemOperand
 from cyclescope.values.api import BaseModule, Capture, FormatContext, Value
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 PLAN_VERSION = 3
 READS_VERSIONS = (2, 3)  # 2: plans without probe sites
 KIND = "goal:"
-EXACT_KIND = "exact:"  # values/probes.py: every execution of a probed point
+EXACT_KIND = EXACT_PREFIX  # values/probes.py: every execution of a probed point
 MIN_VALUES = 64  # values a candidate must have before it may be switched off
 
 
@@ -163,11 +164,12 @@ class GoalModule(BaseModule):
 
     def plan_in(self, image: str, insn: InsnDetail) -> Sequence[Capture]:
         points = self.goal_plan.points
-        regs = {r for i, r in self._at.get((image, insn.address), ()) if points[i].on and not points[i].exact}
+        here = {r: points[i] for i, r in self._at.get((image, insn.address), ())
+                if points[i].on and not points[i].exact}
         out = []
-        for r in sorted(regs):
+        for r in sorted(here):
             if r.startswith(SAME):
-                mems = next((points[i].mems for i, x in self._at.get((image, insn.address), ()) if x == r), None)
+                mems = here[r].mems
                 if mems is not None:
                     out.append(Capture(KIND + r, "addrdiff", mems=mems))
                 continue

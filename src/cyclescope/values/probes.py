@@ -38,7 +38,6 @@ import numpy as np
 from cyclescope.errors import CycleScopeError
 from cyclescope.values.goal import Plan, operands
 
-KIND = "exact:"
 # A sampled uprobe hit's cost to the probed task: 7.25 us on Zen 3 machines of this kind (5.8 us
 # counting only; bench/probecost.py), 9.5 us counting on the Zen 4 ones: the slower kind plus the sample.
 HIT_COST_S = 11e-6

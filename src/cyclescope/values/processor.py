@@ -34,7 +34,6 @@ class ValueProcessor:
         self.probes: GoalProbes | None = None
         self._held: ExactValues | None = None  # probe hits of images not in the table yet
         self._table: Any = None
-        self._image_index: dict[str, int] = {}
 
     def bind(self, ctx: Context) -> None:
         self.capture = ValueCapture(self.opts, ctx.mapper, ctx.table)
@@ -78,7 +77,7 @@ class ValueProcessor:
             self._held = None
         if len(got):
             sites = self.probes.sites
-            img = np.array([self._image_of(s.image) for s in sites], np.int64)[got.site]
+            img = np.array([self._table.index_of(s.image) for s in sites], np.int64)[got.site]
             off = np.array([s.at for s in sites], np.uint64)[got.site]
             kinds = [EXACT_KIND + kind_of(sites[i].reg) for i in got.site.tolist()]
             self.capture.add_exact(got.pid, img, off, kinds, got.value)
@@ -87,15 +86,6 @@ class ValueProcessor:
                 self._held = ExactValues(got.pid[wait], got.site[wait], got.value[wait])
         if self.probes.police():
             self.capture.replan()
-
-    def _image_of(self, key: str) -> int:
-        """The image table's index of ``key`` (0: not in the table yet)."""
-        i = self._image_index.get(key)
-        if i is None:
-            keys = self._table.keys()
-            self._image_index = {k: j for j, k in enumerate(keys)}
-            i = self._image_index.get(key, 0)
-        return i
 
     def forget(self, pid: int, tid: int) -> None:
         if self.capture is not None and pid == tid:  # a process's owner, name and memory go with it
