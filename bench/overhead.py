@@ -16,6 +16,7 @@ With stacks and system-wide (issue 28): --system-wide samples every CPU (-a) whi
 workloads run, and these contenders compare the collection paths:
   perf-fp, perf-dwarf   perf record -g (frame pointers) / --call-graph dwarf
   bpf, bpf-fp           cyclescope counting in the kernel (--collector bpf), flat / with -g fp
+  bpf-dwarf             the same with -g dwarf: stacks walked in the kernel with .eh_frame
   ring, ring-fp         cyclescope reading every sample from the rings (--collector perf)
 (all cyclescope contenders with --no-loop-counts, which need each sample's registers), e.g.
   python bench/overhead.py --system-wide --copies 2 --rates 5000 \
@@ -49,6 +50,7 @@ from common import (
 )
 
 PATHS = {"bpf": ["--collector", "bpf"], "bpf-fp": ["--collector", "bpf", "-g", "fp"],
+         "bpf-dwarf": ["--collector", "bpf", "-g", "dwarf"],
          "ring": ["--collector", "perf"], "ring-fp": ["--collector", "perf", "-g", "fp"]}
 PERF_STACKS = {"perf": [], "perf-fp": ["-g"], "perf-dwarf": ["--call-graph", "dwarf"]}
 
@@ -111,7 +113,8 @@ def main() -> None:
     ap.add_argument("--marginal-lengths", default="4,16")
     ap.add_argument("--contenders", default="none,perf,cyclescope",
                     help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts), loops "
-                         "(--loop-counts), and the collection paths: perf-fp, perf-dwarf, bpf, bpf-fp, ring, ring-fp")
+                         "(--loop-counts), and the collection paths: perf-fp, perf-dwarf, bpf, bpf-fp, bpf-dwarf, "
+                         "ring, ring-fp")
     ap.add_argument("--system-wide", action="store_true", help="profilers sample every CPU (-a)")
     ap.add_argument("--save-as", default="overhead", help="name of the results file in bench/out/")
     ap.add_argument("--copies", type=int, default=1, help="workloads run in parallel (default: 1)")
@@ -182,6 +185,7 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
         for a, b in (("cyclescope", "perf"), ("cyclescope", "plain"), ("plain", "perf"), ("bpf", "perf"),
                      ("cyclescope", "loops"), ("loops", "perf"),
                      ("bpf", "ring"), ("bpf-fp", "perf-dwarf"), ("bpf-fp", "perf-fp"), ("bpf-fp", "bpf"),
+                     ("bpf-dwarf", "perf-dwarf"), ("bpf-dwarf", "bpf"), ("bpf-dwarf", "bpf-fp"),
                      ("ring-fp", "perf-fp")):
             if a not in contenders or b not in contenders:
                 continue

@@ -102,8 +102,8 @@ def pythons() -> list[str]:
     reason="no CPython 3.12 or 3.13 here (their -X perf writes the perf maps)"))])
 def test_python_frames_from_perf_maps_are_named_and_stacks_are_complete(python: str, tmp_path: Path) -> None:
     db = tmp_path / "db"
-    cs("record", "--db", str(db), "-q", "--no-loop-counts", "-g", "dwarf,32768", "-F", "2000", "--",
-       python, "-X", "perf", str(PROGRAMS / "pyshares.py"), "40", timeout=300)
+    cs("record", "--db", str(db), "-q", "--collector", "perf", "--no-loop-counts", "-g", "dwarf,32768", "-F", "2000",
+       "--", python, "-X", "perf", str(PROGRAMS / "pyshares.py"), "40", timeout=300)
     st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
     script = str(PROGRAMS / "pyshares.py")
     py = {f: under(st, f"py::{f}:{script}") for f in ("main", "seventy", "twenty", "ten")}

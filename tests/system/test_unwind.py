@@ -116,3 +116,46 @@ def test_dwarf_stacks_of_code_without_frame_pointers(tmp_path: Path) -> None:
     fp = folded(cs("export", "collapsed", "--db", str(db2)).stdout)
     fp_inner = sum(n for s, n in fp.items() if ";inner;leaf" in s)
     assert fp_inner < 0.5 * paths["main;outer;inner;leaf"] * sum(fp.values()) / total
+
+
+def test_the_ebpf_program_walks_stacks_without_frame_pointers(tmp_path: Path) -> None:
+    """-g dwarf on the eBPF path: the program walks the live stack with unwind rows from
+    .eh_frame; the same program built with frame pointers, walked by the kernel, gives the same
+    stacks in the same shares."""
+    from cyclescope.collect.ebpf import BpfUnavailable, load
+
+    try:
+        load(1 << 10, 1 << 10, 1 << 10, 4).close()
+    except (BpfUnavailable, OSError) as e:
+        pytest.skip(f"the eBPF path cannot run here: {e}")
+    nofp = build(tmp_path, "cg_nofp", "-fomit-frame-pointer")
+    withfp = build(tmp_path, "cg_fp", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", cc="clang-14")
+    # The first sight of an image builds its rows (libc: a quarter to half a second, walks stopping
+    # there meanwhile); a second run finds them in the cache.
+    cs("record", "--db", str(tmp_path / "warm"), "-q", "--collector", "bpf", "--no-loop-counts", "-g", "dwarf", "--",
+       str(nofp), "100000", timeout=300)
+    paths = {}
+    # clang's leaf runs about ten times faster than gcc's: ten times the calls, about a second each.
+    for name, exe, graph, calls in (("dwarf", nofp, "dwarf", "1500000"), ("fp", withfp, "fp", "15000000")):
+        db = tmp_path / name
+        p = cs("record", "--db", str(db), "--collector", "bpf", "--no-loop-counts", "-g", graph, "--", str(exe),
+               calls, timeout=300)
+        stacks = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+        total = sum(stacks.values())
+        assert total > 1000
+        full = Counter({s: n for s, n in stacks.items() if s.startswith("_start;__libc_start_main;")})
+        ours = Counter()
+        for s, n in stacks.items():  # frame-pointer walks end in libc, built without them: from main
+            f = s.split(";")
+            if "main" in f:
+                ours[";".join(x for x in f[f.index("main"):] if x in ("main", "outer", "inner", "leaf"))] += n
+        leafy = sum(n for s, n in ours.items() if s.endswith("leaf"))
+        paths[name] = ours["main;outer;inner;leaf"] / leafy
+        if name == "dwarf":
+            assert "in the kernel with .eh_frame" in p.stderr, p.stderr
+            # Whole stacks, but for the start: samples before the first drain describes the
+            # process to the program (a tenth of a second or so) are walked by frame pointer.
+            assert sum(full.values()) >= 0.8 * total, (stacks.most_common(5), p.stderr)
+            assert ours["main;outer;inner;leaf"] + ours["main;outer;leaf"] >= 0.97 * leafy, ours
+    # About two thirds of leaf's calls are under inner (2 of its 3 calls per outer), either way.
+    assert 0.5 < paths["dwarf"] < 0.8 and abs(paths["dwarf"] - paths["fp"]) < 0.06, paths

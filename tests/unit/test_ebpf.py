@@ -97,8 +97,16 @@ def test_the_path_is_chosen_by_what_the_processors_need(monkeypatch: pytest.Monk
     assert bpf_collector(_args(), loops, 1000, 2, "record") is None  # loop counts need registers
     with pytest.raises(UsageError, match="--no-loop-counts"):
         bpf_collector(_args(collector="bpf"), loops, 1000, 2, "record")
-    with pytest.raises(UsageError, match="-g fp instead of -g dwarf"):
-        bpf_collector(_args(collector="bpf"), [StackProcessor(CallGraph("dwarf"))], 1000, 2, "record")
+    # -g dwarf: the program walks the stacks with unwind rows; the processor unwinds nothing itself.
+    loaded: list[tuple[int, ...]] = []
+    monkeypatch.setattr(ebpf, "load", lambda *a: loaded.append(a) or SimpleNamespace())
+    dwarf = StackProcessor(CallGraph("dwarf"))
+    assert bpf_collector(_args(call_graph=CallGraph("dwarf")), [dwarf], 1000, 2, "record") is not None
+    assert dwarf.in_kernel and loaded[-1][2] > 0 and loaded[-1][3] > 0
+    fp = StackProcessor(CallGraph("fp"))
+    assert bpf_collector(_args(call_graph=CallGraph("fp")), [fp], 1000, 2, "record") is not None
+    assert not fp.in_kernel and len(loaded[-1]) == 2
+    monkeypatch.undo()
     # Where the kernel side cannot load: auto falls back and says why; bpf fails in one line.
     monkeypatch.setattr(ebpf, "OBJECT", Path("/nonexistent/profile.bpf.o"))
     assert bpf_collector(_args(call_graph=CallGraph("fp")), [StackProcessor(CallGraph("fp"))], 1000, 2,

@@ -61,15 +61,15 @@ def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
                         "which machine it is")
     g.add_argument("-g", "--call-graph", type=call_graph_arg, default=None, metavar="fp|dwarf[,SIZE]",
                    help="record call stacks, counted in the database for `export`: 'fp' has the kernel walk "
-                        "frame pointers (code built with -fno-omit-frame-pointer); 'dwarf' copies SIZE bytes "
-                        "of user stack per sample (default: 8192) and unwinds them with the binaries' "
-                        ".eh_frame (any code with unwind tables: most distribution binaries)")
+                        "frame pointers (code built with -fno-omit-frame-pointer); 'dwarf' walks them with the "
+                        "binaries' .eh_frame (any code with unwind tables: most distribution binaries), in the "
+                        "kernel on the eBPF path, else by copying SIZE bytes of user stack per sample "
+                        "(default: 8192) and unwinding the copies here")
     g.add_argument("--collector", choices=("auto", "bpf", "perf"), default="auto",
                    help="how samples reach the database: 'bpf' counts them in the kernel with an eBPF program "
-                        "(user space reads one row per distinct process, address and stack: the cheapest, with "
-                        "-g fp for stacks); 'perf' reads every sample from perf's ring buffers (needed by loop "
-                        "counts, values and -g dwarf); 'auto' (default) takes bpf where the options and the "
-                        "kernel allow it")
+                        "(user space reads one row per distinct process, address and stack: the cheapest); "
+                        "'perf' reads every sample from perf's ring buffers (needed by loop counts, "
+                        "anchors and values); 'auto' (default) takes bpf where the options and the kernel allow it")
 
 
 HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -294,22 +294,21 @@ def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide
 def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: float | None, ncpus: int,
                   who: str) -> BpfAggregator | None:
     """The eBPF program loaded for this run, or None for the perf ring path, as --collector asks:
-    'auto' takes bpf when every processor asked for can work on counted rows (call stacks walked
-    with frame pointers; not loop counts, values or dwarf stacks, which need each sample's
-    registers) and the kernel loads the program; otherwise perf, with a line on stderr when
-    the kernel is why. 'bpf' fails in one line where 'auto' would fall back."""
+    'auto' takes bpf when every processor asked for can work on counted rows (call stacks, walked
+    by the program with frame pointers or, with -g dwarf, with unwind rows from .eh_frame:
+    collect/bpfunwind.py; not loop counts, anchors or values, which need each sample's registers)
+    and the kernel loads the program; otherwise perf, with a line on stderr when the kernel is
+    why. 'bpf' fails in one line where 'auto' would fall back."""
     from cyclescope.collect.stacks import StackProcessor
     from cyclescope.collect.timeline import TimelineProcessor
 
     choice = getattr(args, "collector", "auto")
     if choice == "perf":
         return None
-    needs = [p.name for p in procs if not (isinstance(p, StackProcessor) and p.call_graph.mode == "fp")
-             and not isinstance(p, TimelineProcessor)]
+    needs = [p.name for p in procs if not isinstance(p, (StackProcessor, TimelineProcessor))]
     if needs:
         if choice == "bpf":
-            flags = {"loops": "--no-loop-counts", "anchors": "no --anchors", "values": "no --values",
-                     "stacks": "-g fp instead of -g dwarf"}
+            flags = {"loops": "--no-loop-counts", "anchors": "no --anchors", "values": "no --values"}
             raise UsageError("--collector bpf counts samples in the kernel, without their registers: "
                              f"{', '.join(needs)} need them (use {', '.join(flags.get(n, n) for n in needs)})")
         return None
@@ -319,9 +318,19 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
     # sample of two seconds, within bounds.
     per_s = (rate_hz or 1000.0) * ncpus
     entries = int(min(max(2 * per_s, 1 << 16), 1 << 20))
-    stacks = int(min(max(2 * per_s, 1 << 14), 1 << 16)) if getattr(args, "call_graph", None) else 0
+    graph = getattr(args, "call_graph", None)
+    stacks = int(min(max(2 * per_s, 1 << 14), 1 << 16)) if graph else 0
+    dwarf = graph is not None and graph.mode == "dwarf"
     try:
-        return load(entries, stacks)
+        if not dwarf:
+            return load(entries, stacks)
+        from cyclescope.collect.bpfunwind import DEFAULT_PROCS, DEFAULT_ROWS
+
+        bpf = load(entries, stacks, DEFAULT_ROWS, DEFAULT_PROCS)
+        for p in procs:
+            if isinstance(p, StackProcessor):
+                p.in_kernel = True  # the program walks the stacks: no snapshots to unwind here
+        return bpf
     except BpfUnavailable as e:
         if choice == "bpf":
             raise

@@ -46,6 +46,7 @@ from cyclescope.perf.records import (
 )
 
 if TYPE_CHECKING:
+    from cyclescope.collect.bpfunwind import KernelUnwind
     from cyclescope.collect.ebpf import BpfAggregator
     from cyclescope.collect.pyframes import PythonFrames
 
@@ -169,6 +170,7 @@ class Collector:
         self._bpf_stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._bpf_stats: dict[str, int] = {}
         self.python: PythonFrames | None = None  # the eBPF path with stacks: CPython frames
+        self.unwind: KernelUnwind | None = None  # the eBPF path with -g dwarf: unwind rows
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -199,6 +201,11 @@ class Collector:
 
             self.python = PythonFrames(self.table, self.mapper, self.bpf)
             self.flusher.symbol_sources["python"] = self.python.symbols
+        if self.bpf is not None and self.bpf.unwind_rows:
+            from cyclescope.collect.bpfunwind import KernelUnwind, RowLoader
+
+            self.unwind = KernelUnwind(self.table, self.mapper, self.bpf,
+                                       RowLoader(self.table, Cache(), self.vdso_bytes))
         python_stack = None
         if self.python is not None:
             py = self.python
@@ -254,11 +261,13 @@ class Collector:
         deadline = start + duration_s if duration_s else None
         next_flush = start + self.cfg.flush_interval_s
         next_rand = start + self.cfg.rerandomize_s
-        # With Python frames to read (the eBPF path with stacks), the first drain comes early: a
-        # CPython command is described to the program before its samples go by without frames.
-        # Not otherwise: the loop counter, given a first batch of a few samples, counted fewer
-        # loops on a loaded machine (tests/system/test_calc.py's branchy lost its trip counts).
-        first = min(self.cfg.drain_s, FIRST_DRAIN_S) if self.python is not None else self.cfg.drain_s
+        # With Python frames to read or stacks to unwind in the kernel (the eBPF path with
+        # stacks), the first drain comes early: a command is described to the program before its
+        # samples go by without Python frames or with frame-pointer stacks. Not otherwise: the
+        # loop counter, given a first batch of a few samples, counted fewer loops on a loaded
+        # machine (tests/system/test_calc.py's branchy lost its trip counts).
+        early = self.python is not None or self.unwind is not None
+        first = min(self.cfg.drain_s, FIRST_DRAIN_S) if early else self.cfg.drain_s
         next_drain = start + first
         next_reap = start + self.cfg.reap_interval_s
         next_progress = start + 1.0 if self.progress else float("inf")
@@ -272,7 +281,11 @@ class Collector:
                     hooks.tick(now)
                 if ready or now >= next_drain:
                     self.step()
-                    next_drain = now + self.cfg.drain_s
+                    # Soon again while a process is not described to the eBPF program yet, or
+                    # waits for unwind rows: its stacks are walked whole from the drain that
+                    # describes it with them.
+                    soon = self.unwind is not None and (self.unwind.starting or self.unwind.waiting)
+                    next_drain = now + (min(self.cfg.drain_s, FIRST_DRAIN_S) if soon else self.cfg.drain_s)
                 if now >= next_rand:
                     self.session.rerandomize()
                     next_rand = now + self.cfg.rerandomize_s
@@ -338,6 +351,8 @@ class Collector:
     def close(self) -> None:
         if self.bpf is not None:
             self.bpf.close()
+        if self.unwind is not None:
+            self.unwind.close()
         self.flusher.close()
         for p in self.processors:
             p.close()
@@ -413,6 +428,10 @@ class Collector:
             # Processes seen for the first time: CPython ones are described to the program, whose
             # next samples of them carry Python frames.
             self.python.watch(np.unique(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist())
+        if self.unwind is not None:
+            # Processes seen for the first time or whose mappings changed: their next user stacks
+            # are walked with unwind rows (in system calls too: the kernel keeps their registers).
+            self.unwind.watch(np.unique(samples["pid"]).tolist())
         return self._count(Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
                                  chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python))
 
@@ -493,6 +512,8 @@ class Collector:
                     p.forget(rec.pid, rec.tid)
                 if self.python is not None and rec.pid == rec.tid:
                     self.python.forget(rec.pid)
+                if self.unwind is not None and rec.pid == rec.tid:
+                    self.unwind.forget(rec.pid)
                 if rec.pid == rec.tid:
                     self.session.forget_pid(rec.pid)
             elif isinstance(rec, CommRecord) and rec.exec:
@@ -500,6 +521,8 @@ class Collector:
                     p.forget(rec.pid, rec.pid)
                 if self.python is not None:
                     self.python.forget(rec.pid)
+                if self.unwind is not None:
+                    self.unwind.forget(rec.pid)
 
     def _note_lost(self, rec: LostRecord) -> None:
         idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
@@ -621,6 +644,10 @@ class Collector:
         if self.totals.lost_stacks:
             out.append(f"{self.totals.lost_stacks:,} samples were counted without their stacks (the eBPF "
                        "program's stack map was full; fewer distinct stacks a second, or a lower rate)")
+        if self.unwind is not None and self.bpf is not None:
+            line = self.unwind.summary(self._bpf_stats)
+            if line is not None:
+                out.append(line)
         if self.python is not None and self.python.procs_described:
             py = self.python
             out.append(f"Python frames: {py.procs_described:,} CPython processes read, {py.frames_named:,} frames named"

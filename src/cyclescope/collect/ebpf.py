@@ -39,7 +39,15 @@ TRACE_DTYPE = np.dtype([("nkernel", "<u4"), ("nuser", "<u4"), ("ip", "<u8", (MAX
 TKEY_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("window", "<u4"), ("event", "<u4")])
 TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
 WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
-STATS = ("samples", "lost", "lost_stacks", "stack_errors", "lost_timeline")  # profile.bpf.c's enum, in order
+# profile.bpf.c's enum, in order
+STATS = ("samples", "lost", "lost_stacks", "stack_errors", "lost_timeline", "uw_walks", "uw_frames", "uw_complete",
+         "uw_fp", "uw_loading")
+# Unwinding in the kernel (profile.bpf.c's struct uw_row, uw_map, uw_proc; collect/bpfunwind.py fills them).
+UW_ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("bp_off", "<i2"), ("cfa", "u1"), ("bp", "u1")])
+UW_MAPS = 64
+UW_LOADING = 0xFFFFFFFF  # uw_map.first of an image whose rows are not loaded yet (count 0)
+UW_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
+UW_PROC_DTYPE = np.dtype([("n", "<u4"), ("pad", "<u4"), ("m", UW_MAP_DTYPE, (UW_MAPS,))])
 # A timeline row (both paths; collect/timeline.py): samples of one thread in one window of one event.
 TIMELINE_DTYPE = np.dtype([("pid", "<i4"), ("tid", "<i4"), ("window_ns", "<u8"), ("event", "<i4"),
                            ("count", "<u8"), ("period", "<f8")])
@@ -107,6 +115,7 @@ class _Lib:
             ("bpf_map_delete_elem", i, [i, vp]),
             ("bpf_map_lookup_and_delete_batch", i, [i, vp, vp, vp, vp, ctypes.POINTER(u32),
                                                     ctypes.POINTER(_BatchOpts)]),
+            ("bpf_map_update_batch", i, [i, vp, vp, ctypes.POINTER(u32), ctypes.POINTER(_BatchOpts)]),
             ("libbpf_get_error", ctypes.c_long, [vp]),
         ):
             f = getattr(lib, fn)
@@ -139,23 +148,27 @@ class Drained:
     timeline: np.ndarray  # TIMELINE_DTYPE
 
 
-def load(entries: int, stack_entries: int) -> BpfAggregator:
+def load(entries: int, stack_entries: int, unwind_rows: int = 0, unwind_procs: int = 0) -> BpfAggregator:
     """The program loaded with maps that allocate as they fill where the kernel allows it (6.1),
     else preallocated."""
     try:
-        return BpfAggregator(entries, stack_entries)
+        return BpfAggregator(entries, stack_entries, unwind_rows=unwind_rows, unwind_procs=unwind_procs)
     except BpfUnavailable as e:
         if "not permitted" in str(e):
             raise
-        return BpfAggregator(entries, stack_entries, prealloc=True)
+        return BpfAggregator(entries, stack_entries, prealloc=True, unwind_rows=unwind_rows,
+                             unwind_procs=unwind_procs)
 
 
 class BpfAggregator:
     """The loaded program and its maps. ``entries``: the most distinct keys one generation holds
     (samples beyond it are counted as lost); ``stack_entries``: the most distinct stacks (0: no
-    stacks)."""
+    stacks); ``unwind_rows``, ``unwind_procs``: room for the unwind rows of the images and for the
+    processes whose user stacks the program walks with them (0: frame pointers only). Rows are an
+    array, allocated whole at load (12 bytes each, rounded to 16)."""
 
-    def __init__(self, entries: int = 1 << 16, stack_entries: int = 0, prealloc: bool = False) -> None:
+    def __init__(self, entries: int = 1 << 16, stack_entries: int = 0, prealloc: bool = False,
+                 unwind_rows: int = 0, unwind_procs: int = 0) -> None:
         if os.uname().machine != "x86_64":
             raise BpfUnavailable(f"the BPF program reads x86-64 registers; this machine is {os.uname().machine}")
         if not OBJECT.is_file():
@@ -176,11 +189,15 @@ class BpfAggregator:
                 lib.bpf_map__set_max_entries(self._map(name), max(1 << 12, entries // 4))
             for name in ("stacks0", "stacks1"):
                 lib.bpf_map__set_max_entries(self._map(name), max(1, stack_entries))
+            unwind = unwind_rows > 0 and unwind_procs > 0 and stack_entries > 0
+            lib.bpf_map__set_max_entries(self._map("uw_rows"), unwind_rows if unwind else 1)
+            lib.bpf_map__set_max_entries(self._map("uw_procs"), unwind_procs if unwind else 1)
+            lib.bpf_map__set_max_entries(self._map("uw_slots"), unwind_procs if unwind else 1)
             if not prealloc:
                 # Since Linux 6.1 a perf_event program may use hash maps that allocate as they
                 # fill (bpf_mem_alloc, safe in NMI): kernel memory then follows the distinct keys,
                 # not the sizes above (64 MiB of stacks, preallocated). Older kernels refuse it.
-                for name in ("counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1"):
+                for name in ("counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1", "uw_slots"):
                     m = self._map(name)
                     lib.bpf_map__set_map_flags(m, lib.bpf_map__map_flags(m) | _BPF_F_NO_PREALLOC)
             if lib.bpf_object__load(obj):
@@ -193,7 +210,7 @@ class BpfAggregator:
             self.prog_fd = lib.bpf_program__fd(prog)
             self.fds = {n: lib.bpf_map__fd(self._map(n)) for n in
                         ("control", "stats", "counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1",
-                         "py_procs")}
+                         "py_procs", "uw_slots", "uw_procs", "uw_rows")}
         except BaseException:
             lib.bpf_object__close(obj)
             self._obj = None
@@ -201,6 +218,8 @@ class BpfAggregator:
         self.entries = entries
         self.timeline_entries = max(1 << 12, entries // 4)
         self.stack_entries = stack_entries
+        self.unwind_rows = unwind_rows if unwind else 0
+        self.unwind_procs = unwind_procs if unwind else 0
         self.prealloc = prealloc
         self.gen = 0
         self._ncpus = _possible_cpus()
@@ -237,6 +256,37 @@ class BpfAggregator:
     def forget_python(self, pid: int) -> None:
         key = ctypes.c_uint32(pid)
         self._l.lib.bpf_map_delete_elem(self.fds["py_procs"], ctypes.byref(key))
+
+    def write_rows(self, first: int, rows: np.ndarray) -> None:
+        """Unwind rows (UW_ROW_DTYPE) into uw_rows from index ``first``."""
+        if first < 0 or first + len(rows) > self.unwind_rows:
+            raise ValueError(f"rows {first}..{first + len(rows)} outside the program's {self.unwind_rows}")
+        if not len(rows):
+            return
+        keys = np.arange(first, first + len(rows), dtype=np.uint32)
+        vals = np.ascontiguousarray(rows, UW_ROW_DTYPE)
+        opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+        n = ctypes.c_uint32(len(rows))
+        if self._l.lib.bpf_map_update_batch(self.fds["uw_rows"], keys.ctypes.data, vals.ctypes.data,
+                                            ctypes.byref(n), ctypes.byref(opts)):
+            raise OSError(ctypes.get_errno(), "writing unwind rows to the BPF program")
+
+    def describe_unwind(self, pid: int, slot: int, proc: np.ndarray) -> None:
+        """Have the program walk ``pid``'s user stacks with the mappings ``proc`` (UW_PROC_DTYPE),
+        kept in uw_procs[slot]."""
+        if not 0 <= slot < self.unwind_procs:
+            raise ValueError(f"slot {slot} outside the program's {self.unwind_procs}")
+        key = ctypes.c_uint32(slot)
+        val = np.ascontiguousarray(proc, UW_PROC_DTYPE).reshape(1)
+        if self._l.lib.bpf_map_update_elem(self.fds["uw_procs"], ctypes.byref(key), val.ctypes.data, _BPF_ANY):
+            raise OSError(ctypes.get_errno(), "describing a process's mappings to the BPF program")
+        pkey, sval = ctypes.c_uint32(pid), ctypes.c_uint32(slot)
+        if self._l.lib.bpf_map_update_elem(self.fds["uw_slots"], ctypes.byref(pkey), ctypes.byref(sval), _BPF_ANY):
+            raise OSError(ctypes.get_errno(), "describing a process to the BPF program")
+
+    def forget_unwind(self, pid: int) -> None:
+        key = ctypes.c_uint32(pid)
+        self._l.lib.bpf_map_delete_elem(self.fds["uw_slots"], ctypes.byref(key))
 
     def flip(self) -> int:
         """Make the program fill the other generation; returns the one it filled until now."""

@@ -123,13 +123,16 @@ class StackProcessor:
 
     def __init__(self, call_graph: CallGraph) -> None:
         self.call_graph = call_graph
+        # The eBPF program walks the stacks (frame pointers, or unwind rows with dwarf:
+        # collect/bpfunwind.py) and the drains bring callchains, as with fp.
+        self.in_kernel = False
         self.agg = StackAggregator()
         self.dwarf: DwarfStacks | None = None
         self._ctx: Context | None = None
 
     def bind(self, ctx: Context) -> None:
         self._ctx = ctx
-        if self.call_graph.mode == "dwarf":
+        if self.call_graph.mode == "dwarf" and not self.in_kernel:
             from cyclescope.collect.unwind import DwarfStacks, TableLoader
             from cyclescope.images.cache import Cache
 

@@ -13,6 +13,16 @@
  * under their hash. The kernel's stack-trace map is not used: it drops a stack whose bucket holds
  * another, a loss that grows with the number of distinct stacks.
  *
+ * Unwinding without frame pointers (with stacks, -g dwarf): for a process user space has described
+ * (uw_slots, uw_procs), the user frames are walked here with unwind rows derived from the images'
+ * .eh_frame (images/cfi.py, encoded by collect/bpfunwind.py into uw_rows), as the OpenTelemetry
+ * eBPF profiler does: per frame, the mapping holding the pc (a binary search of the process's
+ * executable mappings), the row in force there (a binary search of the image's rows), the CFA from
+ * rsp or rbp, the return address at CFA - 8, rbp where the row says it was saved. Code in no image
+ * described (JIT code named by a perf map) is stepped over by its frame pointer; a walk stops where
+ * an image has no row (hand-written assembly), as collect/unwind.py's does. Processes not described
+ * (yet) get the kernel's frame-pointer walk.
+ *
  * Python (with stacks): for a CPython 3.11+ process user space has described (py_procs), the
  * sampled thread's Python frames are read from the interpreter's memory and kept with the stack:
  * their code objects and instruction pointers, which user space names (function, file, line).
@@ -94,8 +104,40 @@ struct py_proc {
 
 /* Counters since load, per CPU: samples seen, samples not counted (their generation's map was
  * full), stacks not kept (the stack map was full), stacks that could not be copied, samples left
- * out of the timeline (its map was full). */
-enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, STAT_LOST_TIMELINE, NSTATS };
+ * out of the timeline (its map was full); user stacks walked with unwind rows, their frames, the
+ * walks that reached the outermost frame (a row saying so), the frames stepped over by their frame
+ * pointer (in no image described), the walks cut short at an image whose rows were still loading. */
+enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, STAT_LOST_TIMELINE, STAT_UW_WALKS,
+       STAT_UW_FRAMES, STAT_UW_COMPLETE, STAT_UW_FP, STAT_UW_LOADING, NSTATS };
+
+/* Unwind rows (collect/bpfunwind.py writes them): each holds from its pc up to the next row's. */
+#define UW_MAPS 64 /* executable mappings described per process (a power of two) */
+#define UW_STEPS (MAX_USER * 32) /* bpf_loop iterations of one walk: per frame, two binary searches */
+#define UW_LOADING 0xffffffff
+enum { UW_CFA_NONE, UW_CFA_RSP, UW_CFA_RBP, UW_CFA_PLT, UW_CFA_END };
+enum { UW_BP_SAME, UW_BP_SAVED, UW_BP_LOST };
+
+struct uw_row {
+	__u32 pc;      /* link-time address (images above 4 GiB are not described) */
+	__s32 cfa_off; /* CFA = rsp or rbp + cfa_off; PLT: rsp + cfa_off, plus 8 past the threshold */
+	__s16 bp_off;  /* rbp saved at CFA + bp_off (UW_BP_SAVED); PLT: the threshold of (pc & 15) */
+	__u8 cfa;      /* UW_CFA_*; END: the outermost frame */
+	__u8 bp;       /* UW_BP_* */
+};
+
+struct uw_map {
+	__u64 start;
+	__u64 end;
+	__u64 bias;   /* pc - bias: the image's link-time address */
+	__u32 first;  /* its rows in uw_rows: [first, first + count); count 0: no rows (first */
+	__u32 count;  /* UW_LOADING: not loaded yet) */
+};
+
+struct uw_proc {
+	__u32 n; /* mappings, sorted by start */
+	__u32 pad;
+	struct uw_map m[UW_MAPS];
+};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -136,6 +178,29 @@ struct {
 	__type(value, struct py_proc);
 } py_procs SEC(".maps");
 
+/* pid -> slot in uw_procs (an array, whose lookups the verifier inlines: the walk looks its
+ * process up at every step). Sizes set by user space before loading (1 without -g dwarf). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} uw_slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_proc);
+} uw_procs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_row);
+} uw_rows SEC(".maps");
+
 struct stacks_map {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1);
@@ -154,11 +219,16 @@ struct timeline_map {
 struct timeline_map timeline0 SEC(".maps");
 struct timeline_map timeline1 SEC(".maps");
 
-static __always_inline void bump(__u32 which)
+static __always_inline void bump_by(__u32 which, __u64 by)
 {
 	__u64 *n = bpf_map_lookup_elem(&stats, &which);
 	if (n)
-		*n += 1; /* per CPU: no other writer */
+		*n += by; /* per CPU: no other writer */
+}
+
+static __always_inline void bump(__u32 which)
+{
+	bump_by(which, 1);
 }
 
 /* The value under key in a hash map, made from init where there is none (another CPU may make it
@@ -256,6 +326,221 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
 	return fw.n;
 }
 
+/* One walk of the user stack with unwind rows, a step per bpf_loop iteration (the verifier checks
+ * the callback once: unrolled searches made the program too complex to load). Per frame: find the
+ * mapping of its pc (phase 1, a binary search), then the row in force (phase 2, another), then step
+ * to the caller. Code in no image described (JIT code) is stepped over as collect/unwind.py's
+ * _jit_step does: by its frame pointer where rbp points into the stack at a return address into an
+ * image (V8, the JVM, LuaJIT's maps), else as CPython's perf trampolines lay out their frame (`sub
+ * $8, %rsp; call *%rcx`: the return address 8 bytes above the callee's CFA, rbp untouched); each
+ * guess is taken only if its return address is in an image described (the same search, "probe").
+ */
+enum { UW_NEW_FRAME, UW_FIND_MAP, UW_FIND_ROW };
+enum { UW_NO_PROBE, UW_PROBE_FP, UW_PROBE_TRAMPOLINE };
+
+struct uw_walk {
+	__u64 pc;
+	__u64 sp;
+	__u64 bp;
+	__u64 look;  /* the address searched for: pc, pc - 1 for a return address (inside the call), or
+		      * a guessed return address (probe) */
+	__u64 vaddr; /* look - the mapping's bias */
+	__u64 cand_sp; /* a guessed caller's sp and bp (probe) */
+	__u64 cand_bp;
+	__u32 slot;
+	__u32 n;     /* frames written */
+	__u32 phase;
+	__u32 probe;
+	__u32 lo;
+	__u32 hi;
+	__u32 first;
+	__u32 complete;
+	__u32 fp;    /* frames stepped over by frame pointer */
+	__u32 loading;
+};
+
+/* The caller's frame by the row in force; 0 to stop. */
+static __always_inline int uw_row_step(struct uw_walk *w, struct uw_row *r)
+{
+	__u64 cfa;
+	switch (r->cfa) {
+	case UW_CFA_RSP:
+		cfa = w->sp + (__s64)r->cfa_off;
+		break;
+	case UW_CFA_RBP:
+		if (!w->bp)
+			return 0;
+		cfa = w->bp + (__s64)r->cfa_off;
+		break;
+	case UW_CFA_PLT:
+		cfa = w->sp + (__s64)r->cfa_off + (((w->look & 15) >= (__u64)r->bp_off) ? 8 : 0);
+		break;
+	case UW_CFA_END:
+		w->complete = 1;
+		return 0;
+	default:
+		return 0; /* no unwind information here (a gap between FDEs), or a rule not followed */
+	}
+	if (cfa <= w->sp)
+		return 0; /* the stack unwinds upwards: anything else is a wrong row or a corrupt stack */
+	__u64 ra = read_ptr(cfa - 8);
+	if (r->bp == UW_BP_SAVED)
+		w->bp = read_ptr(cfa + (__s64)r->bp_off);
+	else if (r->bp == UW_BP_LOST)
+		w->bp = 0;
+	w->sp = cfa;
+	w->pc = ra;
+	return ra != 0;
+}
+
+/* Search the process's mappings for look (phase UW_FIND_MAP). */
+static __always_inline void uw_find(struct uw_walk *w, struct uw_proc *p, __u64 look)
+{
+	w->look = look;
+	w->lo = 0;
+	w->hi = p->n < UW_MAPS ? p->n : UW_MAPS;
+	w->phase = UW_FIND_MAP;
+}
+
+/* Guess the caller of JIT code: first by its frame pointer, if rbp may point at a frame. */
+static __always_inline void uw_guess(struct uw_walk *w, struct uw_proc *p)
+{
+	if (w->bp && w->bp >= w->sp && !(w->bp & 7)) {
+		w->probe = UW_PROBE_FP;
+		w->cand_sp = w->bp + 16;
+		w->cand_bp = read_ptr(w->bp);
+		uw_find(w, p, read_ptr(w->bp + 8));
+	} else {
+		w->probe = UW_PROBE_TRAMPOLINE;
+		w->cand_sp = w->sp + 16;
+		w->cand_bp = w->bp;
+		uw_find(w, p, read_ptr(w->sp + 8));
+	}
+}
+
+static long uw_step(__u32 i, void *data)
+{
+	struct uw_walk *w = data;
+	__u32 zero = 0;
+	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
+	struct uw_proc *p = bpf_map_lookup_elem(&uw_procs, &w->slot);
+	if (!t || !p)
+		return 1;
+	if (w->phase == UW_NEW_FRAME) {
+		/* keep the frame's pc, and find its mapping */
+		__u32 j = w->n;
+		if (j >= MAX_USER || !w->pc)
+			return 1;
+		t->ip[MAX_KERNEL + j] = w->pc;
+		w->n = j + 1;
+		uw_find(w, p, j ? w->pc - 1 : w->pc);
+		return 0;
+	}
+	if (w->phase == UW_FIND_MAP) {
+		if (w->lo < w->hi) { /* the last mapping starting at or before look */
+			__u32 mid = ((w->lo + w->hi) / 2) & (UW_MAPS - 1);
+			if (p->m[mid].start <= w->look)
+				w->lo = mid + 1;
+			else
+				w->hi = mid;
+			return 0;
+		}
+		__u32 k = (w->lo - 1) & (UW_MAPS - 1);
+		int found = w->lo > 0 && w->look && w->look < p->m[k].end;
+		if (w->probe) {
+			/* a guessed return address: taken if it is in an image */
+			if (found) {
+				w->pc = w->look;
+				w->sp = w->cand_sp;
+				w->bp = w->cand_bp;
+				w->fp++;
+				w->probe = UW_NO_PROBE;
+				w->phase = UW_NEW_FRAME;
+				return 0;
+			}
+			if (w->probe == UW_PROBE_FP) {
+				w->probe = UW_PROBE_TRAMPOLINE;
+				w->cand_sp = w->sp + 16;
+				w->cand_bp = w->bp;
+				uw_find(w, p, read_ptr(w->sp + 8));
+				return 0;
+			}
+			return 1;
+		}
+		if (!found) {
+			uw_guess(w, p); /* in no image described: JIT code */
+			return 0;
+		}
+		if (p->m[k].count == 0) { /* an image without unwind rows (none, or not loaded yet) */
+			w->loading = p->m[k].first == UW_LOADING;
+			return 1;
+		}
+		w->vaddr = w->look - p->m[k].bias;
+		if (w->vaddr >> 32)
+			return 1;
+		w->first = p->m[k].first;
+		w->lo = p->m[k].first;
+		w->hi = p->m[k].first + p->m[k].count;
+		w->phase = UW_FIND_ROW;
+		return 0;
+	}
+	if (w->lo < w->hi) { /* the last row starting at or before vaddr */
+		__u32 mid = (w->lo + w->hi) / 2;
+		struct uw_row *r = bpf_map_lookup_elem(&uw_rows, &mid);
+		if (!r)
+			return 1;
+		if ((__u64)r->pc <= w->vaddr)
+			w->lo = mid + 1;
+		else
+			w->hi = mid;
+		return 0;
+	}
+	w->phase = UW_NEW_FRAME;
+	if (w->lo <= w->first)
+		return 1; /* before the image's first row */
+	__u32 at = w->lo - 1;
+	struct uw_row *r = bpf_map_lookup_elem(&uw_rows, &at);
+	if (!r)
+		return 1;
+	return uw_row_step(w, r) ? 0 : 1;
+}
+
+/* The sampled thread's user frames into t->ip[MAX_KERNEL...] (zeros after them): walked with unwind
+ * rows where user space has described the process, else by the kernel with frame pointers; the
+ * bytes written, or a negative error. */
+static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct trace *t, __u32 pid, int kernel)
+{
+	__u32 *slot = bpf_map_lookup_elem(&uw_slots, &pid);
+	if (!slot)
+		return bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+	for (int i = 0; i < MAX_USER; i++)
+		t->ip[MAX_KERNEL + i] = 0;
+	struct uw_walk w = {};
+	if (kernel) {
+		/* in a system call or an interrupt: the user registers saved at the kernel's entry */
+		struct pt_regs regs;
+		struct pt_regs *user = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+		if (!user || bpf_probe_read_kernel(&regs, sizeof(regs), user))
+			return -1;
+		w.pc = regs.rip;
+		w.sp = regs.rsp;
+		w.bp = regs.rbp;
+	} else {
+		/* the context's registers are read field by field: the verifier rewrites each load */
+		w.pc = ctx->regs.rip;
+		w.sp = ctx->regs.rsp;
+		w.bp = ctx->regs.rbp;
+	}
+	w.slot = *slot;
+	bpf_loop(UW_STEPS, uw_step, &w, 0);
+	bump(STAT_UW_WALKS);
+	bump_by(STAT_UW_FRAMES, w.n);
+	bump_by(STAT_UW_COMPLETE, w.complete);
+	bump_by(STAT_UW_FP, w.fp);
+	bump_by(STAT_UW_LOADING, w.loading);
+	return (long)w.n * 8;
+}
+
 static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen, __u64 pid_tgid)
 {
 	__u32 zero = 0;
@@ -265,7 +550,7 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	/* Both calls write their whole area (frames, then zeros; zeros on failure): the hash below
 	 * reads no byte of an earlier sample. In user mode the kernel part is empty. */
 	long nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
-	long nu = bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+	long nu = user_frames(ctx, t, pid_tgid >> 32, (ctx->regs.cs & 3) == 0);
 	if (nk < 0)
 		nk = 0;
 	if (nu < 0)
