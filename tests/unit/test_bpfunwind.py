@@ -87,10 +87,14 @@ class FakeLoader:
         self.tables = tables
         self.failed: dict[int, str] = {}
         self.calls = 0
+        self.needs: dict[int, float] = {}
 
     def __call__(self, image: int, pid: int = 0) -> object:
         self.calls += 1
         return self.tables.get(image, PENDING)
+
+    def need(self, image: int, pid: int, weight: float) -> None:
+        self.needs[image] = self.needs.get(image, 0.0) + weight
 
     def pending(self) -> bool:
         return False
@@ -158,8 +162,9 @@ def test_a_process_waits_for_rows_loading_and_is_described_again_when_they_arriv
     exe, libc = t.index_of("exe"), t.index_of("libc")
     ku.loader.tables = {exe: rows_of(5)}  # type: ignore[attr-defined]  # libc still loading
     mapper.procs[7] = proc(7, [(0x400000, 0x401000, 0, exe), (0x7F0000, 0x7F8000, 0x7E0000, libc)])
-    ku.watch([7])
+    ku.watch([7], [40.0])
     assert ku.waiting and bpf.maps(7)[1][3:] == (UW_LOADING, 0)  # walks stop there, counted as loading
+    assert ku.loader.needs[libc] == 40.0  # type: ignore[attr-defined]  # rows wait in order of samples
     ku.loader.tables[libc] = rows_of(8)  # type: ignore[attr-defined]
     ku.watch([])  # not sampled in this drain: described again all the same
     assert not ku.waiting and bpf.maps(7)[1][3:] == (5, 8)
@@ -199,3 +204,31 @@ def test_limits_rows_that_do_not_fit_processes_past_the_table_and_many_mappings(
 def test_the_summary_line(stats: dict[str, int], want: str | None) -> None:
     ku, _, _ = setup(FakeBpf())
     assert ku.summary(stats) == want
+
+
+def test_rows_load_in_order_of_need_not_of_asking() -> None:
+    import threading
+
+    t = ImageTable()
+    a, b, c = (t.intern(ImageInfo(k, f"/lib/{k}.so", "elf")) for k in "abc")
+    go = threading.Event()
+    order: list[int] = []
+
+    class Loader(bu.RowLoader):
+        def _load(self, image: int) -> object:
+            go.wait(5)
+            order.append(image)
+            return rows_of(image)
+
+    loader = Loader(t, None)
+    try:
+        assert loader(a, 1) is PENDING  # the worker may take it at once, and wait on go
+        assert loader(b, 2) is PENDING and loader(c, 3) is PENDING
+        loader.need(c, 3, 50.0)  # c's process has the samples
+        loader.need(b, 2, 1.0)
+        go.set()
+        loader.wait(5)
+        assert order.index(c) < order.index(b) and not loader.pending()
+        assert len(loader(c)) == c and loader(b) is not PENDING  # type: ignore[arg-type]
+    finally:
+        loader.close()

@@ -26,7 +26,7 @@ def test_the_committed_object_is_built_from_the_committed_source() -> None:
     want = (d / "SOURCES.sha256").read_text().strip()
     assert hashlib.sha256((d / "profile.bpf.c").read_bytes()).hexdigest() == want, (
         "profile.bpf.c changed: run scripts/build-bpf and commit profile.bpf.o")
-    assert (d / "profile.bpf.o").read_bytes()[:4] == b"\x7fELF"
+    assert all((d / n).read_bytes()[:4] == b"\x7fELF" for n in ("profile.bpf.o", "profile-unwind.bpf.o"))
     # The dtypes here are the C structs' layouts.
     assert (KEY_DTYPE.itemsize, VAL_DTYPE.itemsize, ebpf.TRACE_DTYPE.itemsize) == (
         24, 24, 8 + 8 * ebpf.MAX_FRAMES + 8 + 16 * ebpf.MAX_PY)

@@ -22,6 +22,10 @@ with no row. Images linked above 4 GiB are not described (rows keep 32-bit addre
 
 from __future__ import annotations
 
+import heapq
+import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +37,7 @@ from cyclescope.images import cfi
 
 if TYPE_CHECKING:
     from cyclescope.collect.ebpf import BpfAggregator
+    from cyclescope.images.cache import Cache
     from cyclescope.images.maps import Mapper
     from cyclescope.images.registry import ImageTable
 
@@ -47,6 +52,7 @@ UW_BP_SAME, UW_BP_SAVED, UW_BP_LOST = range(3)
 DEFAULT_ROWS = 1 << 21
 DEFAULT_PROCS = 1024
 SHORT_WAIT_S = 0.02
+FINISH_WAIT_S = 3.0
 
 
 def plt_rule(ops: list[tuple[str, list[int]]]) -> tuple[int, int] | None:
@@ -104,10 +110,92 @@ def encode(table: cfi.CfiTable) -> np.ndarray | None:
 
 
 class RowLoader(TableLoader):
-    """Each image's rows (``encode``d), loaded on the worker thread: from the per-user cache by
+    """Each image's rows (``encode``d), loaded on a worker thread: from the per-user cache by
     build-id (a millisecond), else from the image's CFI (images/cfi.py: readelf, a quarter of a
-    second for libc), then saved there; the CFI table itself is not cached (the ring path's
-    unwinder caches its own): until an image's rows are in, walks stop there."""
+    second for libc, seconds for the largest libraries), then saved there; the CFI table itself is
+    not cached (the ring path's unwinder caches its own). Until an image's rows are in, walks stop
+    there, so the images asked for wait in order of need (``need``: the samples of the processes
+    mapping them), not of asking: system-wide, a process mapping sixty libraries (a Python with
+    numpy and Arrow: the recorder itself) would otherwise hold up everyone else's libc."""
+
+    def __init__(self, images: ImageTable, cache: Cache | None = None, vdso: bytes | None = None) -> None:
+        super().__init__(images, cache, vdso)
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, int]] = []  # (-need, order, image)
+        self._need: dict[int, float] = {}  # image -> need, while it waits
+        self._results: dict[int, object] = {}
+        self._order = 0
+        self._stop = False
+        self._busy = False
+        self._worker = threading.Thread(target=self._run, name="cyclescope-uwrows", daemon=True)
+        self._worker.start()
+
+    def need(self, image: int, pid: int, weight: float) -> None:
+        """Add ``weight`` to the need of an image waiting to load (asked for by ``pid``)."""
+        with self._cv:
+            if image in self._need:
+                self._need[image] += weight
+                self._order += 1
+                heapq.heappush(self._heap, (-self._need[image], self._order, image))
+
+    def __call__(self, image: int, pid: int = 0) -> object:
+        t = self.tables.get(image, PENDING)
+        if t is not PENDING:
+            return t
+        with self._cv:
+            if image in self._results:
+                self.tables[image] = self._results.pop(image)
+                return self.tables[image]
+            if image not in self._need:
+                if pid:
+                    self.pids[image] = pid
+                self._need[image] = 0.0
+                self._order += 1
+                heapq.heappush(self._heap, (0.0, self._order, image))
+                self._cv.notify()
+        return PENDING
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._heap:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                need, _, image = heapq.heappop(self._heap)
+                if self._need.get(image) != -need:
+                    continue  # an older entry of an image since needed more (or loaded)
+                del self._need[image]
+                self._busy = True
+            try:
+                got = self._load(image)
+            except Exception as e:  # a file we cannot read: no rows, said in the summary
+                got = None
+                self.failed[image] = f"{type(e).__name__}: {e}"
+            with self._cv:
+                self._results[image] = got
+                self._busy = False
+                self._cv.notify_all()
+
+    def pending(self) -> bool:
+        with self._cv:
+            return bool(self._need) or self._busy
+
+    def wait(self, timeout: float) -> None:
+        """Until nothing waits or loads, or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while (self._need or self._busy) and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        super().close()
 
     def _load(self, image: int) -> object:
         info = self.images[image]
@@ -147,15 +235,27 @@ class KernelUnwind:
         self.no_room: set[int] = set()  # images whose rows did not fit
         self.procs: dict[int, _Described] = {}
         self.free = list(range(bpf.unwind_procs - 1, -1, -1))
+        self.own = os.getpid()
         self.described = 0
         self.too_many_maps = 0
         self.no_slot = 0
 
-    def watch(self, pids: list[int]) -> None:
-        """Describe the processes among ``pids`` whose mappings changed since, or that were never
-        described; describe again those waiting for a table that has arrived."""
-        todo = set(p for p in pids if p > 0) | {p for p, d in self.procs.items() if d.waiting}
+    def watch(self, pids: list[int], samples: list[float] | None = None) -> None:
+        """Describe the processes among ``pids`` (with their ``samples`` in this drain) whose
+        mappings changed since, or that were never described; describe again those waiting for
+        rows that have arrived. Rows still to load wait in order of their processes' samples."""
+        weight = dict(zip(pids, samples if samples is not None else [1.0] * len(pids), strict=True))
+        # Not this process (system-wide it samples itself): its sixty libraries' rows would be
+        # most of the rows and of the first minutes' loading; its stacks are walked by frame pointer.
+        todo = set(p for p in pids if p > 0 and p != self.own) | {p for p, d in self.procs.items() if d.waiting}
         self._watch(sorted(todo))
+        for pid in todo:
+            d = self.procs.get(pid)
+            st = self.mapper.procs.get(pid)
+            if d is not None and d.waiting and st is not None and weight.get(pid):
+                for img in set(st.images):
+                    if img > 0:
+                        self.loader.need(img, pid, weight[pid])
         if (self.starting or self.waiting) and self.loader.pending():
             # Rows come from the cache in milliseconds: a short wait here describes the processes
             # whole now rather than a drain later (the rings carry only side records here).
@@ -171,6 +271,8 @@ class KernelUnwind:
                     if img >= 0 and self._unwindable(img)]
             sig = tuple((s, e, img) for s, e, _, img in maps)
             old = self.procs.get(pid)
+            if old is None and not maps:
+                continue  # a kernel thread, or a process whose images we cannot walk: no slot
             if old is not None and old.signature == sig and not old.waiting:
                 continue
             self._describe(pid, maps, sig, old)
@@ -256,6 +358,9 @@ class KernelUnwind:
             self.free.append(d.slot)
 
     def close(self) -> None:
+        # Rows still loading are finished for the cache (a short command's next run finds them),
+        # within a bound.
+        self.loader.wait(FINISH_WAIT_S)
         self.loader.close()
 
     def summary(self, stats: dict[str, int]) -> str | None:

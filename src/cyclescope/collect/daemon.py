@@ -39,6 +39,7 @@ from cyclescope.perf.records import (
     SAMPLE_DTYPE,
     CommRecord,
     LostRecord,
+    MmapRecord,
     RecordDecoder,
     SideRecord,
     TaskRecord,
@@ -55,6 +56,10 @@ if TYPE_CHECKING:
 # quarters full by the next one.
 WAKE_MIN_FILL = 0.25
 FIRST_DRAIN_S = 0.05
+# The same while a command waits to be described to the eBPF program for unwinding (-g dwarf):
+# its samples until then have frame-pointer stacks, and a drain with nothing much to read costs
+# a millisecond or two.
+UNWIND_DRAIN_S = 0.01
 
 
 @dataclass
@@ -268,6 +273,8 @@ class Collector:
         # machine (tests/system/test_calc.py's branchy lost its trip counts).
         early = self.python is not None or self.unwind is not None
         first = min(self.cfg.drain_s, FIRST_DRAIN_S) if early else self.cfg.drain_s
+        if self.unwind is not None:
+            first = min(first, UNWIND_DRAIN_S)
         next_drain = start + first
         next_reap = start + self.cfg.reap_interval_s
         next_progress = start + 1.0 if self.progress else float("inf")
@@ -285,7 +292,7 @@ class Collector:
                     # waits for unwind rows: its stacks are walked whole from the drain that
                     # describes it with them.
                     soon = self.unwind is not None and (self.unwind.starting or self.unwind.waiting)
-                    next_drain = now + (min(self.cfg.drain_s, FIRST_DRAIN_S) if soon else self.cfg.drain_s)
+                    next_drain = now + (min(self.cfg.drain_s, UNWIND_DRAIN_S) if soon else self.cfg.drain_s)
                 if now >= next_rand:
                     self.session.rerandomize()
                     next_rand = now + self.cfg.rerandomize_s
@@ -431,7 +438,14 @@ class Collector:
         if self.unwind is not None:
             # Processes seen for the first time or whose mappings changed: their next user stacks
             # are walked with unwind rows (in system calls too: the kernel keeps their registers).
-            self.unwind.watch(np.unique(samples["pid"]).tolist())
+            # Processes that mapped code since the last drain too (an exec): described before
+            # their first samples come, a drain sooner.
+            pids, where = np.unique(samples["pid"], return_inverse=True)
+            weights = dict(zip(pids.tolist(), np.bincount(where, weights=rows.count).tolist(), strict=True))
+            for r in side:
+                if isinstance(r, MmapRecord) and r.executable:
+                    weights.setdefault(r.pid, 0.0)
+            self.unwind.watch(list(weights), list(weights.values()))
         return self._count(Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
                                  chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python))
 

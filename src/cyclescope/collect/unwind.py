@@ -14,9 +14,10 @@ saved word outside the snapshot (a deep stack: raise the snapshot size), a rule 
 or the depth limit. Why each walk stopped is counted.
 
 Reading an image's CFI takes up to a second (readelf's decoding, parsed: python3.11 0.9 s; 2-7 s
-through pyelftools where binutils is missing) the first time, before the per-user cache has it. It runs on a worker thread; samples that need a table still loading wait in a
-bounded queue and are unwound when it is ready, so the drain loop never stalls and no stack is cut
-short by the loading.
+through pyelftools where binutils is missing) the first time, before the per-user cache has it.
+It runs on a worker thread; samples that need a table still loading wait in a bounded queue and
+are unwound when it is ready, so the drain loop never stalls and no stack is cut short by the
+loading.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@
  * under their hash. The kernel's stack-trace map is not used: it drops a stack whose bucket holds
  * another, a loss that grows with the number of distinct stacks.
  *
- * Unwinding without frame pointers (with stacks, -g dwarf): for a process user space has described
+ * Unwinding without frame pointers (with stacks, -g dwarf; built as profile-unwind.bpf.o, with
+ * CYCLESCOPE_UNWIND defined: verifying the walk costs about 40 ms of CPU more at every load,
+ * which runs without it do not pay): for a process user space has described
  * (uw_slots, uw_procs), the user frames are walked here with unwind rows derived from the images'
  * .eh_frame (images/cfi.py, encoded by collect/bpfunwind.py into uw_rows), as the OpenTelemetry
  * eBPF profiler does: per frame, the mapping holding the pc (a binary search of the process's
@@ -326,6 +328,7 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
 	return fw.n;
 }
 
+#ifdef CYCLESCOPE_UNWIND
 /* One walk of the user stack with unwind rows, a step per bpf_loop iteration (the verifier checks
  * the callback once: unrolled searches made the program too complex to load). Per frame: find the
  * mapping of its pc (phase 1, a binary search), then the row in force (phase 2, another), then step
@@ -357,6 +360,8 @@ struct uw_walk {
 	__u32 complete;
 	__u32 fp;    /* frames stepped over by frame pointer */
 	__u32 loading;
+	__u32 unk;   /* 0, which the verifier does not know (below) */
+	__u32 pad;
 };
 
 /* The caller's frame by the row in force; 0 to stop. */
@@ -376,7 +381,7 @@ static __always_inline int uw_row_step(struct uw_walk *w, struct uw_row *r)
 		cfa = w->sp + (__s64)r->cfa_off + (((w->look & 15) >= (__u64)r->bp_off) ? 8 : 0);
 		break;
 	case UW_CFA_END:
-		w->complete = 1;
+		w->complete = 1 + w->unk;
 		return 0;
 	default:
 		return 0; /* no unwind information here (a gap between FDEs), or a rule not followed */
@@ -399,19 +404,19 @@ static __always_inline void uw_find(struct uw_walk *w, struct uw_proc *p, __u64 
 	w->look = look;
 	w->lo = 0;
 	w->hi = p->n < UW_MAPS ? p->n : UW_MAPS;
-	w->phase = UW_FIND_MAP;
+	w->phase = UW_FIND_MAP + w->unk;
 }
 
 /* Guess the caller of JIT code: first by its frame pointer, if rbp may point at a frame. */
 static __always_inline void uw_guess(struct uw_walk *w, struct uw_proc *p)
 {
 	if (w->bp && w->bp >= w->sp && !(w->bp & 7)) {
-		w->probe = UW_PROBE_FP;
+		w->probe = UW_PROBE_FP + w->unk;
 		w->cand_sp = w->bp + 16;
 		w->cand_bp = read_ptr(w->bp);
 		uw_find(w, p, read_ptr(w->bp + 8));
 	} else {
-		w->probe = UW_PROBE_TRAMPOLINE;
+		w->probe = UW_PROBE_TRAMPOLINE + w->unk;
 		w->cand_sp = w->sp + 16;
 		w->cand_bp = w->bp;
 		uw_find(w, p, read_ptr(w->sp + 8));
@@ -453,13 +458,13 @@ static long uw_step(__u32 i, void *data)
 				w->pc = w->look;
 				w->sp = w->cand_sp;
 				w->bp = w->cand_bp;
-				w->fp++;
-				w->probe = UW_NO_PROBE;
-				w->phase = UW_NEW_FRAME;
+				w->fp += 1 + w->unk;
+				w->probe = UW_NO_PROBE + w->unk;
+				w->phase = UW_NEW_FRAME + w->unk;
 				return 0;
 			}
 			if (w->probe == UW_PROBE_FP) {
-				w->probe = UW_PROBE_TRAMPOLINE;
+				w->probe = UW_PROBE_TRAMPOLINE + w->unk;
 				w->cand_sp = w->sp + 16;
 				w->cand_bp = w->bp;
 				uw_find(w, p, read_ptr(w->sp + 8));
@@ -472,7 +477,7 @@ static long uw_step(__u32 i, void *data)
 			return 0;
 		}
 		if (p->m[k].count == 0) { /* an image without unwind rows (none, or not loaded yet) */
-			w->loading = p->m[k].first == UW_LOADING;
+			w->loading = (p->m[k].first == UW_LOADING) + w->unk;
 			return 1;
 		}
 		w->vaddr = w->look - p->m[k].bias;
@@ -481,7 +486,7 @@ static long uw_step(__u32 i, void *data)
 		w->first = p->m[k].first;
 		w->lo = p->m[k].first;
 		w->hi = p->m[k].first + p->m[k].count;
-		w->phase = UW_FIND_ROW;
+		w->phase = UW_FIND_ROW + w->unk;
 		return 0;
 	}
 	if (w->lo < w->hi) { /* the last row starting at or before vaddr */
@@ -495,7 +500,7 @@ static long uw_step(__u32 i, void *data)
 			w->hi = mid;
 		return 0;
 	}
-	w->phase = UW_NEW_FRAME;
+	w->phase = UW_NEW_FRAME + w->unk;
 	if (w->lo <= w->first)
 		return 1; /* before the image's first row */
 	__u32 at = w->lo - 1;
@@ -532,6 +537,17 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
 		w.bp = ctx->regs.rbp;
 	}
 	w.slot = *slot;
+	/* Zero at run time, a value unknown to the verifier (t->pad is only ever written 0): the
+	 * walk's counters and phases, constants otherwise, made it check the callback once per
+	 * combination of them (160,000 instructions and half a second of CPU at every load; 20,000
+	 * and 50 ms so). Every constant stored into the walk's state adds w->unk for that reason. */
+	w.unk = t->pad;
+	w.n = w.unk;
+	w.fp = w.unk;
+	w.phase = w.unk;
+	w.probe = w.unk;
+	w.complete = w.unk;
+	w.loading = w.unk;
 	bpf_loop(UW_STEPS, uw_step, &w, 0);
 	bump(STAT_UW_WALKS);
 	bump_by(STAT_UW_FRAMES, w.n);
@@ -540,6 +556,7 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
 	bump_by(STAT_UW_LOADING, w.loading);
 	return (long)w.n * 8;
 }
+#endif /* CYCLESCOPE_UNWIND */
 
 static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen, __u64 pid_tgid)
 {
@@ -550,7 +567,11 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	/* Both calls write their whole area (frames, then zeros; zeros on failure): the hash below
 	 * reads no byte of an earlier sample. In user mode the kernel part is empty. */
 	long nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
+#ifdef CYCLESCOPE_UNWIND
 	long nu = user_frames(ctx, t, pid_tgid >> 32, (ctx->regs.cs & 3) == 0);
+#else
+	long nu = bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+#endif
 	if (nk < 0)
 		nk = 0;
 	if (nu < 0)
