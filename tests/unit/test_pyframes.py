@@ -58,6 +58,9 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg), forget_python=lambda pid: None)
     pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
     pf.watch([os.getpid()])
+    assert not described  # the recorder does not read its own frames
+    pf.own = -1  # here it is the target
+    pf.watch([os.getpid()])
     assert os.getpid() in described, "this interpreter was not recognized"
     o = OFFSETS[(sys.version_info.major, sys.version_info.minor)]
     code = sample_function.__code__
