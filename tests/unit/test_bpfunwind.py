@@ -232,3 +232,25 @@ def test_rows_load_in_order_of_need_not_of_asking() -> None:
         assert len(loader(c)) == c and loader(b) is not PENDING  # type: ignore[arg-type]
     finally:
         loader.close()
+
+
+def test_rows_of_images_no_process_maps_are_reclaimed_when_rows_run_out() -> None:
+    bpf = FakeBpf(rows=50, procs=4)
+    ku, t, mapper = setup(bpf)
+    exe, libc = t.index_of("exe"), t.index_of("libc")
+    new = t.intern(ImageInfo("new", "/bin/new", "elf"))
+    tables = {exe: rows_of(15), libc: rows_of(20), new: rows_of(25)}
+    ku.loader.tables = dict(tables)  # type: ignore[attr-defined]
+    ku.loader.reload = lambda img: tables[img]  # type: ignore[attr-defined,method-assign]
+    mapper.procs[7] = proc(7, [(0x400000, 0x401000, 0, exe), (0x7F0000, 0x7F8000, 0x7E0000, libc)])
+    mapper.procs[8] = proc(8, [(0x7F0000, 0x7F8000, 0x7E0000, libc)])
+    ku.watch([7, 8])
+    assert ku.rows == {exe: (0, 15), libc: (15, 20)} and ku.next_row == 35
+    ku.forget(7)  # exe is mapped by nobody now: 15 rows, over a quarter of them
+    mapper.procs[9] = proc(9, [(0x500000, 0x501000, 0, new)])
+    ku.watch([9])  # 25 rows do not fit in the 15 left: no room, for now
+    assert ku.no_room == {new} and bpf.maps(9)[0][3:] == (0, 0)
+    ku.watch([])  # the next drain compacts: libc's rows move to the start, new's follow
+    assert ku.compactions == 1 and ku.rows == {libc: (0, 20), new: (20, 25)} and not ku.no_room
+    assert bpf.maps(8)[0][3:] == (0, 20) and bpf.maps(9)[0][3:] == (20, 25)
+    assert bpf.rows["pc"][20:45].tolist() == tables[new]["pc"].tolist()

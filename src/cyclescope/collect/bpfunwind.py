@@ -177,6 +177,14 @@ class RowLoader(TableLoader):
                 self._busy = False
                 self._cv.notify_all()
 
+    def reload(self, image: int) -> object:
+        """An image's rows again, now (rows written to the program are not kept here: from the
+        cache in milliseconds, else built again)."""
+        try:
+            return self._load(image)
+        except Exception:  # a file gone since: its processes' walks stop there
+            return None
+
     def pending(self) -> bool:
         with self._cv:
             return bool(self._need) or self._busy
@@ -219,6 +227,7 @@ class _Described:
     slot: int
     signature: tuple[tuple[int, int, int], ...]  # (start, end, image) of the mappings described
     waiting: bool  # some image's table was still loading
+    images: frozenset[int] = frozenset()
 
 
 class KernelUnwind:
@@ -239,6 +248,7 @@ class KernelUnwind:
         self.described = 0
         self.too_many_maps = 0
         self.no_slot = 0
+        self.compactions = 0
 
     def watch(self, pids: list[int], samples: list[float] | None = None) -> None:
         """Describe the processes among ``pids`` (with their ``samples`` in this drain) whose
@@ -248,6 +258,9 @@ class KernelUnwind:
         # Not this process (system-wide it samples itself): its sixty libraries' rows would be
         # most of the rows and of the first minutes' loading; its stacks are walked by frame pointer.
         todo = set(p for p in pids if p > 0 and p != self.own) | {p for p, d in self.procs.items() if d.waiting}
+        if self._compact_due():
+            self._compact()
+            todo |= set(self.procs)  # every description names rows that moved
         self._watch(sorted(todo))
         for pid in todo:
             d = self.procs.get(pid)
@@ -328,7 +341,7 @@ class KernelUnwind:
             return
         if old is None:
             self.described += 1
-        self.procs[pid] = _Described(slot, sig, waiting)
+        self.procs[pid] = _Described(slot, sig, waiting, frozenset(rows))
 
     def _rows_of(self, image: int, pid: int) -> object:
         """(first, count) of the image's rows in the program (written now if they were not),
@@ -348,7 +361,38 @@ class KernelUnwind:
             self.bpf.write_rows(self.next_row, enc)
             self.rows[image] = (self.next_row, len(enc))
             self.next_row += len(enc)
+            self.loader.tables.pop(image, None)  # in the program now (and in the cache)
         return self.rows[image]
+
+    def _compact_due(self) -> bool:
+        """Rows ran out (or are three quarters used) and images no process described maps hold a
+        quarter of them: a daemon sees images come and go (builds, upgrades)."""
+        cap = self.bpf.unwind_rows
+        if not self.no_room and self.next_row <= 0.75 * cap:
+            return False
+        live = {img for d in self.procs.values() for img in d.images}
+        dead = sum(c for img, (_, c) in self.rows.items() if img not in live)
+        return dead >= 0.25 * cap  # each compaction frees a quarter at least: no rewrite every drain
+
+    def _compact(self) -> None:
+        """Write the rows of the images processes described map from the array's start again (the
+        others' are dropped; an image that had no room is tried again). Walks running meanwhile may
+        read a moved row: a few stacks cut or wrong during the rewrite (milliseconds)."""
+        live = {img for d in self.procs.values() for img in d.images}
+        old = sorted(self.rows.items(), key=lambda kv: kv[1][0])
+        self.rows, self.next_row, self.no_room = {}, 0, set()
+        for img, (_, count) in old:
+            if img not in live or count == 0:
+                continue  # an image without rows is looked at again when a process maps it
+            enc = self.loader.reload(img)
+            if not isinstance(enc, np.ndarray) or len(enc) != count:
+                continue
+            self.bpf.write_rows(self.next_row, enc)
+            self.rows[img] = (self.next_row, count)
+            self.next_row += count
+        for d in self.procs.values():
+            d.signature = ()  # described again by the caller
+        self.compactions += 1
 
     def forget(self, pid: int) -> None:
         """The process exited or exec'd: its description no longer holds."""
@@ -380,6 +424,8 @@ class KernelUnwind:
             extra.append(f"no unwind tables for {len(self.loader.failed)} images")
         if self.no_room:
             extra.append(f"no room for the rows of {len(self.no_room)} images")
+        if self.compactions:
+            extra.append(f"rows compacted {self.compactions} times")
         if self.no_slot:
             extra.append(f"{self.no_slot:,} processes not described (the program's table was full)")
         return line + ("; " + "; ".join(extra) if extra else "")
