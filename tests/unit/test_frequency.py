@@ -134,3 +134,21 @@ def test_a_tiny_class_on_a_loop_keeps_its_estimate() -> None:
     fr = estimate_frequencies(cfg, cycle_equivalence(cfg), model_for(ms), samples)
     assert fr.block_method[1] in ("issue-points", "repaired")
     assert fr.block[1] == pytest.approx(500, rel=0.1), fr.block
+
+
+def test_the_repair_keeps_a_small_measured_count_beside_a_huge_one() -> None:
+    """An outer loop of 1,500 passes around an inner loop of 10^8 iterations: the repair works in
+    integers, and with the largest count scaled to 10^6 alone the outer one had one or two digits,
+    so a unit's move (10%) turned its measurement into a repaired guess."""
+    from cyclescope.analysis.frequency import Measured
+
+    # ENTRY -> 0 -> outer {1 -> inner {2 -> 2} -> 3 -> 1} -> 4 -> EXIT
+    cfg = make_cfg(5, [(ENTRY, 0), (0, 1), (1, 2), (2, 2), (2, 3), (3, 1), (1, 4), (4, EXIT)])
+    cfg = with_insns(cfg, [2, 2, 4, 2, 2])
+    ms = [[1, 1], [1, 1], [1, 1, 1, 1], [1, 1], [1, 1]]
+    samples = [1, 1, 1_300, 1_300, 1e8, 1e8, 1e8, 1e8, 1_700, 1_700, 1, 1]  # the model's: off by 13%
+    measured = {1: Measured(1_500.0, "high", "loop-counter", "pairs"), 2: Measured(98_304_000.0, "high",
+                                                                                    "loop-trips", "trips")}
+    fr = estimate_frequencies(cfg, cycle_equivalence(cfg), model_for(ms), samples, measured=measured)
+    assert fr.block[1] == pytest.approx(1_500, rel=0.01) and fr.block_method[1] == "loop-counter"
+    assert fr.block[2] == pytest.approx(98_304_000, rel=0.001) and fr.block_method[2] == "loop-trips"

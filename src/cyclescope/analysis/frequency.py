@@ -359,8 +359,12 @@ def _repair(cfg: CFG, classes: Classes, fr: Frequencies) -> None:
     known = [v for v in fr.block + fr.edge if v is not None and v > 0]
     if not known:
         return
-    scale = 1_000_000 / max(known)
-    big = 10**12
+    # Network simplex works in integers: counts are scaled so that the smallest estimate keeps
+    # three digits (and the largest six at least). Scaling the largest alone to 10^6 left an outer
+    # loop of 1,500 passes around an inner loop of 10^8 iterations with one or two digits: the
+    # repair moved its measured count by a unit, 10%, and it was no longer a measurement.
+    scale = min(max(1_000_000 / max(known), 1_000 / min(known)), 10**13 / max(known))
+    big = 10**16
     g = nx.DiGraph()
     arcs: dict[tuple[str, int], tuple[str, str]] = {}
 
