@@ -52,7 +52,7 @@ UW_BP_SAME, UW_BP_SAVED, UW_BP_LOST = range(3)
 DEFAULT_ROWS = 1 << 21
 DEFAULT_PROCS = 1024
 SHORT_WAIT_S = 0.02
-FINISH_WAIT_S = 3.0
+FINISH_WAIT_S = 1.0  # bounds the delay at exit
 
 
 def plt_rule(ops: list[tuple[str, list[int]]]) -> tuple[int, int] | None:
