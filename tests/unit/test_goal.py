@@ -215,7 +215,8 @@ def test_load_avoidance_pairs_a_load_with_the_access_before_it_whose_address_it_
     store, load_q = 3, 7  # mov [rdi + 8], rcx; mov r8, [rsi + 8]
     assert (store, load_q) in got
     c = next(c for c in pairs if m.cfg.insns[c.point].address - AT == load_q)
-    assert c.kind == "load" and c.reg == f"same-as-{AT + store:x}" and c.benefit == c.freq * 1.0
+    assert c.kind == "load" and c.reg == f"same-as-{AT + store:x}@{AT + load_q:x}" and c.benefit == c.freq * 1.0
+    assert len({c.reg for c in pairs}) == len(pairs)  # one M1 pairs with several loads: each its own name
     # [rdi + 16] after [rdi + 8]: the same register, a known difference, no candidate; the loads
     # after the call pair with nothing before it; [rsi] after `add rdi, 8` is not paired with [rdi]
     # (its register changed between them)
@@ -227,3 +228,17 @@ def test_load_avoidance_pairs_a_load_with_the_access_before_it_whose_address_it_
     # where the two addresses are the ones at the load: the whole loop (rdi, rsi never change in it)
     where = m.load_range(c.pair, c.point)
     assert {m.cfg.block_of[x] for x in where} >= {m.cfg.block_of[c.point]}
+
+
+def test_one_store_paired_with_two_loads_names_each_pair(tmp_path: Path) -> None:
+    """[rdi + 8] is stored, then [rsi + 8] and [rdx + 8] are loaded: both loads may take the stored
+    value, and the two expressions, live over the same instructions, are two hotlists."""
+    m = model("""
+    mov qword ptr [rdi + 8], rcx
+    mov r8, qword ptr [rsi + 8]
+    mov r9, qword ptr [rdx + 8]
+    add r8, r9
+    ret
+""", tmp_path, {0: 64.0})
+    store = [c for c in m.load_pairs() if m.cfg.insns[c.pair].address == AT]
+    assert len(store) == 2 and len({c.reg for c in store}) == 2, [c.reg for c in store]

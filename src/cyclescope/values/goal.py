@@ -109,7 +109,7 @@ def read_plan(path: str | Path) -> Plan:
     return Plan(points, doc)
 
 
-SAME = "same-as-"  # load avoidance's expression: address(M1) - address(M2), named by M1's address
+SAME = "same-as-"  # load avoidance's expression: address(M1) - address(M2), named by both addresses
 
 
 def operands(what: str) -> tuple[RegView] | tuple[RegView, RegView] | None:
