@@ -215,7 +215,7 @@ def test_load_avoidance_pairs_a_load_with_the_access_before_it_whose_address_it_
     store, load_q = 3, 7  # mov [rdi + 8], rcx; mov r8, [rsi + 8]
     assert (store, load_q) in got
     c = next(c for c in pairs if m.cfg.insns[c.point].address - AT == load_q)
-    assert c.kind == "load" and c.reg == f"same-as-{AT + store:x}@{AT + load_q:x}" and c.benefit == c.freq * 1.0
+    assert c.kind == "load" and c.reg == f"same-as-{AT + store:x}-{AT + load_q:x}" and c.benefit == c.freq * 1.0
     assert len({c.reg for c in pairs}) == len(pairs)  # one M1 pairs with several loads: each its own name
     # [rdi + 16] after [rdi + 8]: the same register, a known difference, no candidate; the loads
     # after the call pair with nothing before it; [rsi] after `add rdi, 8` is not paired with [rdi]

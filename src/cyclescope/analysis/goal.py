@@ -69,7 +69,7 @@ class Candidate:
     """A profiling candidate: the value of ``reg`` (or of an expression) at a program point."""
 
     point: int  # instruction index: the definition (the value just after it); -1: the procedure's entry
-    reg: str  # 64-bit register name, or the expression ("rdi-rsi", "trips@...", "same-as-ADDR@ADDR")
+    reg: str  # 64-bit register name, or the expression ("rdi-rsi", "trips@...", "same-as-ADDR-ADDR")
     kind: str  # "argument" (entry), "register" (a definition), "trips", "difference", "load"
     freq: float  # ExecutionFreq(p): executions of the point
     benefit: float  # Benefit(p, r): cycles the run would save if the value were always known
@@ -276,7 +276,8 @@ class GoalModel:
         changed since M1, and whose address is not statically M1's or statically different (the
         same registers): if the two addresses are usually equal, M2 need not load (it takes what
         M1 stored or loaded, after a test of the addresses). The expression profiled is
-        address(M1) - address(M2), named ``same-as-<M1's address>@<M2's>``; the saving is M2's latency."""
+        address(M1) - address(M2), named ``same-as-<M1's address>-<M2's>`` (not @, which names
+        call sites in kinds); the saving is M2's latency."""
         out = []
         infos = self.infos
         for b in self.cfg.blocks:
@@ -316,7 +317,7 @@ class GoalModel:
             return None  # the same registers: the difference is the displacements', known statically
         fk = self.freq[k]
         # Named by both accesses: one M1 pairs with several loads, whose live ranges may overlap.
-        name = f"same-as-{self.cfg.insns[j].address:x}@{self.cfg.insns[k].address:x}"
+        name = f"same-as-{self.cfg.insns[j].address:x}-{self.cfg.insns[k].address:x}"
         return Candidate(k, name, "load", fk, fk * self.latency[k], [k], [(k, name)], at=k, pair=j)
 
     def load_range(self, j: int, k: int) -> list[int]:
