@@ -658,7 +658,7 @@ class Collector:
         if self.totals.lost_stacks:
             out.append(f"{self.totals.lost_stacks:,} samples were counted without their stacks (the eBPF "
                        "program's stack map was full; fewer distinct stacks a second, or a lower rate)")
-        if self.unwind is not None and self.bpf is not None:
+        if self.unwind is not None:
             line = self.unwind.summary(self._bpf_stats)
             if line is not None:
                 out.append(line)

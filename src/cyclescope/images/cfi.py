@@ -316,15 +316,20 @@ def _row(cfa: str, ra: str | None, bp: str | None, expr: int) -> Row:
     return Row(kind, reg, off, ra_kind, ra_off, bp_kind, bp_off, expr)
 
 
+def _first_section(text: str) -> str:
+    """readelf's dump of the first frame section only (.eh_frame, else .debug_frame, as build()
+    reads them): it prints one "Contents of the ..." block per section."""
+    second = text.find("Contents of the ", text.find("Contents of the ") + 1)
+    return text[:second] if second >= 0 else text
+
+
 def _parse_interp(text: str) -> dict[int, tuple[int, list[tuple[int, str, str | None, str | None]]]]:
     """readelf -wF: FDE start -> (end, rows (pc, CFA, return address rule, rbp rule)), an FDE
     without rows taking its CIE's initial row. Only the first section dumped (.eh_frame, else
     .debug_frame, as build() reads them)."""
     cies: dict[str, tuple[str, str | None, str | None]] = {}
     fdes: dict[int, tuple[int, list[tuple[int, str, str | None, str | None]]]] = {}
-    second = text.find("Contents of the ", text.find("Contents of the ") + 1)
-    if second >= 0:
-        text = text[:second]
+    text = _first_section(text)
     for block in text.split("\n\n"):
         lines = block.strip("\n").splitlines()
         if not lines:
@@ -363,9 +368,7 @@ _EXPR_SCAN = re.compile(r"^[0-9a-f]+ [0-9a-f]+ [0-9a-f]+ FDE cie=[0-9a-f]+ pc=([
 
 def _parse_expressions(text: str) -> dict[int, list[list[tuple[str, list[int]]]]]:
     """readelf -wf: FDE start -> the expressions of its DW_CFA_def_cfa_expression, in order."""
-    second = text.find("Contents of the ", text.find("Contents of the ") + 1)
-    if second >= 0:
-        text = text[:second]
+    text = _first_section(text)
     out: dict[int, list[list[tuple[str, list[int]]]]] = {}
     lo: int | None = None
     for m in _EXPR_SCAN.finditer(text):
