@@ -3,10 +3,11 @@
 tests/programs/pyshares.py runs three functions with the same work per iteration, 70/20/10
 iterations in every 100, and (--time) prints the wall time each one took: the truth of the
 run. Two ways of naming Python frames, alternated:
-- perfmap: `record --no-loop-counts -g dwarf,32768 -F 2000 -- pythonX.Y -X perf` (3.12 and 3.13
+- perfmap: `record --collector perf --no-loop-counts -g dwarf,32768 -F 2000 -- pythonX.Y -X perf`
+  (the rings, whose unwinder walks the JIT frames the perf map names; 3.12 and 3.13
   write the perf map that names their trampolines; 3.11 has no such option);
 - bpf: `record --collector bpf --no-loop-counts -g fp -F 2000 -- pythonX.Y` (no option: the eBPF
-  program reads the frames from the interpreter's memory; 3.11 to 3.13).
+  program reads the frames from the interpreter's memory; 3.10 to 3.13).
 From `export collapsed`: each function's share of the samples under the three (its frames
 inclusive), the error against the truth in points, how complete the stacks are (perfmap: the
 share of samples under `py::main` whose outermost frame is `_start`; bpf: whose outermost is
@@ -35,7 +36,9 @@ FUNCS = ("seventy", "twenty", "ten")
 def interpreters(mode: str) -> list[tuple[str, str, list[str]]]:
     out = []
     perf = ["-X", "perf"] if mode == "perfmap" else []
-    for v, flags in (("3.11", []), ("3.12", perf), ("3.13", perf)):
+    versions = (("3.11", []), ("3.12", perf), ("3.13", perf)) if mode == "perfmap" else (
+        ("3.10", []), ("3.11", []), ("3.12", []), ("3.13", []))
+    for v, flags in versions:
         found = sorted(glob.glob(f"/root/.pyenv/versions/{v}*/bin/python{v}")) or [shutil.which(f"python{v}") or ""]
         if found[0] and "/shims/" not in found[0]:
             out.append((v, found[0], flags))
@@ -45,7 +48,7 @@ def interpreters(mode: str) -> list[tuple[str, str, list[str]]]:
 def one(mode: str, exe: str, flags: list[str], iterations: int, tmp: Path) -> dict[str, Any]:
     db = tmp / "db"
     shutil.rmtree(db, ignore_errors=True)
-    how = ["-g", "dwarf,32768"] if mode == "perfmap" else ["--collector", "bpf", "-g", "fp"]
+    how = ["--collector", "perf", "-g", "dwarf,32768"] if mode == "perfmap" else ["--collector", "bpf", "-g", "fp"]
     r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--no-loop-counts", *how, "-F", "2000",
                            "--", exe, *flags, str(PROGRAM), str(iterations), "--time"))
     if r.returncode != 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.system.helpers import cs, folded, prof_json, samples_of
+from tests.system.helpers import cs, cs_popen, folded, prof_json, samples_of
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
 PROGRAMS = Path(__file__).parents[1] / "programs"
@@ -118,12 +118,14 @@ def test_python_frames_from_perf_maps_are_named_and_stacks_are_complete(python: 
 
 
 def interpreters_without_perf_maps() -> list[str]:
-    """CPython 3.11-3.13 interpreters here: this one (3.11 on these machines) and pyenv's."""
+    """CPython 3.10-3.13 interpreters here: this one (3.11 on these machines) and pyenv's (3.10
+    has no native_thread_id: its thread is found through glibc's struct pthread)."""
     import os
     import sys
 
-    out = [os.path.realpath(sys.executable)] if (3, 11) <= sys.version_info[:2] <= (3, 13) else []
-    return out + [p for p in pythons() if os.path.realpath(p) not in out]
+    out = [os.path.realpath(sys.executable)] if (3, 10) <= sys.version_info[:2] <= (3, 13) else []
+    old = sorted(glob.glob("/root/.pyenv/versions/3.10*/bin/python3.10"))
+    return out + [p for p in old[:1] + pythons() if os.path.realpath(p) not in out]
 
 
 @pytest.mark.usefixtures("bpf_loads")
@@ -136,8 +138,8 @@ def test_python_frames_read_from_the_interpreter_without_x_perf(python: str, tmp
     st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
     script = str(PROGRAMS / "pyshares.py")
     named = {s: n for s, n in st.items() if f"py::main:{script}" in s.split(";")}
-    # The first drain (a quarter second) describes the process to the program; samples before it
-    # have no Python frames.
+    # The drain that describes the process to the program comes once its interpreter has started
+    # (every 50 ms until then); samples before it have no Python frames.
     assert sum(named.values()) > 0.6 * sum(st.values()), st.most_common(5)
     # Root first: the module, main, then one of the three functions.
     assert all(s.split(";")[:2] == [f"py::<module>:{script}", f"py::main:{script}"] for s in named)
@@ -150,3 +152,27 @@ def test_python_frames_read_from_the_interpreter_without_x_perf(python: str, tmp
     with_lines = folded(cs("export", "collapsed", "--db", str(db), "--offsets").stdout)
     lines = {int(f.rsplit(":", 1)[1]) for s in with_lines for f in s.split(";") if f.startswith("py::seventy:")}
     assert lines and lines <= set(range(first, first + 5)), (lines, first)  # its def line: entering it
+
+
+@pytest.mark.usefixtures("bpf_loads")
+def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_path: Path) -> None:
+    """System-wide, drains are a second apart: a process mapping an interpreter brings the drain
+    that describes it forward, and the samples of its last drain keep their Python frames (its exit
+    is read in that drain: it is forgotten after them)."""
+    import os
+    import sys
+    import time
+
+    exe = tmp_path / "pyshares-py"  # its own command name, told apart from the recorder's
+    exe.symlink_to(os.path.realpath(sys.executable))
+    db = tmp_path / "db"
+    rec = cs_popen("record", "--db", str(db), "-a", "--collector", "bpf", "-g", "fp", "-F", "1000", "-d", "6")
+    time.sleep(2.5)  # sampling by then (its start-up takes about half a second)
+    subprocess.run([str(exe), str(PROGRAMS / "pyshares.py"), "150"], check=True, timeout=120,
+                   capture_output=True)
+    _, err = rec.communicate(timeout=120)
+    assert rec.returncode == 0, err
+    st = folded(cs("export", "collapsed", "--db", str(db), "--process", "pyshares-py").stdout)
+    script = str(PROGRAMS / "pyshares.py")
+    named = sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";"))
+    assert sum(st.values()) > 200 and named > 0.7 * sum(st.values()), st.most_common(5)

@@ -161,3 +161,29 @@ def test_the_ebpf_program_walks_stacks_without_frame_pointers(tmp_path: Path) ->
             assert ours["main;outer;inner;leaf"] + ours["main;outer;leaf"] >= 0.97 * leafy, ours
     # About two thirds of leaf's calls are under inner (2 of its 3 calls per outer), either way.
     assert 0.5 < paths["dwarf"] < 0.8 and abs(paths["dwarf"] - paths["fp"]) < 0.06, paths
+
+
+def test_each_description_of_a_process_has_its_own_generation() -> None:
+    """The program caches the row found at each address per (slot, generation): a process
+    described again (its mappings changed, or the rows moved) must never meet the old entries."""
+    import ctypes
+
+    import numpy as np
+
+    from cyclescope.collect.ebpf import UW_PROC_DTYPE, BpfUnavailable, load
+
+    try:
+        bpf = load(1 << 10, 1 << 10, 1 << 10, 4)
+    except (BpfUnavailable, OSError) as e:
+        pytest.skip(f"the eBPF path cannot run here: {e}")
+    try:
+        gens = []
+        for _ in range(3):
+            bpf.describe_unwind(1, 2, np.zeros(1, UW_PROC_DTYPE))
+            back = np.zeros(1, UW_PROC_DTYPE)
+            key = ctypes.c_uint32(2)
+            assert bpf._l.lib.bpf_map_lookup_elem(bpf.fds["uw_procs"], ctypes.byref(key), back.ctypes.data) == 0
+            gens.append(int(back["gen"][0]))
+        assert len(set(gens)) == 3 and 0 not in gens
+    finally:
+        bpf.close()

@@ -3,14 +3,28 @@ objects named from this very process's memory, and the splice into native stacks
 
 from __future__ import annotations
 
+import ctypes
 import dis
+import glob
+import json
 import os
+import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
 
-from cyclescope.collect.pyframes import OFFSETS, SLOT_BITS, PythonFrames, line_ranges, splice
+from cyclescope.collect import pyframes
+from cyclescope.collect.pyframes import (
+    OFFSETS,
+    SLOT_BITS,
+    PythonFrames,
+    line_ranges,
+    line_ranges_310,
+    pthread_tid_offset,
+    splice,
+)
 from cyclescope.images.registry import ImageTable
 
 
@@ -42,6 +56,59 @@ def test_location_tables_read_as_cpython_reads_them() -> None:
         def per_unit(rs: list) -> dict[int, int | None]:
             return {u: ln for a, b, ln in rs for u in range(a, b, 2)}
         assert per_unit(ours) == per_unit(theirs), code.co_name
+
+
+def test_a_310_line_table_reads_as_its_pairs_say() -> None:
+    """PEP 626's 3.10 table: (bytes, line delta) pairs; -128 no line; empty ranges dropped."""
+    table = bytes([6, 0, 4, 1, 0, 2, 8, 128, 2, 0xFF])  # +0 over 6 bytes, +1, (0, +2), no line, -1
+    assert line_ranges_310(table, 10) == [(0, 3, 10), (3, 5, 11), (5, 9, None), (9, 10, 12)]
+
+
+def _python310() -> str | None:
+    found = sorted(glob.glob("/root/.pyenv/versions/3.10*/bin/python3.10"))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(_python310() is None, reason="no CPython 3.10 here (pyenv's) to compare co_lines() with")
+def test_310_line_tables_read_as_cpython_310_reads_them() -> None:
+    """Every code object of a 3.10 standard library module: its table read here against the
+    co_lines() of a 3.10 interpreter (run as a child: this one is 3.11+)."""
+    dump = r"""
+import json, sys, types, json.decoder, textwrap, argparse
+def walk(c):
+    yield c
+    for k in c.co_consts:
+        if isinstance(k, types.CodeType):
+            yield from walk(k)
+out = []
+for mod in (json.decoder, textwrap, argparse):
+    src = open(mod.__file__).read()
+    for c in walk(compile(src, mod.__file__, "exec")):
+        out.append([c.co_linetable.hex(), c.co_firstlineno, len(c.co_code), list(c.co_lines())])
+print(json.dumps(out))
+"""
+    codes = json.loads(subprocess.run([str(_python310()), "-c", dump], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert len(codes) > 100
+    for table, first, size, theirs in codes:
+        ours = {u: ln for a, b, ln in line_ranges_310(bytes.fromhex(table), first) for u in range(a, b)}
+        ref = {a // 2 + k: ln for a, b, ln in theirs for k in range((b - a) // 2)}
+        assert ours == ref and max(ours) < size // 2
+
+
+def test_glibc_pthread_holds_the_thread_id_where_a_310_walk_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3.10's thread states name their thread by pthread_t; the tid is read from glibc's struct
+    pthread. This thread is the target: a thread state of two fields (next, thread_id) holding
+    its pthread_t (threading.get_ident())."""
+    state = (ctypes.c_uint64 * 2)(0, threading.get_ident())
+    head = ctypes.c_uint64(ctypes.addressof(state))
+    o = dict(OFFSETS[(3, 10)], tstate_next=0, tstate_tid=8)
+    assert pthread_tid_offset(os.getpid(), ctypes.addressof(head), o) == 0x2D0
+    monkeypatch.setattr(pyframes, "PTHREAD_TID", 8)  # another C library's layout: found by the scan
+    assert pthread_tid_offset(os.getpid(), ctypes.addressof(head), o) == 0x2D0
+    zeros = ctypes.create_string_buffer(0x800)
+    state[1] = ctypes.addressof(zeros)  # no tid anywhere in what it points at
+    assert pthread_tid_offset(os.getpid(), ctypes.addressof(head), o) is None
 
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,

@@ -116,7 +116,7 @@ class Daemon(Command):
                               compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,
                               follow_epochs=True, lean_memory=True, ship_to=args.ship_to,
                               ship_token=ship_token, rerandomize_s=args.redraw / 1000,
-                              drain_s=drain_interval(vopts, bpf), processors=procs, bpf=bpf)
+                              drain_s=drain_interval(vopts), processors=procs, bpf=bpf)
         c = Collector(session, db, cfg)
         c.listen()
         try:

@@ -118,7 +118,7 @@ class Record(Command):
         session, db = open_session(args, events, target, rate, vopts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts, bpf), processors=procs,
+                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs,
                               bpf=bpf)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()

@@ -33,10 +33,6 @@ if TYPE_CHECKING:
 # each drain has a fixed cost of a few ms (grouping by PC, hotlist building), and 0.1 s cost a
 # third more drains for 0.02-0.05 s less staleness.
 VALUE_DRAIN_S = 0.15
-# The eBPF path with stacks: a CPython process is described to the program (collect/pyframes.py)
-# at the first drain that sees it, and its samples carry Python frames from then on; a drain
-# there reads a few maps in a few ms.
-BPF_STACKS_DRAIN_S = 0.25
 
 
 def add_sampling_options(p: argparse.ArgumentParser, default_hz: float) -> None:
@@ -359,13 +355,14 @@ def open_session(args: argparse.Namespace, events: list[EventSpec], target: Syst
         raise
 
 
-def drain_interval(vopts: ValueOptions | None, bpf: BpfAggregator | None = None) -> float:
-    """Seconds between drains on the timer: short with interpretation (VALUE_DRAIN_S) and on the
-    eBPF path with stacks (BPF_STACKS_DRAIN_S), else 1."""
+def drain_interval(vopts: ValueOptions | None) -> float:
+    """Seconds between drains on the timer: short with interpretation (VALUE_DRAIN_S), else 1. On
+    the eBPF path with stacks, a process that maps a CPython interpreter brings the next drain
+    forward (Collector._peek_side): it is described to the program (collect/pyframes.py) before
+    most of its samples go by without Python frames; a quarter-second timer did that at four
+    times the drains, each several ms with stacks."""
     if vopts is not None and vopts.length > 0:
         return VALUE_DRAIN_S
-    if bpf is not None and bpf.stack_entries:
-        return BPF_STACKS_DRAIN_S
     return 1.0
 
 

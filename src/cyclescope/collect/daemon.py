@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 # quarters full by the next one.
 WAKE_MIN_FILL = 0.25
 FIRST_DRAIN_S = 0.05
+PYTHON_DRAIN_S = 0.25  # drains while Python processes show code objects not read yet
 # The same while a command waits to be described to the eBPF program for unwinding (-g dwarf):
 # its samples until then have frame-pointer stacks, and a drain with nothing much to read costs
 # a millisecond or two.
@@ -174,6 +175,11 @@ class Collector:
         self._bpf_attached = 0
         self._bpf_stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._bpf_stats: dict[str, int] = {}
+        self._side_pending: list[SideRecord] = []  # side records read between drains (peek_side)
+        # Processes that exited in a drain: their Python frames are named with that drain's samples
+        # (the last second of them), then they are forgotten.
+        self._exited_python: list[int] = []
+        self._python_seen = (0, 0)  # PythonFrames' code objects read and processes described at the last drain
         self.python: PythonFrames | None = None  # the eBPF path with stacks: CPython frames
         self.unwind: KernelUnwind | None = None  # the eBPF path with -g dwarf: unwind rows
 
@@ -286,13 +292,14 @@ class Collector:
                 now = time.monotonic()
                 if hooks is not None and hooks.tick is not None:
                     hooks.tick(now)
-                if ready or now >= next_drain:
+                if ready or now >= next_drain or self._peek_side():
                     self.step()
                     # Soon again while a process is not described to the eBPF program yet, or
                     # waits for unwind rows: its stacks are walked whole from the drain that
-                    # describes it with them.
+                    # describes it with them; and while Python processes need it (_python_drain_s).
                     soon = self.unwind is not None and (self.unwind.starting or self.unwind.waiting)
-                    next_drain = now + (min(self.cfg.drain_s, UNWIND_DRAIN_S) if soon else self.cfg.drain_s)
+                    next_drain = now + min(self.cfg.drain_s, self._python_drain_s() or self.cfg.drain_s,
+                                           UNWIND_DRAIN_S if soon else self.cfg.drain_s)
                 if now >= next_rand:
                     self.session.rerandomize()
                     next_rand = now + self.cfg.rerandomize_s
@@ -320,6 +327,35 @@ class Collector:
         finally:
             self.close()
         return self.totals
+
+    def _python_drain_s(self) -> float | None:
+        """How soon the next drain should come for Python frames: every 50 ms while an interpreter
+        has not started its runtime; every quarter second while drains find code objects not read
+        yet (a process's code is read from its memory at the drain, and one that exits before it
+        keeps none of its names: with drains a second apart, a process of a second or two lost
+        them all, one time in three); None when they find none (a steady state)."""
+        if self.python is None:
+            return None
+        seen = (self.python.codes_read, self.python.procs_described)
+        new, self._python_seen = seen != self._python_seen, seen
+        if self.python.waiting:
+            return FIRST_DRAIN_S
+        return PYTHON_DRAIN_S if new else None
+
+    def _peek_side(self) -> bool:
+        """On the eBPF path with stacks, between drains: read the rings (side records only: the
+        program counts the samples), keep the records for the next drain, which maps with them,
+        and say whether a process mapped a CPython interpreter (or, with unwinding, any code), so
+        that the drain comes now and describes it to the program before most of its samples go
+        by (drains can then be a second apart: a drain with stacks costs several ms, the side
+        records almost nothing)."""
+        if self.python is None or self.bpf is None:
+            return False
+        _, side, *_ = self._decode(self.session.drain())
+        self._side_pending.extend(side)
+        if self.unwind is not None and any(isinstance(r, MmapRecord) and r.executable for r in side):
+            return True
+        return bool(self.python.mapped_interpreters(side))
 
     def _wait(self, timeout: float, extra: tuple[int, ...] = ()) -> bool:
         """Sleep until a ring is worth draining (True), a control request was served, an
@@ -373,9 +409,17 @@ class Collector:
         """One drain: decode the rings, act on the side records, map and count the samples, hand
         them to the processors. Returns how many samples it took."""
         samples, side, regs, stack, slen, chains = self._decode(self.session.drain())
+        if self._side_pending:  # read between drains (peek_side), in order before these
+            side = self._side_pending + side
+            self._side_pending = []
         self._side_records(side)
         if self.bpf is not None:
-            return self._step_bpf(side)
+            n = self._step_bpf(side)
+            if self.python is not None:
+                for pid in self._exited_python:
+                    self.python.forget(pid)
+            self._exited_python = []
+            return n
         if samples is None:
             if side:
                 self.mapper.map_batch(np.zeros(0, dtype=SAMPLE_DTYPE), side)
@@ -428,13 +472,16 @@ class Collector:
         if not len(samples):
             if side:
                 self.mapper.map_batch(samples, side)
+            if self.python is not None:
+                self.python.watch(self.python.mapped_interpreters(side))
             return 0
         self.session.account_counted(rows.event, rows.count, rows.period)
         mapped = self.mapper.map_batch(samples, side)
         if self.python is not None:
-            # Processes seen for the first time: CPython ones are described to the program, whose
-            # next samples of them carry Python frames.
-            self.python.watch(np.unique(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist())
+            # Processes seen for the first time, and those that mapped an interpreter: CPython ones
+            # are described to the program, whose next samples of them carry Python frames.
+            user = np.unique(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist()
+            self.python.watch(user + self.python.mapped_interpreters(side))
         if self.unwind is not None:
             # Processes seen for the first time or whose mappings changed: their next user stacks
             # are walked with unwind rows (in system calls too: the kernel keeps their registers).
@@ -525,7 +572,7 @@ class Collector:
                 for p in self.processors:
                     p.forget(rec.pid, rec.tid)
                 if self.python is not None and rec.pid == rec.tid:
-                    self.python.forget(rec.pid)
+                    self._exited_python.append(rec.pid)  # after this drain's samples are named
                 if self.unwind is not None and rec.pid == rec.tid:
                     self.unwind.forget(rec.pid)
                 if rec.pid == rec.tid:

@@ -44,13 +44,13 @@ TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
 WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
 # profile.bpf.c's enum, in order
 STATS = ("samples", "lost", "lost_stacks", "stack_errors", "lost_timeline", "uw_walks", "uw_frames", "uw_complete",
-         "uw_fp", "uw_loading")
+         "uw_fp", "uw_loading", "uw_cached")
 # Unwinding in the kernel (profile.bpf.c's struct uw_row, uw_map, uw_proc; collect/bpfunwind.py fills them).
 UW_ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("bp_off", "<i2"), ("cfa", "u1"), ("bp", "u1")])
 UW_MAPS = 64
 UW_LOADING = 0xFFFFFFFF  # uw_map.first of an image whose rows are not loaded yet (count 0)
 UW_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
-UW_PROC_DTYPE = np.dtype([("n", "<u4"), ("pad", "<u4"), ("m", UW_MAP_DTYPE, (UW_MAPS,))])
+UW_PROC_DTYPE = np.dtype([("n", "<u4"), ("gen", "<u4"), ("m", UW_MAP_DTYPE, (UW_MAPS,))])
 # A timeline row (both paths; collect/timeline.py): samples of one thread in one window of one event.
 TIMELINE_DTYPE = np.dtype([("pid", "<i4"), ("tid", "<i4"), ("window_ns", "<u8"), ("event", "<i4"),
                            ("count", "<u8"), ("period", "<f8")])
@@ -227,6 +227,8 @@ class BpfAggregator:
         self.prealloc = prealloc
         self.gen = 0
         self._ncpus = _possible_cpus()
+        self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per map: _take's batch buffers
+        self._describes = 0  # describe_unwind calls: each description's generation
         self._set_control()
 
     def _map(self, name: str) -> int:
@@ -281,7 +283,10 @@ class BpfAggregator:
         if not 0 <= slot < self.unwind_procs:
             raise ValueError(f"slot {slot} outside the program's {self.unwind_procs}")
         key = ctypes.c_uint32(slot)
-        val = np.ascontiguousarray(proc, UW_PROC_DTYPE).reshape(1)
+        val = np.array(proc, UW_PROC_DTYPE).reshape(1)
+        # A number no description had before: the program's cache of rows found is keyed by it.
+        self._describes += 1
+        val["gen"] = self._describes & 0xFFFFFFFF
         if self._l.lib.bpf_map_update_elem(self.fds["uw_procs"], ctypes.byref(key), val.ctypes.data, _BPF_ANY):
             raise OSError(ctypes.get_errno(), "describing a process's mappings to the BPF program")
         pkey, sval = ctypes.c_uint32(pid), ctypes.c_uint32(slot)
@@ -322,24 +327,29 @@ class BpfAggregator:
         return Drained(keys, vals, stacks, tl)
 
     def _take(self, fd: int, kdt: np.dtype, vdt: np.dtype, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every entry of a hash map, deleted as read (bpf_map_lookup_and_delete_batch)."""
-        step = min(capacity, 8192)
+        """Every entry of a hash map, deleted as read (bpf_map_lookup_and_delete_batch), through
+        buffers kept per map: fresh ones (np.zeros of up to 8,192 stacks, 12 MiB) cost a page fault
+        per 4 KiB at every drain, the largest part of reading the stacks."""
+        bufs = self._bufs.get(fd)
+        if bufs is None:
+            step = max(1, min(capacity, 8192, (2 << 20) // max(1, vdt.itemsize)))
+            bufs = self._bufs[fd] = (np.zeros(step, kdt), np.zeros(step, vdt))
+        ks, vs = bufs
+        step = len(ks)
         kparts, vparts = [], []
         in_b = ctypes.create_string_buffer(max(8, kdt.itemsize))
         out_b = ctypes.create_string_buffer(max(8, kdt.itemsize))
         opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
         first = True
         while True:
-            ks = np.zeros(step, kdt)
-            vs = np.zeros(step, vdt)
             n = ctypes.c_uint32(step)
             rc = self._l.lib.bpf_map_lookup_and_delete_batch(
                 fd, None if first else in_b, out_b, ks.ctypes.data, vs.ctypes.data, ctypes.byref(n),
                 ctypes.byref(opts))
             err = ctypes.get_errno() if rc else 0
             if n.value:
-                kparts.append(ks[: n.value])
-                vparts.append(vs[: n.value])
+                kparts.append(ks[: n.value].copy())
+                vparts.append(vs[: n.value].copy())
             if rc and err == errno.ENOENT:
                 break  # the end of the map
             if rc:

@@ -1,16 +1,19 @@
-"""Python frames of CPython 3.11-3.13 processes, read from the interpreter's memory by the eBPF
+"""Python frames of CPython 3.10-3.13 processes, read from the interpreter's memory by the eBPF
 program at each sample (collect/bpf/profile.bpf.c) and named here.
 
-For each process whose image is a CPython 3.11, 3.12 or 3.13 interpreter (libpython3.X or a
+For each process whose image is a CPython 3.10, 3.11, 3.12 or 3.13 interpreter (libpython3.X or a
 pythonX.Y executable with `_PyRuntime`), the program is told where the interpreter's thread
 states start and the offsets of the fields it reads: at a sample it finds the sampled thread's
-state (by native_thread_id), walks its frames (_PyInterpreterFrame, skipping 3.12+'s shim frames)
-and keeps each frame's code object and instruction pointer with the stack. Here each code object
-is read once per process (process_vm_readv: its qualified name, file, first line and line table)
-and each frame becomes a frame of a per-process image of kind "python": one symbol per code
-object (`py::qualname:file`, as CPython's perf maps name them) and the frame's line as its offset
-in that symbol. No running Python code is needed: processes started without `-X perf`, and 3.11
-which has no such option, get their Python frames.
+state (by native_thread_id; in 3.10, which has none, by the tid in glibc's struct pthread that
+its thread_id points at), walks its frames (_PyInterpreterFrame, skipping 3.12+'s shim frames;
+3.10's PyFrameObject) and keeps each frame's code object and instruction pointer (3.10: its
+instruction index) with the stack. Here each code object is read once per process
+(process_vm_readv: its qualified name, file, first line and line table) and each frame becomes a
+frame of a per-process image of kind "python": one symbol per code object (`py::qualname:file`,
+as CPython's perf maps name them; 3.10's code objects have no qualified name, only the
+function's) and the frame's line as its offset in that symbol. No running Python code is needed:
+processes started without `-X perf`, and 3.10 and 3.11 which have no such option, get their
+Python frames.
 
 In the stored stack the Python frames replace the interpreter's C frames from the innermost
 evaluation loop (`_PyEval_EvalFrameDefault`) outwards: the C code a Python function called stays
@@ -27,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,9 +41,17 @@ if TYPE_CHECKING:
     from cyclescope.images.elf import SymbolTable
     from cyclescope.images.maps import Mapper
     from cyclescope.images.registry import ImageTable
+    from cyclescope.perf.records import SideRecord
 
 # offsetof() in CPython's structures (x86-64, release builds), per (major, minor).
+# 3.10: frame_instr is f_lasti (an int, in code units), code_qualname is co_name, code_adaptive
+# the size of the code object (the head read), frame_owner -1 (no shim frames).
 OFFSETS: dict[tuple[int, int], dict[str, int]] = {
+    (3, 10): dict(runtime_interpreters_head=32, interp_threads_head=8, tstate_next=8, tstate_tid=176,
+                  tstate_cframe=-1, current_frame=24, frame_code=32, frame_instr=96, frame_previous=24,
+                  frame_owner=-1, code_adaptive=176, code_qualname=112, code_filename=104, code_firstlineno=40,
+                  code_linetable=120, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
+                  ascii_size=48, compact_size=72),
     (3, 11): dict(runtime_interpreters_head=40, interp_threads_head=16, tstate_next=8, tstate_tid=160,
                   tstate_cframe=56, current_frame=8, frame_code=32, frame_instr=56, frame_previous=48,
                   frame_owner=69, code_adaptive=184, code_qualname=128, code_filename=112, code_firstlineno=72,
@@ -59,8 +71,11 @@ OFFSETS: dict[tuple[int, int], dict[str, int]] = {
 PY_IMAGE = re.compile(r"(?:^|/)(?:libpython|python)3\.(\d+)[^/]*$")
 SLOT_BITS = 24  # a code object's range in its process's image: offset = slot << SLOT_BITS | line
 EVAL = "_PyEval_EvalFrameDefault"
-PY_PROC = struct.Struct("<Q8I")  # profile.bpf.c's struct py_proc
+PY_PROC = struct.Struct("<Q10I")  # profile.bpf.c's struct py_proc
+NO_OFFSET = 0xFFFFFFFF
+PTHREAD_TID = 0x2D0  # offsetof(struct pthread, tid) in glibc on x86-64, checked per process
 MAX_CODE_BYTES = 1 << 16
+WAIT_INIT_S = 5.0  # how long a process mapping an interpreter is watched for its runtime to start
 
 
 def read_varint(b: bytes, i: int) -> tuple[int, int]:
@@ -118,6 +133,26 @@ def line_ranges(table: bytes, firstlineno: int) -> list[tuple[int, int, int | No
     return out
 
 
+def line_ranges_310(table: bytes, firstlineno: int) -> list[tuple[int, int, int | None]]:
+    """The same from a 3.10 line table (PEP 626's co_linetable: pairs of an unsigned byte-offset
+    delta and a signed line delta, -128 for no line), in code units; what 3.10's co_lines() gives
+    (checked on the standard library's code objects: tests/unit/test_pyframes.py)."""
+    out: list[tuple[int, int, int | None]] = []
+    line = firstlineno
+    end = 0
+    for i in range(0, len(table) - 1, 2):
+        start = end
+        end += table[i]
+        delta = table[i + 1] - 256 if table[i + 1] >= 128 else table[i + 1]
+        now: int | None = None
+        if delta != -128:
+            line += delta
+            now = line
+        if end != start:
+            out.append((start // 2, end // 2, now))
+    return out
+
+
 def line_at(ranges: list[tuple[int, int, int | None]], unit: int, default: int) -> int:
     for a, b, ln in ranges:
         if a <= unit < b:
@@ -156,16 +191,25 @@ class PythonFrames:
         self._images: dict[tuple[int, int, int, int], tuple[int, tuple[int, int]] | None] = {}
         self.frames_named = 0
         self.procs_described = 0
+        self.codes_read = 0  # code objects read (their names and line tables), over the run
         self.own = os.getpid()
         self.unreadable = 0
+        # Interpreters seen before their runtime was initialized: looked at again at every drain
+        # (the collector drains soon while there are any), for WAIT_INIT_S at most.
+        self.waiting: dict[int, float] = {}
 
     # --- finding interpreters -------------------------------------------------------------
     def watch(self, pids: list[int]) -> None:
-        """Describe to the program the CPython processes among ``pids`` not looked at yet, but
-        this one: system-wide it samples itself, and naming its own Python frames (its stacks,
-        deep and many, from every drain) made more work the more it worked: twice the CPU of flat
-        counting with -g fp, half of it on itself."""
-        for pid in pids:
+        """Describe to the program the CPython processes among ``pids`` (and those waiting for
+        their interpreter to start) not looked at yet, but this one: system-wide it samples
+        itself, and naming its own Python frames (its stacks, deep and many, from every drain)
+        made more work the more it worked: twice the CPU of flat counting with -g fp, half of it
+        on itself."""
+        now = time.monotonic()
+        for pid, since in list(self.waiting.items()):
+            if now - since > WAIT_INIT_S or pid not in self.mapper.procs:
+                del self.waiting[pid]  # never initialized (an embedding that does not run Python), or gone
+        for pid in [*pids, *self.waiting]:
             if pid <= 0 or pid in self._checked or pid == self.own:
                 continue
             self._checked.add(pid)
@@ -186,6 +230,18 @@ class PythonFrames:
                 runtime, eval_range = found
                 if self._describe(pid, (3, int(m.group(1))), runtime + bias, img, eval_range):
                     break
+
+    def mapped_interpreters(self, side: list[SideRecord]) -> list[int]:
+        """Processes (not described yet) that mapped a CPython interpreter among these records."""
+        from cyclescope.perf.records import MmapRecord
+
+        out = []
+        for r in side:
+            if isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs and r.pid != self.own:
+                m = PY_IMAGE.search(r.filename)
+                if m is not None and (3, int(m.group(1))) in OFFSETS:
+                    out.append(r.pid)
+        return out
 
     def _symbols(self, path: str) -> tuple[int, tuple[int, int]] | None:
         """_PyRuntime's address and the evaluation loop's range in an interpreter image, from its
@@ -219,10 +275,19 @@ class PythonFrames:
         interp = int.from_bytes(raw, "little")
         if not interp:
             self._checked.discard(pid)  # the interpreter is not initialized yet: look again next drain
+            self.waiting.setdefault(pid, time.monotonic())
             return False
+        self.waiting.pop(pid, None)
+        deref = NO_OFFSET
+        if version < (3, 11):
+            found = pthread_tid_offset(pid, interp + o["interp_threads_head"], o)
+            if found is None:
+                self.unreadable += 1
+                return False
+            deref = found
         cfg = PY_PROC.pack(interp + o["interp_threads_head"], o["tstate_next"], o["tstate_tid"],
-                           o["tstate_cframe"] & 0xFFFFFFFF, o["current_frame"], o["frame_code"], o["frame_instr"],
-                           o["frame_previous"], o["frame_owner"])
+                           o["tstate_cframe"] & NO_OFFSET, o["current_frame"], o["frame_code"], o["frame_instr"],
+                           o["frame_previous"], o["frame_owner"] & NO_OFFSET, deref, 0)
         try:
             self.bpf.set_python(pid, cfg)
         except OSError:  # the program's table of processes is full (4,096): this one goes unnamed
@@ -240,6 +305,7 @@ class PythonFrames:
     def forget(self, pid: int) -> None:
         """The process exited or exec'd: its description and code objects no longer hold."""
         self._checked.discard(pid)
+        self.waiting.pop(pid, None)
         p = self.procs.pop(pid, None)
         if p is not None:
             self.bpf.forget_python(pid)
@@ -264,7 +330,11 @@ class PythonFrames:
                 c = self._code(p, mem, code, o)
                 if c is None:
                     continue
-            unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
+            if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
+                unit = instr & 0xFFFFFFFF
+                unit = unit - (1 << 32) if unit >= 1 << 31 else unit
+            else:
+                unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
             line = line_at(c.ranges, unit, c.firstlineno) if unit >= 0 else c.firstlineno
             out.append((p.image, (c.slot << SLOT_BITS) | (line & ((1 << SLOT_BITS) - 1))))
         self.frames_named += len(out)
@@ -287,12 +357,13 @@ class PythonFrames:
             self.unreadable += 1
             return None
         try:
-            ranges = line_ranges(table, first)
+            ranges = line_ranges(table, first) if p.version >= (3, 11) else line_ranges_310(table, first)
         except IndexError:  # a table read while it changed, or not a table
             ranges = []
         c = _Code(len(p.names), first, ranges)
         p.names.append(f"py::{qual}:{fname}")
         p.codes[code] = c
+        self.codes_read += 1
         return c
 
     @staticmethod
@@ -350,6 +421,39 @@ class PythonFrames:
         for key in self._gone:
             self._names.pop(key, None)
         self._gone = []
+
+
+def pthread_tid_offset(pid: int, threads_head: int, o: dict[str, int]) -> int | None:
+    """Where glibc's struct pthread holds the thread's id, checked on this process's thread states
+    (3.10's thread_id is the pthread_t, the structure's address): an offset at which some thread
+    state's pthread reads as one of the process's tids and none as anything but a tid or 0 (a
+    thread exiting), glibc's 0x2d0 first; None when none does (memory unreadable, another C
+    library)."""
+    try:
+        tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return None
+    mem = ProcessMemory(pid)
+
+    def ptr(addr: int) -> int:
+        raw = mem.read(addr, 8)
+        return int.from_bytes(raw, "little") if raw else 0
+
+    threads: list[int] = []
+    ts = ptr(threads_head)
+    while ts and len(threads) < 64:
+        if t := ptr(ts + o["tstate_tid"]):
+            threads.append(t)
+        ts = ptr(ts + o["tstate_next"])
+
+    def fits(blobs: list[bytes | None], off: int) -> bool:
+        ids = [int.from_bytes(b[off : off + 4], "little") for b in blobs if b is not None and len(b) >= off + 4]
+        return len(ids) == len(blobs) and any(i in tids for i in ids) and all(i in tids or i == 0 for i in ids)
+
+    if threads and fits([mem.read(t + PTHREAD_TID, 4) for t in threads], 0):
+        return PTHREAD_TID
+    blobs = [mem.read(t, 0x800) for t in threads]
+    return next((off for off in range(0, 0x800, 4) if blobs and fits(blobs, off)), None)
 
 
 def dynamic_symbols(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, int]]:

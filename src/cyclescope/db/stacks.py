@@ -79,15 +79,23 @@ def stack_files(db: Database, epoch: int, host: str, live_only: bool = True) -> 
     return live_segments(out) if live_only else out
 
 
+def _encoded(labels: list[str | None]) -> pa.DictionaryArray:
+    """``labels`` as a dictionary array in order of first appearance, as Array.dictionary_encode()
+    builds it, but without pyarrow.compute: that module's import (a quarter of a second) was the
+    largest cost of a recording's first flush with stacks."""
+    index: dict[str | None, int] = {}
+    codes = np.fromiter((index.setdefault(x, len(index)) for x in labels), np.int32, len(labels))
+    return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(list(index), pa.string()))
+
+
 def _table(events: list[str], processes: list[str | None], counts: list[int],
            images: list[list[str]], offsets: list[list[int]]) -> pa.Table:
-    return pa.table({
-        "event": pa.array(events, pa.string()).dictionary_encode(),
-        "process": pa.array(processes, pa.string()).dictionary_encode(),
-        "count": pa.array(counts, pa.uint64()),
-        "images": pa.array(images, pa.list_(pa.string())).cast(SCHEMA.field("images").type),
-        "offsets": pa.array(offsets, pa.list_(pa.uint64())),
-    })
+    bounds = pa.array(np.cumsum([0, *map(len, images)], dtype=np.int32), pa.int32())
+    return pa.Table.from_arrays([
+        _encoded(list(events)), _encoded(processes), pa.array(counts, pa.uint64()),
+        pa.ListArray.from_arrays(bounds, _encoded([k for st in images for k in st])),
+        pa.ListArray.from_arrays(bounds, pa.array([o for st in offsets for o in st], pa.uint64())),
+    ], schema=SCHEMA)
 
 
 def _link(db: Database, d: Path, table: pa.Table, meta: dict[str, Any], first: int, last: int) -> Path:

@@ -25,9 +25,10 @@
  * an image has no row (hand-written assembly), as collect/unwind.py's does. Processes not described
  * (yet) get the kernel's frame-pointer walk.
  *
- * Python (with stacks): for a CPython 3.11+ process user space has described (py_procs), the
+ * Python (with stacks): for a CPython 3.10+ process user space has described (py_procs), the
  * sampled thread's Python frames are read from the interpreter's memory and kept with the stack:
- * their code objects and instruction pointers, which user space names (function, file, line).
+ * their code objects and instruction pointers (3.10: instruction indexes), which user space names
+ * (function, file, line).
  *
  * Only uapi headers: the program reads the perf context (struct bpf_perf_event_data), user memory
  * and calls helpers, never a kernel structure, so it needs no relocation and runs on any kernel
@@ -88,29 +89,34 @@ struct trace {
 	__u64 py[2 * MAX_PY]; /* per Python frame: its code object and instruction pointer */
 };
 
-/* A CPython 3.11+ process (collect/pyframes.py fills it in): where its interpreter's list of
+/* A CPython 3.10+ process (collect/pyframes.py fills it in): where its interpreter's list of
  * thread states starts, and the offsets of the fields the walk reads, for its version. The
- * sampled thread's state is the one whose native_thread_id is the thread's id; its frames are
- * the chain of _PyInterpreterFrame from the current one, each naming its code object. */
+ * sampled thread's state is the one whose native_thread_id is the thread's id (3.10 has none: its
+ * thread_id is the pthread_t, the address of glibc's struct pthread, which holds the tid at
+ * tid_deref); its frames are the chain of _PyInterpreterFrame (3.10: PyFrameObject) from the
+ * current one, each naming its code object. */
 struct py_proc {
 	__u64 threads_head;   /* address of interp->threads.head */
 	__u32 tstate_next;
-	__u32 tstate_tid;     /* native_thread_id */
-	__u32 tstate_cframe;  /* cframe (3.11, 3.12); ~0: current_frame is in the thread state (3.13) */
+	__u32 tstate_tid;     /* native_thread_id (3.10: thread_id) */
+	__u32 tstate_cframe;  /* cframe (3.11, 3.12); ~0: current_frame is in the thread state */
 	__u32 current_frame;  /* in _PyCFrame, or in the thread state */
 	__u32 frame_code;     /* f_code / f_executable */
-	__u32 frame_instr;    /* prev_instr / instr_ptr */
+	__u32 frame_instr;    /* prev_instr / instr_ptr (3.10: f_lasti) */
 	__u32 frame_previous;
-	__u32 frame_owner;
+	__u32 frame_owner;    /* ~0: frames have no owner (3.10: every frame is a Python function's) */
+	__u32 tid_deref;      /* ~0: tstate_tid holds the tid; else the tid is a u32 at that offset from it */
+	__u32 pad;
 };
 
 /* Counters since load, per CPU: samples seen, samples not counted (their generation's map was
  * full), stacks not kept (the stack map was full), stacks that could not be copied, samples left
  * out of the timeline (its map was full); user stacks walked with unwind rows, their frames, the
  * walks that reached the outermost frame (a row saying so), the frames stepped over by their frame
- * pointer (in no image described), the walks cut short at an image whose rows were still loading. */
+ * pointer (in no image described), the walks cut short at an image whose rows were still loading,
+ * the frames whose row came from uw_cache. */
 enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, STAT_LOST_TIMELINE, STAT_UW_WALKS,
-       STAT_UW_FRAMES, STAT_UW_COMPLETE, STAT_UW_FP, STAT_UW_LOADING, NSTATS };
+       STAT_UW_FRAMES, STAT_UW_COMPLETE, STAT_UW_FP, STAT_UW_LOADING, STAT_UW_CACHED, NSTATS };
 
 /* Unwind rows (collect/bpfunwind.py writes them): each holds from its pc up to the next row's. */
 #define UW_MAPS 64 /* executable mappings described per process (a power of two) */
@@ -136,9 +142,18 @@ struct uw_map {
 };
 
 struct uw_proc {
-	__u32 n; /* mappings, sorted by start */
-	__u32 pad;
+	__u32 n;   /* mappings, sorted by start */
+	__u32 gen; /* a number no other description of any process had (uw_cache's entries of older
+		    * descriptions are never looked up again) */
 	struct uw_map m[UW_MAPS];
+};
+
+/* The row in force at an address, found before: the searches of the mappings and of the rows take
+ * about 25 bpf_loop steps a frame, and a profile's stacks repeat their addresses. */
+struct uw_ckey {
+	__u64 look;
+	__u32 slot;
+	__u32 gen;
 };
 
 struct {
@@ -195,6 +210,13 @@ struct {
 	__type(key, __u32);
 	__type(value, struct uw_proc);
 } uw_procs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1 << 14);
+	__type(key, struct uw_ckey);
+	__type(value, struct uw_row);
+} uw_cache SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -259,6 +281,7 @@ struct thread_walk {
 	__u64 tid;
 	__u32 next;
 	__u32 tid_off;
+	__u32 deref;
 	int found;
 };
 
@@ -267,7 +290,13 @@ static long thread_step(__u32 i, void *data)
 	struct thread_walk *w = data;
 	if (!w->ts)
 		return 1;
-	if (read_ptr(w->ts + w->tid_off) == w->tid) {
+	__u64 id = read_ptr(w->ts + w->tid_off);
+	if (w->deref != 0xffffffff) {
+		__u32 tid = 0;
+		bpf_probe_read_user(&tid, sizeof(tid), (void *)(id + w->deref));
+		id = tid;
+	}
+	if (id == w->tid) {
 		w->found = 1;
 		return 1;
 	}
@@ -294,7 +323,8 @@ static long frame_step(__u32 i, void *data)
 	if (!t)
 		return 1;
 	__u8 owner = 0;
-	bpf_probe_read_user(&owner, 1, (void *)(w->frame + w->owner));
+	if (w->owner != 0xffffffff)
+		bpf_probe_read_user(&owner, 1, (void *)(w->frame + w->owner));
 	if (owner != FRAME_OWNED_BY_CSTACK) {
 		__u32 j = w->n & (MAX_PY - 1);
 		t->py[2 * j] = read_ptr(w->frame + w->code);
@@ -313,7 +343,7 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
 	struct py_proc *pp = bpf_map_lookup_elem(&py_procs, &pid);
 	if (!pp)
 		return 0;
-	struct thread_walk tw = {read_ptr(pp->threads_head), tid, pp->tstate_next, pp->tstate_tid, 0};
+	struct thread_walk tw = {read_ptr(pp->threads_head), tid, pp->tstate_next, pp->tstate_tid, pp->tid_deref, 0};
 	bpf_loop(MAX_THREADS, thread_step, &tw, 0);
 	if (!tw.found)
 		return 0;
@@ -438,7 +468,15 @@ static long uw_step(__u32 i, void *data)
 			return 1;
 		t->ip[MAX_KERNEL + j] = w->pc;
 		w->n = j + 1;
-		uw_find(w, p, j ? w->pc - 1 : w->pc);
+		struct uw_ckey ck = {j ? w->pc - 1 : w->pc, w->slot, p->gen};
+		struct uw_row *c = bpf_map_lookup_elem(&uw_cache, &ck);
+		if (c) {
+			struct uw_row r = *c;
+			w->look = ck.look;
+			bump(STAT_UW_CACHED);
+			return uw_row_step(w, &r) ? 0 : 1;
+		}
+		uw_find(w, p, ck.look);
 		return 0;
 	}
 	if (w->phase == UW_FIND_MAP) {
@@ -507,6 +545,8 @@ static long uw_step(__u32 i, void *data)
 	struct uw_row *r = bpf_map_lookup_elem(&uw_rows, &at);
 	if (!r)
 		return 1;
+	struct uw_ckey ck = {w->look, w->slot, p->gen};
+	bpf_map_update_elem(&uw_cache, &ck, r, BPF_ANY);
 	return uw_row_step(w, r) ? 0 : 1;
 }
 
@@ -558,19 +598,44 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
 }
 #endif /* CYCLESCOPE_UNWIND */
 
+#ifndef CYCLESCOPE_UNWIND
+/* The user stack by frame pointers: the kernel's walk (bpf_get_stack), unless the sample is in user
+ * mode and rbp cannot be a frame pointer, not pointing into the stack above rsp: code built without
+ * frame pointers keeps data there, and the kernel's walk reads at it, a page fault each time it is
+ * not mapped (2 us a sample in this VM, three times the rest of the program) for a frame that
+ * would be garbage anyway. Then the stack is the sampled pc alone, as the walk's first frame. */
+#define FP_STACK_SPAN (64ULL << 20)
+static __always_inline long user_fp_frames(struct bpf_perf_event_data *ctx, struct trace *t)
+{
+	__u64 sp = ctx->regs.rsp, fp = ctx->regs.rbp;
+	if ((ctx->regs.cs & 3) == 0 || (fp >= sp && fp - sp < FP_STACK_SPAN))
+		return bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+	for (int i = 1; i < MAX_USER; i++)
+		t->ip[MAX_KERNEL + i] = 0;
+	t->ip[MAX_KERNEL] = ctx->regs.rip;
+	return 8;
+}
+#endif
+
 static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen, __u64 pid_tgid)
 {
 	__u32 zero = 0;
 	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
 	if (!t)
 		return 0;
-	/* Both calls write their whole area (frames, then zeros; zeros on failure): the hash below
-	 * reads no byte of an earlier sample. In user mode the kernel part is empty. */
-	long nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
+	/* Both areas are written whole (frames, then zeros; zeros on failure): the hash below reads
+	 * no byte of an earlier sample. In user mode the kernel part is empty, and zeroed here: the
+	 * helper takes 0.2 us to find nothing. */
+	long nk = 0;
+	if ((ctx->regs.cs & 3) == 0)
+		nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
+	else
+		for (int i = 0; i < MAX_KERNEL; i++)
+			t->ip[i] = 0;
 #ifdef CYCLESCOPE_UNWIND
 	long nu = user_frames(ctx, t, pid_tgid >> 32, (ctx->regs.cs & 3) == 0);
 #else
-	long nu = bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+	long nu = user_fp_frames(ctx, t);
 #endif
 	if (nk < 0)
 		nk = 0;
