@@ -21,6 +21,8 @@ workloads run, and these contenders compare the collection paths:
 (all cyclescope contenders with --no-loop-counts, which need each sample's registers), e.g.
   python bench/overhead.py --system-wide --copies 2 --rates 5000 \
       --contenders perf,perf-fp,perf-dwarf,bpf,bpf-fp,ring,ring-fp --marginal-lengths 4
+--marginal-rates 1000,10000 takes the per-sample slope between two rates at one length instead of
+two lengths at one rate (work paid per second then cancels out).
 
 Usage: python bench/overhead.py [--rates 1000,5000,10000] [--runs 5] [--seconds 8]
 """
@@ -111,6 +113,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--marginal-rate", type=int, default=5000)
     ap.add_argument("--marginal-lengths", default="4,16")
+    ap.add_argument("--marginal-rates", default=None,
+                    help="two rates (e.g. 1000,10000): the marginal cost per sample is then the slope between "
+                         "them at the first --marginal-lengths length, so that work paid per second (drains, "
+                         "wake-ups) does not count as work per sample")
     ap.add_argument("--contenders", default="none,perf,cyclescope",
                     help="none, perf, cyclescope (default settings), plain (cyclescope --no-loop-counts), loops "
                          "(--loop-counts), and the collection paths: perf-fp, perf-dwarf, bpf, bpf-fp, bpf-dwarf, "
@@ -140,19 +146,21 @@ def main() -> None:
                 rows.append(m)
                 print(f"round {rnd} {rate:>6} Hz {c:>10}: target {m['target_cpu']:.3f} s, own {m['own_cpu']:.3f} s"
                       f", {m['samples']} samples, {m['lost']} lost", flush=True)
-    # Marginal cost per sample: two workload lengths, alternated.
+    # Marginal cost per sample: two workload lengths (or two rates at one length), alternated.
     lengths = [float(x) for x in args.marginal_lengths.split(",")]
+    points = ([(lengths[0], int(r)) for r in args.marginal_rates.split(",")] if args.marginal_rates
+              else [(secs, args.marginal_rate) for secs in lengths])
     marg: list[dict[str, Any]] = []
-    for rnd in range(args.runs if len(lengths) > 1 else 0):
-        for secs in lengths:
+    for rnd in range(args.runs if len(points) > 1 else 0):
+        for secs, mrate in points:
             for c in [x for x in contenders if x != "none"]:
-                m = measure(c, args.marginal_rate, exe, secs, tmp, args.system_wide, args.copies)
+                m = measure(c, mrate, exe, secs, tmp, args.system_wide, args.copies)
                 m["round"] = rnd
                 marg.append(m)
-                print(f"marginal round {rnd} {secs:>5} s {c:>10}: own user {m['own_user']:.3f} s, "
+                print(f"marginal round {rnd} {secs:>5} s {mrate:>6} Hz {c:>10}: own user {m['own_user']:.3f} s, "
                       f"{m['samples']} samples", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    report = summarize(rows, marg, rates, lengths, contenders)
+    report = summarize(rows, marg, rates, points, contenders)
     path = save(args.save_as, {"machine": machine(), "args": vars(args), "rows": rows, "marginal": marg,
                              "summary": report})
     print("\n".join(report["lines"]))
@@ -160,7 +168,7 @@ def main() -> None:
 
 
 def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: list[int],
-              lengths: list[float], contenders: list[str]) -> dict[str, Any]:
+              points: list[tuple[float, int]], contenders: list[str]) -> dict[str, Any]:
     lines = ["", "Overhead (median [quartiles] over rounds; CPU seconds)", ""]
     out: dict[str, Any] = {"rates": {}}
     hdr = (f"{'rate':>6} {'contender':>10} {'target CPU':>24} {'profiler CPU':>24} {'extra CPU':>24} "
@@ -202,14 +210,16 @@ def summarize(rows: list[dict[str, Any]], marg: list[dict[str, Any]], rates: lis
             lines.append(f"{'':>6} {'ratio':>10} extra CPU {a} / {b}: {fmt_spread(ratio, digits=2)}")
         lines.append("")
         out["rates"][rate] = per
-    # Marginal per-sample user cost: slope between the two lengths, per round.
+    # Marginal per-sample user cost: slope between the first and last (length, rate), per round.
+    def at(c: str, rnd: int, point: tuple[float, int]) -> list[dict[str, Any]]:
+        return [m for m in marg if m["contender"] == c and m["round"] == rnd and (m["seconds"], m["rate"]) == point]
+
     for c in [x for x in contenders if x != "none"]:
         slopes = []
         for rnd in sorted({m["round"] for m in marg}):
-            a = [m for m in marg if m["contender"] == c and m["round"] == rnd and m["seconds"] == lengths[0]]
-            b = [m for m in marg if m["contender"] == c and m["round"] == rnd and m["seconds"] == lengths[-1]]
-            if a and b and b[0]["samples"] > a[0]["samples"]:
-                slopes.append(1e6 * (b[0]["own_user"] - a[0]["own_user"]) / (b[0]["samples"] - a[0]["samples"]))
+            lo, hi = at(c, rnd, points[0]), at(c, rnd, points[-1])
+            if lo and hi and hi[0]["samples"] > lo[0]["samples"]:
+                slopes.append(1e6 * (hi[0]["own_user"] - lo[0]["own_user"]) / (hi[0]["samples"] - lo[0]["samples"]))
         fixed = [m["own_user"] - median(slopes) * m["samples"] / 1e6 for m in marg if m["contender"] == c]
         lines.append(f"{c:>10}: marginal own user-space cost {fmt_spread(slopes, ' us/sample', 2)}; "
                      f"fixed cost {fmt_spread(fixed, ' s', 2)}")
