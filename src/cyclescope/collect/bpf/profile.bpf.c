@@ -368,7 +368,7 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
  * $8, %rsp; call *%rcx`: the return address 8 bytes above the callee's CFA, rbp untouched); each
  * guess is taken only if its return address is in an image described (the same search, "probe").
  */
-enum { UW_NEW_FRAME, UW_FIND_MAP, UW_FIND_ROW };
+enum { UW_NEW_FRAME, UW_FIND_MAP, UW_FIND_ROW, UW_STEP };
 enum { UW_NO_PROBE, UW_PROBE_FP, UW_PROBE_TRAMPOLINE };
 
 struct uw_walk {
@@ -392,6 +392,7 @@ struct uw_walk {
 	__u32 loading;
 	__u32 unk;   /* 0, which the verifier does not know (below) */
 	__u32 pad;
+	struct uw_row row; /* the row in force, found (cached or searched): stepped by UW_STEP */
 };
 
 /* The caller's frame by the row in force; 0 to stop. */
@@ -471,13 +472,19 @@ static long uw_step(__u32 i, void *data)
 		struct uw_ckey ck = {j ? w->pc - 1 : w->pc, w->slot, p->gen};
 		struct uw_row *c = bpf_map_lookup_elem(&uw_cache, &ck);
 		if (c) {
-			struct uw_row r = *c;
+			w->row = *c;
 			w->look = ck.look;
+			w->phase = UW_STEP + w->unk;
 			bump(STAT_UW_CACHED);
-			return uw_row_step(w, &r) ? 0 : 1;
+			return 0;
 		}
 		uw_find(w, p, ck.look);
 		return 0;
+	}
+	if (w->phase == UW_STEP) {
+		/* one place steps to the caller (the verifier checks it once): the row found */
+		w->phase = UW_NEW_FRAME + w->unk;
+		return uw_row_step(w, &w->row) ? 0 : 1;
 	}
 	if (w->phase == UW_FIND_MAP) {
 		if (w->lo < w->hi) { /* the last mapping starting at or before look */
@@ -538,7 +545,6 @@ static long uw_step(__u32 i, void *data)
 			w->hi = mid;
 		return 0;
 	}
-	w->phase = UW_NEW_FRAME + w->unk;
 	if (w->lo <= w->first)
 		return 1; /* before the image's first row */
 	__u32 at = w->lo - 1;
@@ -547,7 +553,9 @@ static long uw_step(__u32 i, void *data)
 		return 1;
 	struct uw_ckey ck = {w->look, w->slot, p->gen};
 	bpf_map_update_elem(&uw_cache, &ck, r, BPF_ANY);
-	return uw_row_step(w, r) ? 0 : 1;
+	w->row = *r;
+	w->phase = UW_STEP + w->unk;
+	return 0;
 }
 
 /* The sampled thread's user frames into t->ip[MAX_KERNEL...] (zeros after them): walked with unwind
