@@ -87,10 +87,11 @@ def test_system_wide_through_the_kernel_side_and_the_daemons_status(callgraph: P
     assert bad.returncode == 2 and "--no-loop-counts" in bad.stderr.strip().splitlines()[-1]
 
 
-def pythons() -> list[str]:
-    """CPython 3.12 and 3.13 interpreters here (-X perf came with 3.12): on PATH or under pyenv."""
+def pythons(versions: tuple[str, ...] = ("3.12", "3.13")) -> list[str]:
+    """CPython interpreters of these versions here (by default 3.12 and 3.13: -X perf came with
+    3.12): on PATH or under pyenv."""
     out = []
-    for v in ("3.12", "3.13"):
+    for v in versions:
         found = sorted(glob.glob(f"/root/.pyenv/versions/{v}*/bin/python{v}"))  # pyenv's shims may refuse
         exe = found[0] if found else shutil.which(f"python{v}")
         if exe and "/shims/" not in exe:
@@ -124,8 +125,7 @@ def interpreters_without_perf_maps() -> list[str]:
     import sys
 
     out = [os.path.realpath(sys.executable)] if (3, 10) <= sys.version_info[:2] <= (3, 13) else []
-    old = sorted(glob.glob("/root/.pyenv/versions/3.10*/bin/python3.10"))
-    return out + [p for p in old[:1] + pythons() if os.path.realpath(p) not in out]
+    return out + [p for p in pythons(("3.10", "3.12", "3.13")) if os.path.realpath(p) not in out]
 
 
 @pytest.mark.usefixtures("bpf_loads")

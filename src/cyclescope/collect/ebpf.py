@@ -358,6 +358,8 @@ class BpfAggregator:
             first = False
         if not kparts:
             return np.zeros(0, kdt), np.zeros(0, vdt)
+        if len(kparts) == 1:  # copied already: concatenate would copy again
+            return kparts[0], vparts[0]
         return np.concatenate(kparts), np.concatenate(vparts)
 
     def stats(self) -> dict[str, int]:

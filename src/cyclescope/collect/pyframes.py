@@ -78,6 +78,14 @@ MAX_CODE_BYTES = 1 << 16
 WAIT_INIT_S = 5.0  # how long a process mapping an interpreter is watched for its runtime to start
 
 
+def interpreter_version(path: str) -> tuple[int, int] | None:
+    """The CPython version of an interpreter image's path (libpython3.X or python3.X), when its
+    frames are read (OFFSETS)."""
+    m = PY_IMAGE.search(path)
+    version = (3, int(m.group(1))) if m is not None else None
+    return version if version in OFFSETS else None
+
+
 def read_varint(b: bytes, i: int) -> tuple[int, int]:
     """CPython's location-table varint (6 bits a byte, 0x40: more follow); value and next index."""
     v = b[i] & 63
@@ -220,15 +228,15 @@ class PythonFrames:
                 if img <= 0:
                     continue
                 info = self.table[img]
-                m = PY_IMAGE.search(info.path)
-                if info.kind != "elf" or m is None or (3, int(m.group(1))) not in OFFSETS:
+                version = interpreter_version(info.path)
+                if info.kind != "elf" or version is None:
                     continue
                 # The file as this process sees it (a container's root), else at its path here.
                 found = self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path)
                 if found is None:
                     continue
                 runtime, eval_range = found
-                if self._describe(pid, (3, int(m.group(1))), runtime + bias, img, eval_range):
+                if self._describe(pid, version, runtime + bias, img, eval_range):
                     break
 
     def mapped_interpreters(self, side: list[SideRecord]) -> list[int]:
@@ -237,10 +245,9 @@ class PythonFrames:
 
         out = []
         for r in side:
-            if isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs and r.pid != self.own:
-                m = PY_IMAGE.search(r.filename)
-                if m is not None and (3, int(m.group(1))) in OFFSETS:
-                    out.append(r.pid)
+            if (isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs and r.pid != self.own
+                    and interpreter_version(r.filename) is not None):
+                out.append(r.pid)
         return out
 
     def _symbols(self, path: str) -> tuple[int, tuple[int, int]] | None:

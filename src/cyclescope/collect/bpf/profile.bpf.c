@@ -95,6 +95,7 @@ struct trace {
  * thread_id is the pthread_t, the address of glibc's struct pthread, which holds the tid at
  * tid_deref); its frames are the chain of _PyInterpreterFrame (3.10: PyFrameObject) from the
  * current one, each naming its code object. */
+#define NO_OFFSET 0xffffffff /* a py_proc field this version has not (pyframes.py's NO_OFFSET) */
 struct py_proc {
 	__u64 threads_head;   /* address of interp->threads.head */
 	__u32 tstate_next;
@@ -291,7 +292,7 @@ static long thread_step(__u32 i, void *data)
 	if (!w->ts)
 		return 1;
 	__u64 id = read_ptr(w->ts + w->tid_off);
-	if (w->deref != 0xffffffff) {
+	if (w->deref != NO_OFFSET) {
 		__u32 tid = 0;
 		bpf_probe_read_user(&tid, sizeof(tid), (void *)(id + w->deref));
 		id = tid;
@@ -323,7 +324,7 @@ static long frame_step(__u32 i, void *data)
 	if (!t)
 		return 1;
 	__u8 owner = 0;
-	if (w->owner != 0xffffffff)
+	if (w->owner != NO_OFFSET)
 		bpf_probe_read_user(&owner, 1, (void *)(w->frame + w->owner));
 	if (owner != FRAME_OWNED_BY_CSTACK) {
 		__u32 j = w->n & (MAX_PY - 1);
@@ -348,7 +349,7 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
 	if (!tw.found)
 		return 0;
 	__u64 base = tw.ts;
-	if (pp->tstate_cframe != 0xffffffff)
+	if (pp->tstate_cframe != NO_OFFSET)
 		base = read_ptr(tw.ts + pp->tstate_cframe);
 	if (!base)
 		return 0;
@@ -613,10 +614,10 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
  * not mapped (2 us a sample in this VM, three times the rest of the program) for a frame that
  * would be garbage anyway. Then the stack is the sampled pc alone, as the walk's first frame. */
 #define FP_STACK_SPAN (64ULL << 20)
-static __always_inline long user_fp_frames(struct bpf_perf_event_data *ctx, struct trace *t)
+static __always_inline long user_fp_frames(struct bpf_perf_event_data *ctx, struct trace *t, int kernel)
 {
 	__u64 sp = ctx->regs.rsp, fp = ctx->regs.rbp;
-	if ((ctx->regs.cs & 3) == 0 || (fp >= sp && fp - sp < FP_STACK_SPAN))
+	if (kernel || (fp >= sp && fp - sp < FP_STACK_SPAN))
 		return bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
 	for (int i = 1; i < MAX_USER; i++)
 		t->ip[MAX_KERNEL + i] = 0;
@@ -634,16 +635,17 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	/* Both areas are written whole (frames, then zeros; zeros on failure): the hash below reads
 	 * no byte of an earlier sample. In user mode the kernel part is empty, and zeroed here: the
 	 * helper takes 0.2 us to find nothing. */
+	int kernel = (ctx->regs.cs & 3) == 0;
 	long nk = 0;
-	if ((ctx->regs.cs & 3) == 0)
+	if (kernel)
 		nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
 	else
 		for (int i = 0; i < MAX_KERNEL; i++)
 			t->ip[i] = 0;
 #ifdef CYCLESCOPE_UNWIND
-	long nu = user_frames(ctx, t, pid_tgid >> 32, (ctx->regs.cs & 3) == 0);
+	long nu = user_frames(ctx, t, pid_tgid >> 32, kernel);
 #else
-	long nu = user_fp_frames(ctx, t);
+	long nu = user_fp_frames(ctx, t, kernel);
 #endif
 	if (nk < 0)
 		nk = 0;
