@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from cyclescope import parquet
 from cyclescope.db.layout import Database, fsync_file
 from cyclescope.errors import DataError
 
@@ -207,7 +207,7 @@ def write_parquet(table: pa.Table | Chunks, path: Path, meta: SegmentMeta) -> No
     # replace_schema_metadata, not cast: cast imports pyarrow.compute (0.1 s of start-up).
     md = {META_KEY: meta.to_json()}
     schema = schema.with_metadata(md)
-    with pq.ParquetWriter(
+    with parquet.Writer(
         path, schema, compression="zstd", compression_level=6, use_dictionary=["image", "event", "process"],
         column_encoding={"offset": "DELTA_BINARY_PACKED", "count": "DELTA_BINARY_PACKED"},
         write_statistics=["image", "event", "process"], data_page_size=1 << 20,
@@ -234,7 +234,7 @@ def write_segment(db: Database, epoch: int, host: str, table: pa.Table | Chunks,
 
 def read_meta(path: Path) -> SegmentMeta:
     try:
-        md = pq.read_metadata(path)
+        md = parquet.read_metadata(path)
     except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt segment ({e})") from None
     kv = md.metadata or {}
@@ -250,7 +250,7 @@ def read_meta(path: Path) -> SegmentMeta:
 def read_table(path: Path) -> pa.Table:
     """A segment's rows in the current schema (a segment from before weights gets a null weight)."""
     try:
-        t = pq.ParquetFile(path).read()
+        t = parquet.read_table(path)
         t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later
     except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{path}: corrupt segment ({e})") from None

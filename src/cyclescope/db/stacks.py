@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from cyclescope import parquet
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
@@ -102,7 +102,7 @@ def _link(db: Database, d: Path, table: pa.Table, meta: dict[str, Any], first: i
     tmp = db.temp_path(d)
     try:
         t = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-        pq.write_table(t, tmp, compression="zstd")
+        parquet.write_table(t, tmp, compression="zstd")
         fsync_file(tmp)
         return db.link_new(tmp, d, first, last, prefix="stk")
     finally:
@@ -128,9 +128,9 @@ def write_stacks(db: Database, epoch: int, host: str, sc: StackCounts, image_key
 def read_stack_file(path: Path) -> tuple[dict[str, Any], pa.Table]:
     """One stack file: its footer and its rows (DataError when it cannot be read)."""
     try:
-        pf = pq.ParquetFile(path)
-        meta = json.loads((pf.schema_arrow.metadata or {}).get(META_KEY, b"{}"))
-        t = pf.read()
+        with parquet.File(path) as pf:
+            meta = json.loads((pf.schema.metadata or {}).get(META_KEY, b"{}"))
+            t = pf.read()
         t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later
     except (OSError, pa.ArrowException, ValueError) as err:
         raise DataError(f"{path}: {err}") from None

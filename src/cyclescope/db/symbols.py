@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from cyclescope import parquet
 from cyclescope.db.layout import Database, fsync_dir, fsync_file, write_atomic
 from cyclescope.images.elf import SymbolTable
 
@@ -44,7 +44,7 @@ def write_symbols(db: Database, key: str, table: SymbolTable) -> None:
     }).replace_schema_metadata({b"image": key.encode()})
     final = symbols_path(db, key)
     tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
-    pq.write_table(t, tmp, compression="zstd")
+    parquet.write_table(t, tmp, compression="zstd")
     fsync_file(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
@@ -59,7 +59,7 @@ def store_kernel_symbols(db: Database, key: str, make: Callable[[], SymbolTable 
     final = symbols_path(db, key)
     if shared is not None:
         try:
-            pq.read_metadata(shared)  # a whole file (written atomically), not a stray one
+            parquet.read_metadata(shared)  # a whole file (written atomically), not a stray one
             db.ensure(db.symbols_dir)
             write_atomic(final, shared.read_bytes())
             return True
@@ -86,7 +86,7 @@ def read_symbols(db: Database, key: str) -> SymbolTable | None:
     if not p.exists():
         return None
     try:
-        t = pq.ParquetFile(p).read()
+        t = parquet.read_table(p)
     except (OSError, pa.ArrowException, ValueError):
         return None
     return SymbolTable(

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from cyclescope import parquet
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
@@ -148,7 +148,7 @@ def _link(db: Database, d: Path, table: pa.Table, meta: dict[str, Any], first: i
     tmp = db.temp_path(d)
     try:
         t = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-        pq.write_table(t, tmp, compression="zstd")
+        parquet.write_table(t, tmp, compression="zstd")
         fsync_file(tmp)
         return db.link_new(tmp, d, first, last, prefix=kind.prefix)
     finally:
@@ -169,7 +169,7 @@ def write_tally(db: Database, epoch: int, host: str, kind: TallyKind, table: pa.
 def read_tally(path: Path, kind: TallyKind) -> pa.Table:
     """One tally file (DataError when it cannot be read or is not of ``kind``)."""
     try:
-        t = pq.read_table(path)
+        t = parquet.read_table(path)
         t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later in a report
     except (OSError, pa.ArrowException, ValueError) as err:
         raise DataError(f"{path}: {err}") from None

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from cyclescope import parquet
 from cyclescope.db.hotlist import VALUE_DTYPE, HotlistSet, hotlist_sizes, merge_sets, unique_struct
 from cyclescope.db.layout import Database, SegmentRef, fsync_dir, live_segments
 from cyclescope.errors import DataError
@@ -199,8 +199,8 @@ def _write_at(dirfd: int, name: str, table: pa.Table, meta: ValuesMeta) -> None:
         os.fchmod(fd, 0o600)
         if os.geteuid() == 0:
             os.fchown(fd, meta.uid, -1)
-        with pq.ParquetWriter(f, table.schema, compression="zstd", compression_level=6,
-                              use_dictionary=["image", "kind", "vimage"]) as w:
+        with parquet.Writer(f, table.schema, compression="zstd", compression_level=6,
+                            use_dictionary=["image", "kind", "vimage"]) as w:
             w.write_table(table, row_group_size=1 << 20)
         f.flush()
         os.fsync(fd)
@@ -240,7 +240,7 @@ def _link(db: Database, d: Path, table: pa.Table, meta: ValuesMeta, first: int, 
 
 def read_meta(path: Path) -> ValuesMeta:
     try:
-        md = pq.read_metadata(path)
+        md = parquet.read_metadata(path)
     except PermissionError:
         raise
     except (OSError, pa.ArrowException, ValueError) as e:
@@ -254,7 +254,7 @@ def read_meta(path: Path) -> ValuesMeta:
 def read_file(path: Path, images: dict[str, int], kinds: dict[str, int]) -> HotlistSet:
     """One value file as a HotlistSet, its image and kind names interned into ``images``/``kinds``."""
     try:
-        t = pq.ParquetFile(path).read()  # not read_table: its dataset machinery costs more than the read
+        t = parquet.read_table(path)
         t.validate(full=True)  # damaged strings (invalid UTF-8) fail here, not later
     except PermissionError:
         raise

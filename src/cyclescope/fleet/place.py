@@ -281,10 +281,11 @@ class Central:
     def _check_side(rel: str, path: Path) -> None:
         if rel.startswith("symbols/"):
             import pyarrow as pa
-            import pyarrow.parquet as pq
+
+            from cyclescope import parquet
 
             try:
-                names = pq.read_schema(path).names
+                names = parquet.read_schema(path).names
             except (OSError, pa.ArrowException, ValueError) as e:
                 raise DataError(f"{rel}: rejected: not a symbol table ({e})") from None
             if not {"start", "end", "name"} <= set(names):

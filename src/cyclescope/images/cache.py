@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from cyclescope import parquet
 
 CACHE_VERSION = 1
 
@@ -49,7 +50,7 @@ class Cache:
             return None
         p = self.path(key, name)
         try:
-            t = pq.ParquetFile(p).read()  # not read_table: its dataset machinery costs more than the read
+            t = parquet.read_table(p)
         except (OSError, pa.ArrowException, ValueError):
             self.misses += 1
             return None
@@ -63,7 +64,7 @@ class Cache:
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_name(f".tmp-{os.getpid()}-{p.name}")
-            pq.write_table(table, tmp, compression="zstd")
+            parquet.write_table(table, tmp, compression="zstd")
             os.replace(tmp, p)
         except OSError:
             pass  # a read-only or full disk: work without the cache
