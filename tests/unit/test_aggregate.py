@@ -7,12 +7,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from cyclescope.collect import aggregate
 from cyclescope.collect.aggregate import Aggregator, pack_key, reduce_keys
 
 
 def test_counts_equal_a_plain_counter_over_many_batches() -> None:
     rng = np.random.default_rng(1)
-    agg = Aggregator(reduce_at=5000)
+    agg = Aggregator(step=5000)
     truth: Counter[tuple[int, int, int, int]] = Counter()
     for _ in range(30):
         n = 2000
@@ -22,15 +23,59 @@ def test_counts_equal_a_plain_counter_over_many_batches() -> None:
         comm = rng.integers(0, 4, n)
         agg.add(image, offset, event, comm)
         truth.update(zip(image.tolist(), offset.tolist(), event.tolist(), comm.tolist(), strict=True))
-    # Reduced along the way: at most twice the distinct keys plus one batch, not all 60000 rows.
+    # Reduced along the way: at most the distinct keys and one step's rows, not all 60000.
     distinct = 5 * 300 * 3 * 4
-    assert len(agg) <= 2 * distinct + 2000 < 60000
+    assert len(agg) <= distinct + 5000 + 2000 < 60000
     c = agg.take()
     got = Counter({k: v for k, v in zip(zip(c.image.tolist(), c.offset.tolist(), c.event.tolist(), c.comm.tolist(),
                                                 strict=True), c.count.tolist(), strict=True)})
     assert got == truth
     assert c.total == 60000
     assert len(agg) == 0 and agg.take().total == 0
+
+
+Rows = list[tuple[np.ndarray, ...]]
+
+
+def _truth_and_rows(rng: np.random.Generator, batches: int, n: int,
+                    high: bool) -> tuple[Counter[tuple[int, ...]], Rows]:
+    truth: Counter[tuple[int, ...]] = Counter()
+    rows: Rows = []
+    for _ in range(batches):
+        image = rng.integers(0, 40, n)
+        offset = rng.integers(0, 200, n).astype(np.uint64)
+        if high:  # offsets past 2**48 share their low bits with small ones
+            offset |= rng.integers(0, 3, n).astype(np.uint64) << np.uint64(50)
+        event, comm = rng.integers(0, 2, n), rng.integers(0, 30, n)
+        count, weight = rng.integers(1, 4, n), rng.integers(0, 1000, n)
+        rows.append((image, offset, event, comm, count, weight))
+        for i, o, e, c, k, w in zip(image.tolist(), offset.tolist(), event.tolist(), comm.tolist(), count.tolist(),
+                                    weight.tolist(), strict=True):
+            truth[(i, o, e, c, 0)] += k
+            truth[(i, o, e, c, 1)] += w
+    return truth, rows
+
+
+@pytest.mark.parametrize("high", [False, True])
+@pytest.mark.parametrize("max_ids", [1 << 16, 64])
+def test_counts_and_weights_equal_a_plain_counter(monkeypatch: pytest.MonkeyPatch, high: bool, max_ids: int) -> None:
+    """Sums of counts and periods, offsets past 2**48 kept whole, and more (image, event,
+    process) groups than dense numbers (set aside and merged at take), in sorted order."""
+    monkeypatch.setattr(aggregate, "_MAX_IDS", max_ids)
+    truth, rows = _truth_and_rows(np.random.default_rng(7), 12, 3000, high)
+    agg = Aggregator(step=4000)
+    for image, offset, event, comm, count, weight in rows:
+        agg.add(image, offset, event, comm, count, weight.astype(np.float64))
+    c = agg.take()
+    got: Counter[tuple[int, ...]] = Counter()
+    for i, o, e, m, k, w in zip(c.image.tolist(), c.offset.tolist(), c.event.tolist(), c.comm.tolist(),
+                                c.count.tolist(), c.weight.tolist() if c.weight is not None else [], strict=True):
+        got[(i, o, e, m, 0)] += k
+        got[(i, o, e, m, 1)] += w
+    assert +got == +truth
+    keys = list(zip(c.image.tolist(), c.comm.tolist(), c.event.tolist(), c.offset.tolist(), strict=True))
+    assert keys == sorted(set(keys))  # distinct, sorted
+    assert agg.take().total == 0 and len(agg) == 0
 
 
 def test_explicit_counts_are_added() -> None:

@@ -93,7 +93,10 @@ class Daemon(Command):
         # first flushes of a fork-storm soak. The daemon's children (compaction) are its own.
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
         from cyclescope.collect.daemon import Collector, CollectorConfig, peak_rss_kib
+        from cyclescope.collect.flusher import Flusher
         from cyclescope.collect.session import SystemWide
+
+        Flusher.return_large_frees()
 
         if args.values == "list":
             return list_value_modules()

@@ -30,7 +30,7 @@ from cyclescope.collect.session import Processes, Session, SystemWide
 from cyclescope.db.layout import Database
 from cyclescope.db.segment import EventMeta, SegmentMeta, merge_clock
 from cyclescope.images.cache import Cache
-from cyclescope.images.kernel import KernelMap, load_kernel_ranges
+from cyclescope.images.kernel import KernelMap, forget_kallsyms, load_kernel_ranges
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable
@@ -234,6 +234,8 @@ class Collector:
             self.mapper.scan_proc(list_pids())
         elif isinstance(self.session.target, Processes):
             self.mapper.scan_proc(list(self.session.target.pids))
+        if self.cfg.lean_memory:  # the start-up's reads of kallsyms are done; the first flush is far off
+            forget_kallsyms()
         self.started = time.time()
 
     def request_stop(self, *_: object) -> None:
@@ -625,6 +627,8 @@ class Collector:
         if len(counts) or any(e.lost for e in meta.events.values()) or meta.lost_records:
             path = self.flusher.write(epoch, counts, meta, [s.label for s in self.session.events])
             self.totals.flushes += 1
+        samples, rows = counts.total, len(counts)
+        del counts  # before the processors write theirs
         for p in self.processors:
             p.flush(self.db, epoch, self.cfg.host)
         if self.python is not None:
@@ -651,7 +655,7 @@ class Collector:
                 self.flusher.compact(self.epoch)
         if self.cfg.ship_to is not None:
             self.flusher.ship(self.cfg.ship_to, self.cfg.ship_token)
-        return FlushResult(epoch, path, counts.total, len(counts), time.monotonic() - t0)
+        return FlushResult(epoch, path, samples, rows, time.monotonic() - t0)
 
     # --- control socket ------------------------------------------------------------------
     def listen(self) -> None:

@@ -147,6 +147,12 @@ def read_kallsyms() -> str | None:
     return text
 
 
+def forget_kallsyms() -> None:
+    """Drop the text kept by read_kallsyms (5 MiB here): a daemon's flush, once done with it."""
+    global _KALLSYMS
+    _KALLSYMS = None
+
+
 def boot_stamp(modules: str | None = None) -> str | None:
     """This boot and its set of loaded modules, as a short hash (None if the boot id is unknown):
     what kallsyms shows changes only with them."""
