@@ -176,9 +176,8 @@ class Collector:
         self._bpf_stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._bpf_stats: dict[str, int] = {}
         self._side_pending: list[SideRecord] = []  # side records read between drains (peek_side)
-        # Processes that exited in a drain: their Python frames are named with that drain's samples
-        # (the last second of them), then they are forgotten.
-        self._exited_python: list[int] = []
+        # (pid, tid) of the exits read in the drain under way: forgotten once its samples are handled
+        self._exited: list[tuple[int, int]] = []
         self._python_seen = (0, 0)  # PythonFrames' code objects read and processes described at the last drain
         self.python: PythonFrames | None = None  # the eBPF path with stacks: CPython frames
         self.unwind: KernelUnwind | None = None  # the eBPF path with -g dwarf: unwind rows
@@ -415,13 +414,17 @@ class Collector:
             side = self._side_pending + side
             self._side_pending = []
         self._side_records(side)
+        try:
+            return self._step_samples(samples, side, regs, stack, slen, chains)
+        finally:
+            self._forget_exited()
+
+    def _step_samples(self, samples: np.ndarray | None, side: list[SideRecord], regs: np.ndarray | None,
+                      stack: np.ndarray | None, slen: np.ndarray | None, chains: list[tuple[int, ...] | None]) -> int:
+        """The drain's samples (on the eBPF path, the kernel's rows) mapped, counted and handed to
+        the processors."""
         if self.bpf is not None:
-            n = self._step_bpf(side)
-            if self.python is not None:
-                for pid in self._exited_python:
-                    self.python.forget(pid)
-            self._exited_python = []
-            return n
+            return self._step_bpf(side)
         if samples is None:
             if side:
                 self.mapper.map_batch(np.zeros(0, dtype=SAMPLE_DTYPE), side)
@@ -571,10 +574,7 @@ class Collector:
             elif isinstance(rec, TaskRecord) and rec.kind == RecordType.FORK and rec.pid != rec.ppid:
                 self.session.note_fork(rec.pid, rec.ppid, rec.time)
             elif isinstance(rec, TaskRecord) and rec.kind == RecordType.EXIT:
-                for p in self.processors:
-                    p.forget(rec.pid, rec.tid)
-                if self.python is not None and rec.pid == rec.tid:
-                    self._exited_python.append(rec.pid)  # after this drain's samples are named
+                self._exited.append((rec.pid, rec.tid))  # after this drain's samples are handled
                 if self.unwind is not None and rec.pid == rec.tid:
                     self.unwind.forget(rec.pid)
                 if rec.pid == rec.tid:
@@ -586,6 +586,18 @@ class Collector:
                     self.python.forget(rec.pid)
                 if self.unwind is not None:
                     self.unwind.forget(rec.pid)
+
+    def _forget_exited(self) -> None:
+        """The threads and processes that exited in this drain, forgotten once its samples are
+        handled: their last samples come in the same drain as their exit, and a processor told to
+        forget first would lose them (a process's values, the Python names of its frames) or keep
+        state for a thread that is gone (the loop counter's last sample of it)."""
+        for pid, tid in self._exited:
+            for p in self.processors:
+                p.forget(pid, tid)
+            if self.python is not None and pid == tid:
+                self.python.forget(pid)
+        self._exited = []
 
     def _note_lost(self, rec: LostRecord) -> None:
         idx = int(self.session.event_index(np.array([rec.id], np.uint64))[0])
