@@ -142,7 +142,7 @@ class Collector:
         self.progress = progress
         self.table = ImageTable()
         self.resolver = ImageResolver(self.table)
-        ranges = load_kernel_ranges(db.cache_dir)
+        ranges = load_kernel_ranges(Cache().root)  # per user and boot, as the clock calibrations
         self.kernel_ranges = ranges
         kimgs = [self.table.intern(ImageInfo(r.key, r.name, "kernel" if r.name == "[kernel.kallsyms]" else "module",
                                              r.key if not r.key.startswith(("kernel:", "module:")) else None,
