@@ -96,3 +96,19 @@ def test_reduce_keys_sorts_and_sums() -> None:
 def test_keys_that_do_not_fit_are_refused() -> None:
     with pytest.raises(OverflowError):
         pack_key(np.array([1]), np.array([300]), np.array([0]))
+
+
+def test_more_groups_in_one_batch_than_dense_numbers() -> None:
+    """A batch with 70,000 distinct (image, process) pairs: the dense numbers (16 bits) would
+    wrap; the batch is taken in parts and the keys set aside between them."""
+    n = 70_000
+    image = np.arange(1, n + 1)
+    offset = (np.arange(n) % 7).astype(np.uint64)
+    zero = np.zeros(n, np.int64)
+    agg = Aggregator()
+    agg.add(image, offset, zero, zero)
+    agg.add(image[::-1].copy(), offset[::-1].copy(), zero, zero)
+    c = agg.take()
+    assert len(c) == n and c.total == 2 * n
+    assert c.image.tolist() == image.tolist() and c.offset.tolist() == offset.tolist()
+    assert set(c.count.tolist()) == {2}

@@ -70,8 +70,8 @@ def reduce_keys(k1: np.ndarray, k2: np.ndarray, counts: np.ndarray) -> tuple[np.
 
 
 class Aggregator:
-    """Counts per (image, offset, event, process), kept as one sorted array of 64-bit keys and a
-    column pair of counts (24 bytes a distinct key), merged into at each reduction.
+    """Counts per (image, offset, event, process), kept as one sorted array of 64-bit keys and two
+    count columns (24 bytes a distinct key), merged into at each reduction.
 
     A key is a dense number for (image, event, process, the offset's top 16 bits), given out as
     they first come, above the offset's low 48 bits: one integer column, so that a reduction sorts
@@ -79,7 +79,8 @@ class Aggregator:
     search. Sorting everything held at every reduction (the design before) briefly needed about
     three times the memory of all rows held, the daemon's peak between flushes. Rows are reduced
     once ``step`` have come (768 KiB); past 65,536 dense numbers the keys so far are set aside,
-    decoded, and merged at ``take``."""
+    decoded, and merged at ``take`` (a batch is taken 65,536 rows at a time, so that no batch
+    alone brings more groups than there are numbers)."""
 
     def __init__(self, step: int = 1 << 15) -> None:
         self.step = step
@@ -106,6 +107,12 @@ class Aggregator:
         """``weight``: each row's period (sum of periods where ``count`` is given); 0 if unknown."""
         n = len(image)
         if not n:
+            return
+        if n > _MAX_IDS:
+            for lo in range(0, n, _MAX_IDS):
+                part = slice(lo, lo + _MAX_IDS)
+                self.add(image[part], offset[part], event[part], comm[part], None if count is None else count[part],
+                         None if weight is None else weight[part])
             return
         c = np.empty((n, 2), np.uint64)
         c[:, 0] = 1 if count is None else count.astype(np.uint64, copy=False)
