@@ -21,6 +21,8 @@ workloads run, and these contenders compare the collection paths:
 (all cyclescope contenders with --no-loop-counts, which need each sample's registers), e.g.
   python bench/overhead.py --system-wide --copies 2 --rates 5000 \
       --contenders perf,perf-fp,perf-dwarf,bpf,bpf-fp,ring,ring-fp --marginal-lengths 4
+What calc's evidence costs per task: cyclescope (the default: loop counts and anchors), noanchors
+(--no-anchors), plain (--no-loop-counts), flat (--no-loop-counts --no-anchors: eBPF).
 --marginal-rates 1000,10000 takes the per-sample slope between two rates at one length instead of
 two lengths at one rate (work paid per second then cancels out).
 
@@ -71,6 +73,12 @@ def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path, syste
     if name == "plain":  # cyclescope without calc's evidence: flat samples only
         return cyclescope_cmd("record", "--db", str(tmp / "plain.db"), *a, "-F", str(rate), "--no-loop-counts",
                               "--", *wl)
+    if name == "noanchors":  # the default less anchors (loop counts on, every sample from the rings)
+        return cyclescope_cmd("record", "--db", str(tmp / "noanchors.db"), *a, "-F", str(rate), "--no-anchors", "--",
+                              *wl)
+    if name == "flat":  # neither loop counts nor anchors: samples counted in the kernel by eBPF
+        return cyclescope_cmd("record", "--db", str(tmp / "flat.db"), *a, "-F", str(rate), "--no-loop-counts",
+                              "--no-anchors", "--", *wl)
     if name == "loops":  # loop counts on: what -a and the daemon did by default before the eBPF path
         return cyclescope_cmd("record", "--db", str(tmp / "loops.db"), *a, "-F", str(rate), "--loop-counts", "--", *wl)
     if name in PATHS:
