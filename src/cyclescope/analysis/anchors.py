@@ -56,6 +56,7 @@ ANCHOR_AFTER = 64  # samples of a procedure before it gets an anchor
 MAX_ANCHORS = 16
 TICK_S = 0.01  # the scheduling step, and so the length of the first window, which measures the rate
 WINDOW_S = 0.2  # a window's length where an anchor cannot be counted all the time
+CLOSER_IDLE_S = 1.0  # the closer's longest sleep (it is woken when there is work)
 KEEP_NS = 30_000_000_000  # windows kept for samples that arrive late
 RECENT_NS = 5_000_000_000  # a thread that sampled the procedure this recently is counted
 MAX_TASKS = 4  # threads per window in per-task mode
@@ -344,8 +345,10 @@ class AnchorSet:
             t = time_ns[m].astype(np.int64)
             th = tid[m].astype(np.int64)
             with self.lock:
-                if self.per_task:
-                    for x, y in zip(th.tolist(), t.tolist(), strict=True):
+                if self.per_task:  # each thread's latest sample here (per thread, not per sample)
+                    order = np.lexsort((t, th))
+                    last = np.r_[th[order][1:] != th[order][:-1], True]
+                    for x, y in zip(th[order][last].tolist(), t[order][last].tolist(), strict=True):
                         if y > a.tids.get(x, -1):
                             a.tids[x] = y
                 if not a.windows:
@@ -355,12 +358,13 @@ class AnchorSet:
                                 np.int64)
                 k = np.searchsorted(starts, t, side="right") - 1
                 inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
-                if self.per_task:
+                if self.per_task:  # a window counts only the threads it probed (per window, not per sample)
                     wins = list(a.windows)
-                    for i in np.flatnonzero(inside).tolist():
-                        w = wins[int(k[i])]
-                        if w.tids is not None and int(th[i]) not in w.tids:
-                            inside[i] = False
+                    for wi in np.unique(k[inside]).tolist():
+                        w = wins[wi]
+                        if w.tids is not None:
+                            sel = inside & (k == wi)
+                            inside[sel] = np.isin(th[sel], np.fromiter(w.tids, np.int64, len(w.tids)))
                 a.samples += int(inside.sum())
 
     def take(self) -> Any:
@@ -465,10 +469,12 @@ class AnchorProcessor:
                     self.set.tick()
 
         def closer() -> None:
+            # Woken as soon as a window ends (its probes trap until closed), or by finish; not on a
+            # timer: a wake-up every tick cost the recorder CPU for nothing.
             while not self._stop.is_set():
                 if self.set is None:
                     return
-                self.set.wake.wait(TICK_S)  # woken as soon as a window ends: its probes trap until closed
+                self.set.wake.wait(CLOSER_IDLE_S)
                 self.set.wake.clear()
                 self.set.close_pending()
 
@@ -513,6 +519,8 @@ class AnchorProcessor:
 
     def finish(self) -> None:
         self._stop.set()
+        if self.set is not None:
+            self.set.wake.set()  # the closer, waiting for work
         for t in self._threads:
             t.join(timeout=5.0)
         if self.set is not None:
