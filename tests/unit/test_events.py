@@ -81,3 +81,34 @@ def test_period_timeline_gives_the_period_in_force() -> None:
 def test_cpu_hz_reads_cpuinfo() -> None:
     assert cpu_hz("processor: 0\ncpu MHz\t\t: 2450.000\n") == 2.45e9
     assert cpu_hz("nothing") == 2.0e9
+
+
+def test_rerandomizing_keeps_the_period_history_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon re-draws its periods five times a second for as long as it runs: the timeline keeps
+    what samples still to come may need (a minute, and a per-task child's fork time), no more."""
+    from cyclescope.collect import session as sess
+
+    s = sess.Session(parse_events(["cpu-clock"]), sess.SystemWide((0,)), rate_hz=1000)
+    s.events = list(s.requested)
+    s.randomizers = [PeriodRandomizer(1_000_000, 0.1, seed=1)]
+    s.timelines = [PeriodTimeline()]
+    tl = s.timelines[0]
+    clock = [10**9]
+    monkeypatch.setattr(sess, "now_ns", lambda: clock[0])
+
+    def run(seconds: int) -> None:
+        for _ in range(5 * seconds):
+            clock[0] += 200_000_000
+            s.rerandomize()
+
+    run(1800)
+    assert len(tl.times) <= 5 * 60 + 2
+    assert tl.times[0] <= clock[0] - sess.TIMELINE_KEEP_NS < tl.times[1]  # the entry in force a minute ago
+    fork = clock[0]
+    in_force = int(tl.at(np.array([fork], np.uint64))[0])
+    s._fork_time[42] = fork  # a per-task child forked now keeps this period for its life
+    run(600)
+    assert int(tl.at(np.array([fork], np.uint64))[0]) == in_force and len(tl.times) > 5 * 600
+    s.forget_pid(42)
+    run(1)
+    assert len(tl.times) <= 5 * 60 + 2

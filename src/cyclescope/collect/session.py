@@ -108,6 +108,9 @@ class OpenEvent:
     tracking: bool  # carries the side records (mmap, comm, task) for its buffer
 
 
+TIMELINE_KEEP_NS = 60_000_000_000  # period history kept behind the present
+
+
 @dataclass
 class PeriodTimeline:
     """When each period took effect, per event index (shared by that event's fds)."""
@@ -494,7 +497,14 @@ class Session:
         if self.band <= 0:
             return  # a fixed period: nothing to re-draw
         t = now_ns()
+        # History older than any sample still to come is dropped, or the timeline would grow by five
+        # entries a second for as long as a daemon runs (and each drain's lookup with it): samples
+        # are drained within seconds, and a per-task child keeps the period of its fork time.
+        keep = max(0, t - TIMELINE_KEEP_NS)
+        if self._fork_time:
+            keep = min(keep, min(self._fork_time.values()))
         for i in range(len(self.events)):
+            self.timelines[i].compact(keep)
             old = self.timelines[i].periods[-1] if self.timelines[i].periods else self.randomizers[i].nominal
             period = self.randomizers[i].draw()
             for ev in self.open_events:
