@@ -347,8 +347,9 @@ class AnchorSet:
             with self.lock:
                 if self.per_task:  # each thread's latest sample here (per thread, not per sample)
                     order = np.lexsort((t, th))
-                    last = np.r_[th[order][1:] != th[order][:-1], True]
-                    for x, y in zip(th[order][last].tolist(), t[order][last].tolist(), strict=True):
+                    ths, ts = th[order], t[order]
+                    last = np.r_[ths[1:] != ths[:-1], True]
+                    for x, y in zip(ths[last].tolist(), ts[last].tolist(), strict=True):
                         if y > a.tids.get(x, -1):
                             a.tids[x] = y
                 if not a.windows:

@@ -446,10 +446,6 @@ class Database:
     def binaries_dir(self) -> Path:
         return self.root / "binaries"
 
-    @property
-    def cache_dir(self) -> Path:
-        return self.root / "cache"
-
     def all_segment_files(self) -> Iterator[tuple[int, str, SegmentRef]]:
         for ep in self.epochs():
             for h in self.hosts(ep):
