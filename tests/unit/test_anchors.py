@@ -11,6 +11,7 @@ import pytest
 
 from cyclescope.analysis.anchors import (
     ALLOWANCE,
+    CHECK_S,
     CLOSE_S,
     HIT_COST_S,
     MAX_TASKS,
@@ -157,6 +158,64 @@ def test_the_traps_stay_within_the_budget_when_a_rate_swings() -> None:
         elapsed = (k + 101) * TICK_S
         assert a.cost_s <= 0.01 * elapsed + ALLOWANCE + one_tick + 1e-9
     assert a.total_windows >= windows + 3  # and it goes on counting, in windows
+
+
+def run_by_steps(s: AnchorSet, clock: list[int], seconds: float, on_step=None) -> int:  # type: ignore[no-untyped-def]
+    """Drive ``s`` as the ticker thread does: each step after the delay the last one asked for."""
+    end = clock[0] + round(seconds * 1e9)
+    steps = 0
+    while clock[0] < end:
+        delay = s.tick()
+        s.close_pending()
+        steps += 1
+        if on_step is not None:
+            on_step()
+        assert TICK_S <= delay <= 1.0
+        clock[0] += round(delay * 1e9)
+    return steps
+
+
+def test_the_scheduler_wakes_only_when_a_window_needs_it() -> None:
+    # A costly entry: windows of WINDOW_S within the budget as with a step every TICK_S, but the
+    # scheduler sleeps while the anchor waits for its budget.
+    s, probes, clock = make(per_task=False, rate=100_000.0)
+    seconds = 1000
+    steps = run_by_steps(s, clock, seconds)
+    s.stop()
+    a = next(iter(s.anchors.values()))
+    assert steps < 0.05 * seconds / TICK_S
+    share = 0.01 / (2 * 100_000.0 * HIT_COST_S)
+    registered = a.nwindows * (WINDOW_S + TICK_S + CLOSE_S)
+    assert 0.5 * share * seconds < registered < 2 * share * seconds
+    assert 0.5 * 0.01 * seconds < a.cost_s < 2 * 0.01 * seconds
+    assert a.counted_ns / 1e9 == pytest.approx(a.nwindows * WINDOW_S, rel=0.3)
+    assert len(probes.closed) == len(probes.open_at)  # every window's probes closed
+    # A rare entry, counted all the time: its window is read every CHECK_S while its rate holds.
+    s, _, clock = make(per_task=False, rate=100.0)
+    steps = run_by_steps(s, clock, 100)
+    assert steps <= 100 / CHECK_S + 5
+    assert s.anchors[(1, 0x1000)].window is not None
+
+
+def test_a_rate_that_swings_is_caught_at_the_next_step_when_steps_are_long() -> None:
+    clock = [10_000 * MS]
+    probes = SwingingProbes(clock, 10.0)
+    s = AnchorSet(False, lambda i: f"img{i}", 0.01, probes, cpus=(0, 1), clock=lambda: clock[0],
+                  rng=random.Random(1))
+    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    run_by_steps(s, clock, 5)
+    a = s.anchors[(1, 0x1000)]
+    assert a.window is not None
+    probes.rate = 1_000_000.0
+    start = clock[0]
+    worst = 2 * probes.rate * CHECK_S * HIT_COST_S  # the steps before the swing was seen: 0.95 s
+
+    def within() -> None:
+        elapsed = 5 + (clock[0] - start) / 1e9
+        assert a.cost_s <= 0.01 * elapsed + ALLOWANCE + worst + 1e-9
+
+    run_by_steps(s, clock, 300, within)
+    assert a.total_windows >= 4  # and it goes on counting, in windows
 
 
 def test_per_task_windows_count_only_the_threads_that_ran_the_procedure() -> None:

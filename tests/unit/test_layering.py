@@ -14,7 +14,7 @@ ROOT = Path(cyclescope.__file__).parent
 
 # Lowest first; packages on one layer may not import each other.
 LAYERS: list[set[str]] = [
-    {"errors", "parquet"},  # errors.py; Parquet files without pyarrow.fs
+    {"errors", "parquet", "arrays"},  # errors.py; Parquet files without pyarrow.fs; grouping small arrays
     {"perf"},  # the kernel's record formats
     {"images"},  # ELF, DWARF, kernel maps, processes' mappings
     {"db"},  # the profile database: segments, epochs, tallies, values, stacks

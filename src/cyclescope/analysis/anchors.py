@@ -17,7 +17,9 @@ may lose): a token bucket grants each anchor its share of the time, and a window
 paid for. An anchor's first window measures its rate and lasts one tick (TICK_S). Over all
 anchors, a hard cap: no window opens, and an open one ends, while the traps counted exceed the
 budget of the time since the first tick (where a rate swings, as system-wide when processes come
-and go, shares alone overran it).
+and go, shares alone overran it). The scheduler runs when something needs it, not on a clock: every
+CHECK_S while windows count at their expected rates, every TICK_S while a rate is new or rising,
+and otherwise when the next anchor will have paid for its window.
 
 What a window's count means: the entries during the window, against the procedure's own samples
 (of the time event) taken during the same window by the same tasks. Their ratio, entries per
@@ -47,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from cyclescope.analysis.loopcount import procedure_index
+from cyclescope.arrays import counts, distinct
 from cyclescope.errors import CycleScopeError
 
 HIT_COST_S = 9.5e-6  # a uprobe hit's cost to the probed task (../shared/MACHINE-NOTES.md; 9.5 s per 1M here)
@@ -54,7 +57,9 @@ CLOSE_S = 0.085  # a probe's close (measured 70-100 ms); closes serialize, and t
 DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to anchors' traps
 ANCHOR_AFTER = 64  # samples of a procedure before it gets an anchor
 MAX_ANCHORS = 16
-TICK_S = 0.01  # the scheduling step, and so the length of the first window, which measures the rate
+TICK_S = 0.01  # the shortest scheduling step, and so the length of the first window, which measures the rate
+CHECK_S = 0.05  # the step while every counting window keeps to its anchor's rate
+IDLE_S = 1.0  # the longest step (new anchors wake the scheduler: AnchorSet.kick)
 WINDOW_S = 0.2  # a window's length where an anchor cannot be counted all the time
 CLOSER_IDLE_S = 1.0  # the closer's longest sleep (it is woken when there is work)
 KEEP_NS = 30_000_000_000  # windows kept for samples that arrive late
@@ -72,6 +77,7 @@ class Window:
     hits: int = 0  # counted so far
     tallied_hits: int = 0  # of those, already in the anchor's tallies (take() reaches into open windows)
     tallied_ns: int | None = None  # counting time tallied up to here (None: from the start)
+    read_at: int | None = None  # when its counters were last read
 
 
 @dataclass
@@ -157,6 +163,7 @@ class AnchorSet:
         self.lock = threading.Lock()
         self._closing: deque[tuple[Anchor, dict[int, int]]] = deque()  # (anchor, fd -> count read)
         self.wake = threading.Event()  # set when fds wait to be closed
+        self.kick = threading.Event()  # set when the scheduler (tick) should run now: a new anchor
         self.opened = 0
         self.failures = 0
         self.started: int | None = None  # the first tick's time: the budget accrues from it
@@ -173,6 +180,7 @@ class AnchorSet:
                 self.refused.add((img, start))
             elif len(self.anchors) < MAX_ANCHORS:
                 self.anchors.setdefault((img, start), Anchor(img, start, end, path, file_offset))
+                self.kick.set()
 
     # --- windows -------------------------------------------------------------------------------
     def _open(self, a: Anchor, tids: frozenset[int] | None, cpus: tuple[int, ...]) -> bool:
@@ -211,9 +219,14 @@ class AnchorSet:
         recent = sorted(((t, tid) for tid, t in a.tids.items() if now - t < RECENT_NS), reverse=True)
         return frozenset(tid for _, tid in recent[:MAX_TASKS])
 
-    def tick(self) -> None:
+    def tick(self) -> float:
         """One scheduling step: read the counting anchors, end or go on with their windows, open
-        windows at random for the others."""
+        windows at random for the others. Returns the seconds until the next step is needed
+        (between TICK_S and IDLE_S): a window that keeps to its anchor's rate is read every CHECK_S,
+        one whose rate is new or rising every TICK_S, and an anchor waiting for its budget sleeps
+        until it is paid for. (Ticking every TICK_S whatever happened cost the recorder about
+        0.25 s of CPU per 10 s, mostly thread wake-ups and counter reads: 20 times what counting
+        cost the programs.)"""
         with self.lock:
             anchors = [a for a in self.anchors.values() if a.failed is None]
         now = self.clock()
@@ -225,10 +238,11 @@ class AnchorSet:
         # swings as processes come and go), no window opens until time has paid for the overrun.
         cap = self.budget * (now - self.started) / 1e9 + ALLOWANCE
         spent = sum(a.cost_s for a in anchors)
+        wait = IDLE_S
         for a in anchors:
             share = a.share(self.budget / max(1, len(anchors)))
             if a.window is not None:
-                # Read every tick, so that the cap can end a window early: where a rate swings, a
+                # Read at every step, so that the cap can end a window early: where a rate swings, a
                 # window of WINDOW_S could cost many times what its share allowed.
                 hits = self._read(a)
                 now = self.clock()
@@ -239,12 +253,19 @@ class AnchorSet:
                 spent += hits * HIT_COST_S
                 over = spent >= cap
                 span = now - w.start
+                since = (now - (w.read_at or w.start)) / 1e9
+                w.read_at = now
+                steady = a.rate is not None and hits <= 2 * a.rate * since + 10
                 if a.rate is not None and not w.probe and span >= 1e9:
                     a.rate = w.hits / (span / 1e9)  # a long window's own rate, as it goes
                 share = a.share(self.budget / max(1, len(anchors)))
                 if a.rate is not None and not over and (
                         (share < 1.0 and span < WINDOW_S * 1e9)  # a costly anchor's window lasts WINDOW_S
                         or (share >= 1.0 and self._tids(a, now) == w.tids)):  # a cheap one's goes on
+                    step = CHECK_S if steady else TICK_S
+                    if share < 1.0:
+                        step = min(step, WINDOW_S - span / 1e9)
+                    wait = min(wait, step)
                     continue
                 with self.lock:
                     w.end = now
@@ -255,23 +276,32 @@ class AnchorSet:
                         rate = w.hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
                         a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
                 self._retire(a)
+                wait = min(wait, TICK_S)  # the next window may open at once (a cheap anchor's)
             else:
-                # A token bucket: the anchor earns its share of each tick, and a window (with the
+                # A token bucket: the anchor earns its share of the time, and a window (with the
                 # probes' close) spends what it registers; windows open once it is paid for, at a
-                # random tick among the next few, so that they spread over the run (a short run gets
+                # random step among the next few, so that they spread over the run (a short run gets
                 # its share too) without keeping step with a program's own period.
                 now = self.clock()
                 a.credit = min(a.credit + share * (now - (a.last_tick or now)) / 1e9, 4 * WINDOW_S + 1.0)
                 a.last_tick = now
-                # A window traps until it ends at a tick, then while its fds close one after another.
+                # A window traps until it ends at a step, then while its fds close one after another.
                 nfds = len(self._tids(a, now) or ()) if self.per_task else len(self.cpus)
                 registered = WINDOW_S + TICK_S + CLOSE_S * max(0, nfds - 1)
-                if spent >= cap or (share < 1.0 and (a.credit < registered or self.rng.random() >= 0.5)):
+                if spent >= cap:  # nothing opens until the time since the start has paid for the traps
+                    wait = min(wait, max(TICK_S, (spent - ALLOWANCE) / self.budget - (now - self.started) / 1e9))
                     continue
-                a.credit -= registered
+                if share < 1.0 and a.credit < registered:
+                    wait = min(wait, max(TICK_S, (registered - a.credit) / share))
+                    continue
+                if share < 1.0 and self.rng.random() >= 0.5:
+                    wait = min(wait, TICK_S)
+                    continue
                 tids = self._tids(a, self.clock())
                 if tids is not None and not tids:
+                    wait = min(wait, CHECK_S)  # no thread ran it lately: new samples will name some
                     continue
+                a.credit -= registered
                 # System-wide, an entry never counted may run millions of times a second in every
                 # process (a libc function): the first window probes its rate on one CPU only, and
                 # counts nothing (its samples on other CPUs are not matched).
@@ -283,10 +313,12 @@ class AnchorSet:
                             a.windows.append(a.window)
                             a.nwindows += 1
                             a.total_windows += 1
+                    wait = min(wait, TICK_S if a.rate is None else CHECK_S)
             with self.lock:
                 horizon = self.clock() - KEEP_NS
                 while a.windows and a.windows[0].end is not None and a.windows[0].end < horizon:
                     a.windows.popleft()
+        return max(TICK_S, wait)
 
     def _retire(self, a: Anchor) -> None:
         fds = dict(a.fds)
@@ -361,7 +393,7 @@ class AnchorSet:
                 inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
                 if self.per_task:  # a window counts only the threads it probed (per window, not per sample)
                     wins = list(a.windows)
-                    for wi in np.unique(k[inside]).tolist():
+                    for wi in distinct(k[inside]).tolist():
                         w = wins[wi]
                         if w.tids is not None:
                             sel = inside & (k == wi)
@@ -420,7 +452,8 @@ class AnchorProcessor:
     """The collector's processor (collect/processor.py) around AnchorSet: the time event's samples
     go in; procedures past ANCHOR_AFTER samples get an anchor at their entry (their bounds from the
     loop counter's, ``loops``); an ANCHORS tally comes out at every flush. A thread opens and ends
-    the windows every TICK_S, another closes the probes' fds (each close waits for the kernel)."""
+    the windows at the steps tick asks for, another closes the probes' fds (each close waits for the
+    kernel)."""
 
     name = "anchors"
     needs_regs = False
@@ -465,9 +498,13 @@ class AnchorProcessor:
 
     def _start(self) -> None:
         def ticker() -> None:
-            while not self._stop.wait(TICK_S):
-                if self.set is not None:
-                    self.set.tick()
+            # Each step says when the next is needed; a new anchor (kick) or finish wakes it sooner.
+            while not self._stop.is_set():
+                if self.set is None:
+                    return
+                delay = self.set.tick()
+                self.set.kick.wait(delay)
+                self.set.kick.clear()
 
         def closer() -> None:
             # Woken as soon as a window ends (its probes trap until closed), or by finish; not on a
@@ -496,12 +533,12 @@ class AnchorProcessor:
         # Procedures with enough samples get an anchor (their bounds once the loop counter has them);
         # then the samples count against the windows, and name the threads to probe. Once every
         # anchor is placed, samples are no longer counted per procedure.
-        for i in np.unique(img).tolist() if len(aset.anchors) < MAX_ANCHORS else ():
+        for i in distinct(img).tolist() if len(aset.anchors) < MAX_ANCHORS else ():
             b = counter.bounds(int(i))
             if b is None:
                 continue
             k = procedure_index(b, off[img == i])
-            u, c = np.unique(k[k >= 0], return_counts=True)
+            u, c = counts(k[k >= 0])
             for j, n in zip(u.tolist(), c.tolist(), strict=True):
                 key = (int(i), int(b[0][j]))
                 seen = self._seen[key] = self._seen.get(key, 0) + n
@@ -522,6 +559,7 @@ class AnchorProcessor:
         self._stop.set()
         if self.set is not None:
             self.set.wake.set()  # the closer, waiting for work
+            self.set.kick.set()  # the ticker, waiting for its next step
         for t in self._threads:
             t.join(timeout=5.0)
         if self.set is not None:

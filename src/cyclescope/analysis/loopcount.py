@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from cyclescope.analysis.loops import GPRS, find_loops
+from cyclescope.arrays import counts, distinct, group
 
 if TYPE_CHECKING:
     from cyclescope.analysis.worker import Worker
@@ -66,6 +67,7 @@ MAX_TABLE_BYTES = 48 << 20
 STATS = ("own", "own_period", "followed", "next_own", "pairs", "iterations", "pair_period", "mismatched",
          "rejected", "trip_samples", "inv_trip")
 _S = {n: i for i, n in enumerate(STATS)}
+_LOW48 = (1 << 48) - 1
 
 
 @dataclass
@@ -535,7 +537,7 @@ class LoopCounter:
         """One drain's samples: tid, time, CPU, image index, offset, period (event units) and the 16
         general registers (GPRS order) of each; samples outside any ELF procedure are kept for the
         sequence (they break pairs) but count nowhere."""
-        ui, uc = np.unique(img, return_counts=True)
+        ui, uc = counts(img)
         for i, n in zip(ui.tolist(), uc.tolist(), strict=True):
             with self._lock:
                 asked = i in self._bounds or i in self._pending_bounds
@@ -557,7 +559,7 @@ class LoopCounter:
     def _procedures(self, b: _Batch) -> None:
         """Each sample's procedure (where its image's bounds are known), and the analyses that asks for."""
         keys: dict[tuple[int, int], int] = {}
-        for i in np.unique(b.img).tolist():
+        for i in counts(b.img)[0].tolist():
             with self._lock:
                 bounds = self._bounds.get(i)
             if bounds is None:
@@ -566,7 +568,7 @@ class LoopCounter:
             k = procedure_index(bounds, b.off[m])
             starts = np.where(k >= 0, bounds[0][np.maximum(k, 0)].astype(np.int64), -1)
             b.func[m] = starts
-            u, c = np.unique(starts, return_counts=True)
+            u, c = counts(starts)
             keys.update({(int(i), int(s)): int(n) for s, n in zip(u.tolist(), c.tolist(), strict=True) if s >= 0})
         b.resolved = True
         self._request(keys)
@@ -579,7 +581,7 @@ class LoopCounter:
             b = self._waiting[0]
             if not b.resolved:
                 with self._lock:
-                    pending = bool(self._pending_bounds & set(np.unique(b.img).tolist()))
+                    pending = bool(self._pending_bounds & set(counts(b.img)[0].tolist()))
                 if pending and not force:
                     return
                 self._procedures(b)
@@ -650,10 +652,9 @@ class LoopCounter:
         inner = np.full(n, -1, np.int64)
         ix = np.full(n, -1, np.int64)
         tables: dict[tuple[int, int], LoopTable] = {}
-        fk = np.stack([img, func], axis=1)
-        uniq, inv = np.unique(fk, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
-        for g, (i, s) in enumerate(uniq.tolist()):
+        ukeys, inv = group(_pack(img, func))
+        uniq = _unpack(ukeys)
+        for g, (i, s) in enumerate(uniq):
             if s < 0:
                 continue
             t = self._table(int(i), int(s))
@@ -670,20 +671,19 @@ class LoopCounter:
             rows = np.flatnonzero(m)
             ix[rows[exact]] = k[exact]
             inner[rows[exact]] = t.inner[k[exact]]
-        group = inv
         # Own samples of every loop (fresh ones only: a carried sample was counted in its drain).
-        for g, (i, s) in enumerate(uniq.tolist()):
+        for g, (i, s) in enumerate(uniq):
             t = tables.get((int(i), int(s)))
             if t is None:
                 continue
-            rows = np.flatnonzero((group == g) & fresh & (inner >= 0))
+            rows = np.flatnonzero((inv == g) & fresh & (inner >= 0))
             if not len(rows):
                 continue
             la = inner[rows]
             for d in range(1, t.anc.shape[1]):
                 lp = t.anc[la, d]
                 ok = lp >= 0
-                for L, c in zip(*np.unique(lp[ok], return_counts=True), strict=True):
+                for L, c in zip(*counts(lp[ok]), strict=True):
                     st = self._stat(int(i), int(t.headers[L]))
                     st[_S["own"]] += c
                     these = rows[ok][lp[ok] == L]
@@ -702,14 +702,14 @@ class LoopCounter:
             dt = b.time[ob].astype(np.float64) - b.time[oa].astype(np.float64)
             keep = (b.cpu[oa] == b.cpu[ob]) & (dt <= 1.25 * b.period[ob])
             a, bb = a[keep], bb[keep]
-        for g, (i, s) in enumerate(uniq.tolist()):
+        for g, (i, s) in enumerate(uniq):
             t = tables.get((int(i), int(s)))
             if t is None:
                 continue
-            sel = group[a] == g
+            sel = inv[a] == g
             if not sel.any():
                 continue
-            self._pairs(int(i), t, a[sel], bb[sel], group[bb[sel]] == g, inner, ix, order, b)
+            self._pairs(int(i), t, a[sel], bb[sel], inv[bb[sel]] == g, inner, ix, order, b)
 
     def _pairs(self, img: int, t: LoopTable, a: np.ndarray, bb: np.ndarray, same: np.ndarray, inner: np.ndarray,
                ix: np.ndarray, order: np.ndarray, b: _Batch) -> None:
@@ -722,7 +722,7 @@ class LoopCounter:
                 continue
             b_in = m & (lb >= 0)
             b_in[b_in] = t.anc[lb[b_in], d] == L[b_in]
-            for loop in np.unique(L[m]).tolist():
+            for loop in counts(L[m])[0].tolist():
                 st = self._stat(img, int(t.headers[loop]))
                 here = m & (loop == L)
                 st[_S["followed"]] += int(here.sum())
@@ -770,14 +770,22 @@ def procedure_index(bounds: tuple[np.ndarray, np.ndarray], off: np.ndarray) -> n
     return np.where((k >= 0) & (off < ends[np.maximum(k, 0)]), k, -1)
 
 
+def _pack(img: np.ndarray, func: np.ndarray) -> np.ndarray:
+    """(image index, procedure start or -1) as one uint64 each, for one sort (np.unique over rows
+    is ten times slower): the index above the start's 48 bits, -1 as all ones."""
+    return (img.astype(np.uint64) << np.uint64(48)) | (func.astype(np.uint64) & np.uint64(_LOW48))
+
+
+def _unpack(keys: np.ndarray) -> list[tuple[int, int]]:
+    return [(k >> 48, -1 if k & _LOW48 == _LOW48 else k & _LOW48) for k in keys.tolist()]
+
+
 def _proc_keys(img: np.ndarray, func: np.ndarray) -> list[tuple[int, int]]:
-    """The distinct (image, procedure start) of samples in a procedure (one sort of packed keys:
-    np.unique over rows is several times slower)."""
+    """The distinct (image, procedure start) of samples in a procedure."""
     m = func >= 0
     if not m.any():
         return []
-    packed = np.unique((img[m].astype(np.uint64) << np.uint64(48)) | func[m].astype(np.uint64))
-    return [(int(k >> 48), int(k & 0xFFFFFFFFFFFF)) for k in packed.tolist()]
+    return _unpack(distinct(_pack(img[m], func[m])))
 
 
 def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool], regs: np.ndarray,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cyclescope.arrays import group
+
 _IMAGE_SHIFT = 32
 _COMM_SHIFT = 8
 _COMM_MASK = (1 << 24) - 1
@@ -139,7 +141,7 @@ class Aggregator:
                     self._high[(a, b)] = int(self._new_groups(np.array([a], np.uint64), np.array([b], np.uint64))[0])
                 ids.append(self._high[(a, b)])
             return np.array(ids, np.uint64)[inverse.reshape(-1)]
-        u, inverse = np.unique(k1, return_inverse=True)
+        u, inverse = group(k1)
         if len(self._group_k1) + len(u) > _MAX_IDS:
             self._spill()
         pos = np.searchsorted(self._low_k1, u)

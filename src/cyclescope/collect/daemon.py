@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cyclescope.arrays import distinct, group
 from cyclescope.collect.aggregate import Aggregator
 from cyclescope.collect.clock import FLUSH_CLOCK_S, boot_clock, measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer
@@ -485,14 +486,14 @@ class Collector:
         if self.python is not None:
             # Processes seen for the first time, and those that mapped an interpreter: CPython ones
             # are described to the program, whose next samples of them carry Python frames.
-            user = np.unique(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist()
+            user = distinct(samples["pid"][samples["cpumode"] != MISC_KERNEL]).tolist()
             self.python.watch(user + self.python.mapped_interpreters(side))
         if self.unwind is not None:
             # Processes seen for the first time or whose mappings changed: their next user stacks
             # are walked with unwind rows (in system calls too: the kernel keeps their registers).
             # Processes that mapped code since the last drain too (an exec): described before
             # their first samples come, a drain sooner.
-            pids, where = np.unique(samples["pid"], return_inverse=True)
+            pids, where = group(samples["pid"])
             weights = dict(zip(pids.tolist(), np.bincount(where, weights=rows.count).tolist(), strict=True))
             for r in side:
                 if isinstance(r, MmapRecord) and r.executable:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from cyclescope.arrays import distinct
 from cyclescope.collect.aggregate import Counts
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database, safe_host
@@ -70,13 +71,13 @@ class Flusher:
         n = len(counts)
         parts = Chunks(n, (part(lo, lo + CHUNK_ROWS) for lo in range(0, max(n, 1), CHUNK_ROWS)))
         path = str(write_segment(self.db, epoch, self.host, parts, meta))
-        self.store_symbols(np.unique(counts.image).tolist())
+        self.store_symbols(distinct(counts.image).tolist())
         if self.archive != "none":
             self._archive(counts)
         return path
 
     def _describe(self, counts: Counts, meta: SegmentMeta) -> None:
-        for i in np.unique(counts.image).tolist():
+        for i in distinct(counts.image).tolist():
             info = self.table[i]
             meta.images[info.key] = info.to_json()
         unk = counts.image == 0
@@ -128,7 +129,7 @@ class Flusher:
 
     def _archive(self, counts: Counts) -> None:
         todo = []
-        for i in np.unique(counts.image).tolist():
+        for i in distinct(counts.image).tolist():
             info = self.table[i]
             if info.kind == "elf" and info.build_id and info.key == info.build_id and info.key not in self._archived:
                 self._archived.add(info.key)

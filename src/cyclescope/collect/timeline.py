@@ -33,16 +33,26 @@ def rows_of_samples(pid: np.ndarray, tid: np.ndarray, time_ns: np.ndarray, event
     n = len(pid)
     if not n:
         return np.zeros(0, TIMELINE_DTYPE), np.zeros(0, np.int64)
-    keys = np.zeros(n, [("pid", "<i4"), ("tid", "<i4"), ("w", "<u8"), ("e", "<i4")])
-    keys["pid"], keys["tid"], keys["e"] = pid, tid, event
-    keys["w"] = time_ns.astype(np.uint64) // np.uint64(WINDOW_NS)
-    uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
-    out = np.zeros(len(uniq), TIMELINE_DTYPE)
-    out["pid"], out["tid"], out["event"] = uniq["pid"], uniq["tid"], uniq["e"]
-    out["window_ns"] = uniq["w"] * np.uint64(WINDOW_NS)
-    out["count"] = np.bincount(inv, minlength=len(uniq)).astype(np.uint64)
-    out["period"] = np.bincount(inv, weights=period.astype(np.float64), minlength=len(uniq))
+    # Two packed keys, (pid, tid) and (window, event), sorted together (stable: each group's first
+    # row is its first sample). np.unique over a structured array compared the rows in Python.
+    u32 = np.uint64(0xFFFFFFFF)
+    window = time_ns.astype(np.uint64) // np.uint64(WINDOW_NS)
+    thread = (((pid.astype(np.int64).astype(np.uint64) & u32) << np.uint64(32))
+              | (tid.astype(np.int64).astype(np.uint64) & u32))
+    when = (window << np.uint64(16)) | (event.astype(np.uint64) & np.uint64(0xFFFF))
+    order = np.lexsort((when, thread))
+    a, b = thread[order], when[order]
+    new = np.empty(n, bool)
+    new[0] = True
+    new[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    first = order[new]
+    inv = np.empty(n, np.intp)
+    inv[order] = np.cumsum(new) - 1
+    out = np.zeros(len(first), TIMELINE_DTYPE)
+    out["pid"], out["tid"], out["event"] = pid[first], tid[first], event[first]
+    out["window_ns"] = window[first] * np.uint64(WINDOW_NS)
+    out["count"] = np.bincount(inv, minlength=len(first)).astype(np.uint64)
+    out["period"] = np.bincount(inv, weights=period.astype(np.float64), minlength=len(first))
     return out, first
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from cyclescope import parquet
+from cyclescope.arrays import group
 from cyclescope.db.layout import Database, fsync_file
 from cyclescope.errors import DataError
 
@@ -171,7 +172,7 @@ def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, ev
     """Rows from index arrays; dictionaries hold only the values used."""
 
     def dict_array(names: list[str], idx: np.ndarray, itype: pa.DataType) -> pa.DictionaryArray:
-        used, inv = np.unique(idx, return_inverse=True)
+        used, inv = group(idx)
         return pa.DictionaryArray.from_arrays(
             pa.array(inv.astype(itype.to_pandas_dtype()), type=itype), pa.array([names[i] for i in used.tolist()])
         )

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from cyclescope import parquet
+from cyclescope.arrays import group
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
@@ -162,7 +163,7 @@ def _merge_files(files: list[tuple[Path, pa.Table]]) -> pa.Table:
         parts.append(((ev << 32) | pr.astype(np.int64), t.column("count").to_numpy().astype(np.float64), lengths,
                       _codes(im, key_index, key_names), of.to_numpy(zero_copy_only=False).astype(np.uint64)))
     pair, count, lengths, image, offset = (np.concatenate([p[i] for p in parts]) for i in range(5))
-    pairs, code = np.unique(pair, return_inverse=True)
+    pairs, code = group(pair)
     arr = StackArrays.build([str(i) for i in range(len(pairs))], code, count, lengths, [], image, offset).summed()
     rows = np.argsort(-arr.count, kind="stable")
     splits, frames = select_rows(arr.splits, rows)

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from cyclescope import parquet
+from cyclescope.arrays import group
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
@@ -113,7 +114,7 @@ def build(kind: TallyKind, columns: dict[str, Any]) -> pa.Table:
         if pa.types.is_dictionary(f.type):
             # By hand rather than dictionary_encode, which imports pyarrow.compute (0.06 s of a
             # recording's first flush).
-            names, idx = np.unique(np.asarray(list(col), dtype=object), return_inverse=True) if len(col) else (
+            names, idx = group(np.asarray(list(col), dtype=object)) if len(col) else (
                 np.zeros(0, object), np.zeros(0, np.int64))
             arrays.append(pa.DictionaryArray.from_arrays(pa.array(np.asarray(idx, np.int32)),
                                                          pa.array(list(names), pa.string())))

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cyclescope.arrays import distinct, group
 from cyclescope.images.kernel import KernelMap
 from cyclescope.images.procfs import ProcMapping, read_comm, read_maps
 from cyclescope.images.registry import Resolved, Unknown
@@ -314,7 +315,7 @@ class Mapper:
 
         # comm of the other samples (kernel mode): the process's name after this batch.
         all_pids = pids.astype(np.int64)
-        uniq, inv = np.unique(all_pids, return_inverse=True)
+        uniq, inv = group(all_pids)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         cidx = np.zeros(len(uniq), dtype=np.int64)
         for i, p in enumerate(uniq.tolist()):
@@ -376,7 +377,7 @@ def lookup_user(procs: Mapping[int, ProcessState], pids: np.ndarray, addrs: np.n
     if len(pids) and (pids == pids[0]).all():  # usually one process: all rows at once, no grouping
         groups = [(int(pids[0]), slice(None))]
     else:
-        groups = [(p, np.flatnonzero(pids == p)) for p in np.unique(pids).tolist()]
+        groups = [(p, np.flatnonzero(pids == p)) for p in distinct(pids).tolist()]
     for p, rows in groups:
         st = procs.get(p)
         if st is None:
