@@ -1,10 +1,10 @@
 """Distinct values and groups of small arrays, for the recorder's per-drain work.
 
-numpy's np.unique does more than the collector needs, and costs it at start-up and per drain
-(numpy 2.4, here): its first call imports numpy.ma (about 40 ms, a third of what numpy's own
-import costs), over rows (axis=0) it compares them as a structured dtype (about 220 us for 200 rows
-of two columns, against 20 us for one sort of packed keys), and with return_inverse or
-return_counts it adds passes and checks. These do the one sort (or a bincount) and nothing else;
+numpy's np.unique does more than the collector needs (numpy 2.4, here): over rows (axis=0) it
+compares them as a structured dtype (about 220 us for 200 rows of two columns, against 20 us for
+one sort of packed keys), with return_inverse or return_counts it adds passes and checks, and its
+first call imports numpy.ma (about 20 ms; pyarrow's first conversion of a numpy array at the first
+flush imports it too). These do the one sort (or a bincount) and nothing else;
 the recording path (collect/, images/, db/, and calc's evidence collected while recording) uses
 them instead of np.unique.
 """
@@ -53,8 +53,7 @@ def counts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x)
     if not len(x):
         return x[:0], np.zeros(0, np.int64)
-    lo, hi = int(x.min()), int(x.max())
-    if lo >= 0 and hi < 1 << 16:
+    if int(x.min()) >= 0 and int(x.max()) < 1 << 16:
         c = np.bincount(x)
         values = np.flatnonzero(c)
         return values.astype(x.dtype, copy=False), c[values]

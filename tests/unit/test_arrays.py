@@ -9,10 +9,11 @@ from cyclescope.arrays import counts, distinct, group
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 300])
-@pytest.mark.parametrize("kind", ["small", "wide", "negative", "uint64", "object"])
+@pytest.mark.parametrize("kind", ["small", "small_u64", "wide", "negative", "uint64", "object"])
 def test_the_helpers_give_what_np_unique_gives(n: int, kind: str) -> None:
     rng = np.random.default_rng(n)
-    x = {"small": rng.integers(0, 5, n), "wide": rng.integers(0, 1 << 40, n) // (1 << 38) << 38,
+    x = {"small": rng.integers(0, 5, n), "small_u64": rng.integers(0, 5, n).astype(np.uint64),
+         "wide": rng.integers(0, 1 << 40, n) // (1 << 38) << 38,
          "negative": rng.integers(-3, 3, n), "uint64": rng.integers(0, 4, n).astype(np.uint64) << np.uint64(63),
          "object": np.array([f"p{k}" for k in rng.integers(0, 4, n)], dtype=object)}[kind]
     u = np.unique(x)
