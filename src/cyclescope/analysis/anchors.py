@@ -51,7 +51,6 @@ import numpy as np
 from cyclescope.analysis.loopcount import procedure_index
 from cyclescope.arrays import counts, distinct
 from cyclescope.errors import CycleScopeError
-from cyclescope.perf.abi import MISC_KERNEL
 
 HIT_COST_S = 9.5e-6  # a uprobe hit's cost to the probed task (../shared/MACHINE-NOTES.md; 9.5 s per 1M here)
 CLOSE_S = 0.085  # a probe's close (measured 70-100 ms); closes serialize, and the fds still open trap
@@ -101,7 +100,6 @@ class Anchor:
     # tallies since the last take
     hits: int = 0
     samples: int = 0
-    other: int = 0  # the probed threads' other user samples in the windows (per task)
     counted_ns: int = 0
     nwindows: int = 0
     cost_s: float = 0.0  # estimated trap time spent so far (status)
@@ -367,23 +365,19 @@ class AnchorSet:
         self.close_pending()
 
     # --- samples -------------------------------------------------------------------------------
-    def add(self, tid: np.ndarray, time_ns: np.ndarray, img: np.ndarray, off: np.ndarray,
-            user: np.ndarray | None = None) -> None:
+    def add(self, tid: np.ndarray, time_ns: np.ndarray, img: np.ndarray, off: np.ndarray) -> None:
         """One drain's samples of the time event: those in an anchored procedure count against the
-        windows they fall in (by their time, and their thread in per-task mode). With ``user`` (the
-        samples in user mode in a known image), per task, the probed threads' other user samples
-        in the windows are tallied too (``other``): the traps disturb them less than the procedure
-        they enter, so they are a second way to weigh a window (bench/anchorbias.py)."""
+        windows they fall in (by their time, and their thread in per-task mode)."""
         with self.lock:
             anchors = list(self.anchors.values())
         for a in anchors:
             m = (img == a.img) & (off >= a.start) & (off < a.end)
-            if not m.any() and (user is None or not self.per_task or not a.windows):
+            if not m.any():
                 continue
             t = time_ns[m].astype(np.int64)
             th = tid[m].astype(np.int64)
             with self.lock:
-                if self.per_task and len(t):  # each thread's latest sample here (per thread, not per sample)
+                if self.per_task:  # each thread's latest sample here (per thread, not per sample)
                     order = np.lexsort((t, th))
                     ths, ts = th[order], t[order]
                     last = np.r_[ths[1:] != ths[:-1], True]
@@ -392,48 +386,38 @@ class AnchorSet:
                             a.tids[x] = y
                 if not a.windows:
                     continue
-                a.samples += self._in_windows(a, t, th)
-                if user is not None and self.per_task:
-                    rest = user & ~m
-                    a.other += self._in_windows(a, time_ns[rest].astype(np.int64), tid[rest].astype(np.int64))
-
-    def _in_windows(self, a: Anchor, t: np.ndarray, th: np.ndarray) -> int:
-        """How many of these samples (times ``t``, threads ``th``) fall in ``a``'s windows, by time,
-        and per task by the threads each window probed (under the lock)."""
-        if not len(t):
-            return 0
-        starts = np.array([w.start for w in a.windows], np.int64)
-        ends = np.array([w.end if w.end is not None else np.iinfo(np.int64).max for w in a.windows], np.int64)
-        k = np.searchsorted(starts, t, side="right") - 1
-        inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
-        if self.per_task:  # a window counts only the threads it probed (per window, not per sample)
-            wins = list(a.windows)
-            for wi in distinct(k[inside]).tolist():
-                w = wins[wi]
-                if w.tids is not None:
-                    sel = inside & (k == wi)
-                    inside[sel] = np.isin(th[sel], np.fromiter(w.tids, np.int64, len(w.tids)))
-        return int(inside.sum())
+                starts = np.array([w.start for w in a.windows], np.int64)
+                ends = np.array([w.end if w.end is not None else np.iinfo(np.int64).max for w in a.windows],
+                                np.int64)
+                k = np.searchsorted(starts, t, side="right") - 1
+                inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
+                if self.per_task:  # a window counts only the threads it probed (per window, not per sample)
+                    wins = list(a.windows)
+                    for wi in distinct(k[inside]).tolist():
+                        w = wins[wi]
+                        if w.tids is not None:
+                            sel = inside & (k == wi)
+                            inside[sel] = np.isin(th[sel], np.fromiter(w.tids, np.int64, len(w.tids)))
+                a.samples += int(inside.sum())
 
     def take(self) -> Any:
         """The tallies since the last take, as an ANCHORS table (db/tallies.py)."""
         from cyclescope.db.tallies import ANCHORS, build
 
-        rows: list[tuple[str, int, int, int, int, int, int]] = []
+        rows: list[tuple[str, int, int, int, int, int]] = []
         now = self.clock()
         with self.lock:
             for a in self.anchors.values():
                 if a.window is not None and not a.window.probe:
                     _tally(a, a.window, now)  # a window that goes on: what it counted so far
                 if a.hits or a.samples or a.nwindows:
-                    rows.append((self.image_key(a.img), a.start, a.hits, a.samples, a.counted_ns, a.nwindows,
-                                 a.other))
-                a.hits = a.samples = a.counted_ns = a.nwindows = a.other = 0
-        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), (), (), ()]
+                    rows.append((self.image_key(a.img), a.start, a.hits, a.samples, a.counted_ns, a.nwindows))
+                a.hits = a.samples = a.counted_ns = a.nwindows = 0
+        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), (), ()]
         return build(ANCHORS, {"image": list(cols[0]), "entry": np.array(cols[1], np.uint64),
                                "hits": np.array(cols[2], np.uint64), "samples": np.array(cols[3], np.uint64),
                                "counted_s": np.array(cols[4], np.float64) / 1e9,
-                               "windows": np.array(cols[5], np.uint64), "other": np.array(cols[6], np.uint64)})
+                               "windows": np.array(cols[5], np.uint64)})
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -451,7 +435,6 @@ class AnchorStats:
     samples: int
     counted_s: float
     windows: int
-    other: int = 0  # the probed threads' other user samples in the windows (per task; 0: not tallied)
 
     def entries(self, procedure_samples: float) -> float | None:
         """Entries over the whole profile: hits per window sample times the procedure's samples."""
@@ -564,7 +547,7 @@ class AnchorProcessor:
                     aset.place(key[0], key[1], int(b[1][j]), *self._locate(*key))
                     if not self._threads and aset.anchors:
                         self._start()
-        aset.add(s["tid"], s["time"], img, off, (s["cpumode"] != MISC_KERNEL) & (img != 0))
+        aset.add(s["tid"], s["time"], img, off)
 
     def forget(self, pid: int, tid: int) -> None:
         if self.set is not None:

@@ -76,12 +76,11 @@ LOOPS = TallyKind(
 
 # Exact counts of procedures' entries in windows (analysis/anchors.py): per procedure entry, the
 # uprobe's hits, the procedure's own samples of the time event taken in the same windows by the
-# same tasks, the time counted, the windows, and (per task) those tasks' other user samples in them.
+# same tasks, the time counted and the windows.
 ANCHORS = TallyKind(
     "anchors", "an",
     keys=(("image", pa.string()), ("entry", pa.uint64())),
-    sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64()),
-          ("other", pa.uint64())),
+    sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64())),
 )
 
 # Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
