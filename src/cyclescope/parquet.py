@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
+import numpy as np
 import pyarrow as pa
 
 try:
@@ -25,6 +26,23 @@ except ImportError:  # pragma: no cover - every pyarrow since 0.x has them
     from pyarrow.parquet import FileMetaData
 
 Where = str | Path | BinaryIO
+
+# Arrow's fixed-width numeric types and the numpy dtypes with their layout (from_numpy).
+_LAYOUT = {pa.int8(): "i1", pa.int16(): "<i2", pa.int32(): "<i4", pa.int64(): "<i8", pa.uint8(): "u1",
+           pa.uint16(): "<u2", pa.uint32(): "<u4", pa.uint64(): "<u8", pa.float32(): "<f4", pa.float64(): "<f8"}
+
+
+def from_numpy(values: Any, type_: pa.DataType) -> pa.Array:
+    """pa.array(values, type_) for a 1-D array of numbers, built on its buffer. pa.array checks
+    every numpy input for a masked array, and the check's first use imports numpy.ma: about 20 ms
+    of a recording's first flush. Values are converted as numpy's astype does (the callers' are
+    in range); other types (strings) go through pa.array as a list."""
+    layout = _LAYOUT.get(type_)
+    if layout is None:
+        return pa.array(values.tolist() if isinstance(values, np.ndarray) else values, type_)
+    a = np.ascontiguousarray(values, dtype=layout)
+    return pa.Array.from_buffers(type_, len(a), [None, pa.py_buffer(a)])
+
 
 # pyarrow.parquet.ParquetWriter's defaults that the class it wraps leaves to Parquet's C++ library.
 _DEFAULTS = {"version": "2.6", "data_page_version": "1.0", "writer_engine_version": "V2"}

@@ -81,3 +81,35 @@ def test_no_cloud_file_systems_imported(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.parquet")], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("type_", [pa.int8(), pa.int32(), pa.int64(), pa.uint16(), pa.uint64(), pa.float32(),
+                                   pa.float64(), pa.string(), pa.bool_()])
+@pytest.mark.parametrize("n", [0, 1, 100])
+def test_from_numpy_gives_what_pa_array_gives(type_: pa.DataType, n: int) -> None:
+    rng = np.random.default_rng(n)
+    if pa.types.is_string(type_):
+        values = np.array([f"s{k}" for k in rng.integers(0, 5, n)])
+    elif pa.types.is_boolean(type_):
+        values = rng.integers(0, 2, n).astype(bool)
+    else:
+        values = rng.integers(0, 100, 2 * n)[::2]  # strided, int64: converted as the column's type
+    got = parquet.from_numpy(values, type_)
+    want = pa.array(values.tolist(), type_)
+    assert got.type == type_ and got.equals(want)
+    assert got.to_pylist() == want.to_pylist()
+
+
+def test_building_a_recordings_tables_does_not_import_numpy_ma() -> None:
+    """pa.array's check of numpy input for masked arrays imports numpy.ma (about 20 ms of a
+    recording's first flush): a segment and a tally are built without it."""
+    code = ("import sys, numpy as np;"
+            "from cyclescope.db.segment import build_table; from cyclescope.db.tallies import TIMELINE, build;"
+            "i = np.zeros(3, np.int64);"
+            "build_table(['a'], i, np.arange(3, dtype=np.uint64), ['cpu-clock'], i, ['c'], i, np.ones(3));"
+            "build(TIMELINE, {'process': ['p'], 'window_ms': np.array([1]), 'pid': np.array([2]),"
+            " 'tid': np.array([2]), 'event': np.array(['cpu-clock']), 'samples': np.array([3]),"
+            " 'period': np.array([1.5])});"
+            "print('numpy.ma' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

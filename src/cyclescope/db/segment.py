@@ -21,6 +21,7 @@ from cyclescope import parquet
 from cyclescope.arrays import group
 from cyclescope.db.layout import Database, fsync_file
 from cyclescope.errors import DataError
+from cyclescope.parquet import from_numpy
 
 META_KEY = b"cyclescope"
 SEGMENT_FORMAT = 1
@@ -173,19 +174,16 @@ def build_table(image_keys: list[str], image: np.ndarray, offset: np.ndarray, ev
 
     def dict_array(names: list[str], idx: np.ndarray, itype: pa.DataType) -> pa.DictionaryArray:
         used, inv = group(idx)
-        return pa.DictionaryArray.from_arrays(
-            pa.array(inv.astype(itype.to_pandas_dtype()), type=itype), pa.array([names[i] for i in used.tolist()])
-        )
+        return pa.DictionaryArray.from_arrays(from_numpy(inv, itype), pa.array([names[i] for i in used.tolist()]))
 
     return pa.Table.from_arrays(
         [
             dict_array(image_keys, image, pa.int32()),
-            pa.array(offset.astype(np.uint64, copy=False), type=pa.uint64()),
+            from_numpy(offset, pa.uint64()),
             dict_array(event_names, event, pa.int8()),
             dict_array(comm_names, comm, pa.int32()),
-            pa.array(count.astype(np.uint64, copy=False), type=pa.uint64()),
-            pa.array(weight.astype(np.uint64, copy=False), type=pa.uint64()) if weight is not None
-            else pa.nulls(len(count), pa.uint64()),
+            from_numpy(count, pa.uint64()),
+            from_numpy(weight, pa.uint64()) if weight is not None else pa.nulls(len(count), pa.uint64()),
         ],
         schema=SCHEMA,
     )

@@ -29,6 +29,7 @@ from cyclescope.arrays import group
 from cyclescope.db.compact import CompactResult, contiguous_run, delete_covered
 from cyclescope.db.layout import Database, SegmentRef, files_named, fsync_dir, fsync_file, live_segments, own_segments
 from cyclescope.errors import DataError
+from cyclescope.parquet import from_numpy
 
 META_KEY = b"cyclescope-tally"
 
@@ -116,10 +117,10 @@ def build(kind: TallyKind, columns: dict[str, Any]) -> pa.Table:
             # recording's first flush).
             names, idx = group(np.asarray(list(col), dtype=object)) if len(col) else (
                 np.zeros(0, object), np.zeros(0, np.int64))
-            arrays.append(pa.DictionaryArray.from_arrays(pa.array(np.asarray(idx, np.int32)),
+            arrays.append(pa.DictionaryArray.from_arrays(from_numpy(idx, pa.int32()),
                                                          pa.array(list(names), pa.string())))
         else:
-            arrays.append(pa.array(np.asarray(col), f.type))
+            arrays.append(from_numpy(np.asarray(col), f.type))
     return pa.Table.from_arrays(arrays, schema=kind.schema)
 
 
