@@ -3,8 +3,8 @@
 numpy's np.unique does more than the collector needs (numpy 2.4, here): over rows (axis=0) it
 compares them as a structured dtype (about 220 us for 200 rows of two columns, against 20 us for
 one sort of packed keys), with return_inverse or return_counts it adds passes and checks, and its
-first call imports numpy.ma (about 20 ms; pyarrow's first conversion of a numpy array at the first
-flush imports it too). These do the one sort (or a bincount) and nothing else;
+first call imports numpy.ma (about 20 ms; parquet.from_numpy keeps pyarrow's conversions from
+importing it too). These do the one sort (or a bincount) and nothing else;
 the recording path (collect/, images/, db/, and calc's evidence collected while recording) uses
 them instead of np.unique.
 """
