@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -370,3 +372,13 @@ def test_loop_tables_past_their_budget_go_least_recently_used_first() -> None:
     lc.finish()
     t = lc.take().to_pydict()
     assert sorted(t["image"]) == ["img1", "img2"] and sum(t["pairs"]) >= 3, t
+
+
+def test_the_loop_counter_imports_no_analysis_until_it_analyzes() -> None:
+    """A recording whose loop tables are cached never builds a CFG: the loop counter's module leaves
+    the disassembler, the CFG and the loop finder unimported (14 ms of start-up) until it analyzes."""
+    code = ("import sys; import cyclescope.analysis.loopcount, cyclescope.analysis.anchors;"
+            "print(sorted(m for m in ('cyclescope.analysis.cfg', 'cyclescope.analysis.loops',"
+            " 'cyclescope.images.disasm', 'capstone') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from cyclescope.analysis.loops import GPRS, find_loops
 from cyclescope.arrays import counts, distinct, group
+from cyclescope.perf.abi import GPRS
 
 if TYPE_CHECKING:
     from cyclescope.analysis.worker import Worker
@@ -169,7 +169,10 @@ EMPTY = LoopTable(np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(0, np.
 def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str | None] = lambda a: None,
                read: Callable[[int, int], bytes | None] = lambda a, n: None) -> LoopTable:
     """Disassemble [start, end), build its CFG and return its loops with their counters."""
+    # Imported here: a recording whose loop tables are cached never analyzes (capstone, the CFG
+    # and the loops cost 14 ms of its start-up), and the worker process that does imports them once.
     from cyclescope.analysis.cfg import build_cfg
+    from cyclescope.analysis.loops import find_loops
     from cyclescope.images.disasm import LazyInfos, disassemble
 
     insns = disassemble(code, start)

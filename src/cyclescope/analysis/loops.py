@@ -25,10 +25,8 @@ from dataclasses import dataclass, field
 
 from cyclescope.analysis.cfg import CFG, ENTRY
 from cyclescope.images.disasm import Insn, InsnInfo
+from cyclescope.perf.abi import GPRS
 
-# The general-purpose registers by their 64-bit names, in the order perf numbers them (X86Reg).
-GPRS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
-        "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
 CALLER_SAVED = frozenset({"rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"})
 
 _R32 = {**{f"e{x}": f"r{x}" for x in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")},

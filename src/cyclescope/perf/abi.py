@@ -281,6 +281,10 @@ class X86Reg(enum.IntEnum):
 
 # DS, ES, FS and GS (bits 12-15) are refused by the kernel on x86-64.
 X86_REGS_USER_MASK = 0xFF0FFF
+# The general-purpose registers by their 64-bit names, in the order perf numbers them (X86Reg): the
+# columns of the loop analyses' register arrays.
+GPRS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
+        "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
 SAMPLE_REGS_ABI_64 = 2
 
 
