@@ -53,7 +53,7 @@ def test_the_processor_writes_wall_clock_windows_with_the_commands(tmp_path: Pat
     tp.bind(ctx)  # type: ignore[arg-type]
     tp.process(drain_of([4, 4, 4], [4, 4, 4], [W + 1, W + 2, 2 * W], [1, 1, 1]))
     # The eBPF path: rows counted in the kernel; the command comes from the process's state.
-    from cyclescope.collect.ebpf import TIMELINE_DTYPE
+    from cyclescope.collect.timeline import TIMELINE_DTYPE
 
     tl = np.zeros(1, TIMELINE_DTYPE)
     tl[0] = (5, 6, W, 0, 10, 1e7)

@@ -295,13 +295,11 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
     collect/bpfunwind.py; not loop counts, anchors or values, which need each sample's registers)
     and the kernel loads the program; otherwise perf, with a line on stderr when the kernel is
     why. 'bpf' fails in one line where 'auto' would fall back."""
-    from cyclescope.collect.stacks import StackProcessor
-    from cyclescope.collect.timeline import TimelineProcessor
-
     choice = getattr(args, "collector", "auto")
     if choice == "perf":
         return None
-    needs = [p.name for p in procs if not isinstance(p, (StackProcessor, TimelineProcessor))]
+    # By name: importing the stacks' processor to test for it cost every recording 7 ms.
+    needs = [p.name for p in procs if p.name not in ("stacks", "timeline")]
     if needs:
         if choice == "bpf":
             flags = {"loops": "--no-loop-counts", "anchors": "no --anchors", "values": "no --values"}
@@ -323,6 +321,8 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
         from cyclescope.collect.bpfunwind import DEFAULT_PROCS, DEFAULT_ROWS
 
         bpf = load(entries, stacks, DEFAULT_ROWS, DEFAULT_PROCS)
+        from cyclescope.collect.stacks import StackProcessor
+
         for p in procs:
             if isinstance(p, StackProcessor):
                 p.in_kernel = True  # the program walks the stacks: no snapshots to unwind here

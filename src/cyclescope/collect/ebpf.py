@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cyclescope.collect.timeline import TIMELINE_DTYPE
 from cyclescope.errors import CycleScopeError
 
 OBJECT = Path(__file__).parent / "bpf" / "profile.bpf.o"
@@ -51,9 +52,6 @@ UW_MAPS = 64
 UW_LOADING = 0xFFFFFFFF  # uw_map.first of an image whose rows are not loaded yet (count 0)
 UW_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
 UW_PROC_DTYPE = np.dtype([("n", "<u4"), ("gen", "<u4"), ("m", UW_MAP_DTYPE, (UW_MAPS,))])
-# A timeline row (both paths; collect/timeline.py): samples of one thread in one window of one event.
-TIMELINE_DTYPE = np.dtype([("pid", "<i4"), ("tid", "<i4"), ("window_ns", "<u8"), ("event", "<i4"),
-                           ("count", "<u8"), ("period", "<f8")])
 
 _BPF_PERF_EVENT = 41  # enum bpf_attach_type
 _BPF_ANY = 0

@@ -40,7 +40,7 @@ class Drain:
     # uint64: the samples each row stands for (the eBPF path counts equal samples in the kernel);
     # None: one each
     count: np.ndarray | None = None
-    # ebpf.TIMELINE_DTYPE: samples per thread and 100 ms window, where they were counted elsewhere
+    # timeline.TIMELINE_DTYPE: samples per thread and 100 ms window, where they were counted elsewhere
     # (the eBPF path); None: the samples above tell (collect/timeline.py)
     timeline: np.ndarray | None = None
     # per row: the Python frames the eBPF program read, as (code object, instruction) pairs (None:

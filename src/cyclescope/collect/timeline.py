@@ -22,14 +22,16 @@ if TYPE_CHECKING:
     from cyclescope.db.layout import Database
 
 WINDOW_NS = 100_000_000
+# A timeline row, on both paths (the eBPF path's drain builds them from the program's counts,
+# collect/ebpf.py): samples of one thread in one window of one event, and their periods' sum.
+TIMELINE_DTYPE = np.dtype([("pid", "<i4"), ("tid", "<i4"), ("window_ns", "<u8"), ("event", "<i4"),
+                           ("count", "<u8"), ("period", "<f8")])
 
 
 def rows_of_samples(pid: np.ndarray, tid: np.ndarray, time_ns: np.ndarray, event: np.ndarray,
                     period: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One row (ebpf.TIMELINE_DTYPE) per (thread, window, event) of these samples, and the index
+    """One row (TIMELINE_DTYPE) per (thread, window, event) of these samples, and the index
     of the first sample of each."""
-    from cyclescope.collect.ebpf import TIMELINE_DTYPE
-
     n = len(pid)
     if not n:
         return np.zeros(0, TIMELINE_DTYPE), np.zeros(0, np.int64)
