@@ -36,14 +36,25 @@ def group(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct values of a 1-D array, ascending, and each element's index among them:
     np.unique(x, return_inverse=True)."""
     x = np.asarray(x)
-    if not len(x):
-        return x[:0], np.zeros(0, np.intp)
-    order = np.argsort(x, kind="stable")
-    s = x[order]
-    new = _starts(s)
-    inverse = np.empty(len(x), np.intp)
+    first, inverse = group_rows(x)
+    return x[first], inverse
+
+
+def group_rows(*keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows grouped by one or more 1-D keys of one length, the first the most significant: the
+    index of each group's first row, groups in ascending order of their keys, and each row's
+    group (what np.unique over the rows gives with return_index and return_inverse)."""
+    n = len(keys[0])
+    if not n:
+        return np.zeros(0, np.intp), np.zeros(0, np.intp)
+    # Stable, so that a group's first row in the order is its first row in the input.
+    order = np.argsort(keys[0], kind="stable") if len(keys) == 1 else np.lexsort(keys[::-1])
+    new = _starts(keys[0][order])
+    for k in keys[1:]:
+        new |= _starts(k[order])
+    inverse = np.empty(n, np.intp)
     inverse[order] = np.cumsum(new) - 1
-    return s[new], inverse
+    return order[new], inverse
 
 
 def counts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cyclescope.arrays import counts, distinct, group
+from cyclescope.arrays import counts, distinct, group, group_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 300])
@@ -25,3 +25,14 @@ def test_the_helpers_give_what_np_unique_gives(n: int, kind: str) -> None:
         v, c = counts(x)
         uu, uc = np.unique(x, return_counts=True)
         assert v.tolist() == uu.tolist() and c.tolist() == uc.tolist() and v.dtype == uu.dtype
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300])
+def test_group_rows_gives_what_np_unique_over_rows_gives(n: int) -> None:
+    rng = np.random.default_rng(n)
+    a, b = rng.integers(0, 3, n).astype(np.uint64), rng.integers(-2, 2, n)
+    rows = np.zeros(n, [("a", "<u8"), ("b", "<i8")])
+    rows["a"], rows["b"] = a, b
+    _, first, inv = np.unique(rows, return_index=True, return_inverse=True)
+    got_first, got_inv = group_rows(a, b)
+    assert got_first.tolist() == first.tolist() and got_inv.tolist() == inv.reshape(-1).tolist()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cyclescope.arrays import group_rows
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -35,21 +37,14 @@ def rows_of_samples(pid: np.ndarray, tid: np.ndarray, time_ns: np.ndarray, event
     n = len(pid)
     if not n:
         return np.zeros(0, TIMELINE_DTYPE), np.zeros(0, np.int64)
-    # Two packed keys, (pid, tid) and (window, event), sorted together (stable: each group's first
-    # row is its first sample). np.unique over a structured array compared the rows in Python.
+    # Two packed keys, (pid, tid) and (window, event), sorted together (each group's first row is
+    # its first sample). np.unique over a structured array compared the rows in Python.
     u32 = np.uint64(0xFFFFFFFF)
     window = time_ns.astype(np.uint64) // np.uint64(WINDOW_NS)
     thread = (((pid.astype(np.int64).astype(np.uint64) & u32) << np.uint64(32))
               | (tid.astype(np.int64).astype(np.uint64) & u32))
     when = (window << np.uint64(16)) | (event.astype(np.uint64) & np.uint64(0xFFFF))
-    order = np.lexsort((when, thread))
-    a, b = thread[order], when[order]
-    new = np.empty(n, bool)
-    new[0] = True
-    new[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
-    first = order[new]
-    inv = np.empty(n, np.intp)
-    inv[order] = np.cumsum(new) - 1
+    first, inv = group_rows(thread, when)
     out = np.zeros(len(first), TIMELINE_DTYPE)
     out["pid"], out["tid"], out["event"] = pid[first], tid[first], event[first]
     out["window_ns"] = window[first] * np.uint64(WINDOW_NS)
