@@ -132,15 +132,21 @@ class SwingingProbes(FakeProbes):
         return int(n)
 
 
+def make_swinging(rate: float) -> tuple[AnchorSet, SwingingProbes, list[int]]:
+    """A system-wide set on two CPUs with one anchor, its probes' rate changeable while they count."""
+    clock = [10_000 * MS]
+    probes = SwingingProbes(clock, rate)
+    s = AnchorSet(False, lambda i: f"img{i}", 0.01, probes, cpus=(0, 1), clock=lambda: clock[0],
+                  rng=random.Random(1))
+    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    return s, probes, clock
+
+
 def test_the_traps_stay_within_the_budget_when_a_rate_swings() -> None:
     # An entry that ran 10 times a second, counted all the time, suddenly runs a million times a
     # second on each CPU (system-wide, a busy program started): the window ends at the next tick,
     # and no window opens again until the time since the start has paid for the traps.
-    clock = [10_000 * MS]
-    probes = SwingingProbes(clock, 10.0)
-    s = AnchorSet(False, lambda i: f"img{i}", 0.01, probes, cpus=(0, 1), clock=lambda: clock[0],
-                  rng=random.Random(1))
-    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    s, probes, clock = make_swinging(10.0)
     tick = round(TICK_S * 1e9)
     for _ in range(100):
         s.tick()
@@ -198,11 +204,7 @@ def test_the_scheduler_wakes_only_when_a_window_needs_it() -> None:
 
 
 def test_a_rate_that_swings_is_caught_at_the_next_step_when_steps_are_long() -> None:
-    clock = [10_000 * MS]
-    probes = SwingingProbes(clock, 10.0)
-    s = AnchorSet(False, lambda i: f"img{i}", 0.01, probes, cpus=(0, 1), clock=lambda: clock[0],
-                  rng=random.Random(1))
-    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    s, probes, clock = make_swinging(10.0)
     run_by_steps(s, clock, 5)
     a = s.anchors[(1, 0x1000)]
     assert a.window is not None
