@@ -538,7 +538,8 @@ function cfgDot (calc, shown) {
     const f = b.executions || b.frequency || 0
     const heat = f > 0 ? Math.log1p(f) / Math.log1p(maxF) : 0
     const color = `#ff${Math.round(255 - 170 * heat).toString(16).padStart(2, '0')}${Math.round(255 - 220 * heat).toString(16).padStart(2, '0')}`
-    const exec = b.executions !== null && b.executions !== undefined ? fmt.format(Math.round(b.executions)) : '?'
+    // method "floor": a lower bound (samples / (instructions x MAX_STALL)), not an estimate
+    const exec = b.executions !== null && b.executions !== undefined ? (b.method === 'floor' ? '\u2265 ' : '') + fmt.format(Math.round(b.executions)) : '?'
     lines.push(`"b${i}" [label="${hex(b.start)}-${hex(b.end)}\\n${b.instructions.length} insns · ${exec} exec", fillcolor="${color}", tooltip="block ${hex(b.start)}: ${exec} executions (${b.method}, ${b.confidence})"];`)
   })
   lines.push('"entry" [shape=oval, style="", label="entry"]; "exit" [shape=oval, style="", label="return"];')

@@ -152,3 +152,36 @@ def test_the_repair_keeps_a_small_measured_count_beside_a_huge_one() -> None:
     fr = estimate_frequencies(cfg, cycle_equivalence(cfg), model_for(ms), samples, measured=measured)
     assert fr.block[1] == pytest.approx(1_500, rel=0.01) and fr.block_method[1] == "loop-counter"
     assert fr.block[2] == pytest.approx(98_304_000, rel=0.001) and fr.block_method[2] == "loop-trips"
+
+
+def test_a_block_with_samples_keeps_at_least_its_floor_through_the_repair() -> None:
+    """A diamond whose estimates send all the flow one way while the other arm holds samples: the
+    circulation closest to them would give the sampled arm no executions (zstd's DUBT loop: 2,800
+    samples on a block repaired to "~0 executions"). Its floor, samples / (instructions x
+    MAX_STALL), holds it up, and says that it is a bound."""
+    from cyclescope.analysis.frequency import MAX_STALL, Measured, sample_floors
+
+    # ENTRY -> 0 -> {1 | 2} -> 3 -> EXIT; blocks 0, 1 and 3 measured at 1,000, block 2 sampled.
+    cfg = make_cfg(4, [(ENTRY, 0), (0, 1), (0, 2), (1, 3), (2, 3), (3, EXIT)])
+    cfg = with_insns(cfg, [2, 2, 2, 2])
+    ms = [[1, 1]] * 4
+    samples = [1000, 1000, 1000, 1000, 0, 1200, 1000, 1000]
+    measured = {b: Measured(1000.0, "high", "loop-counter", "pairs") for b in (0, 1, 3)}
+    fr = estimate_frequencies(cfg, cycle_equivalence(cfg), model_for(ms), samples, measured=measured)
+    floor = (1200 - 3 * 1200**0.5) / (2 * MAX_STALL)
+    assert sample_floors(cfg, samples)[2] == pytest.approx(floor)
+    assert fr.block[2] == pytest.approx(floor, rel=0.01) and fr.block_method[2] == "floor"
+    assert fr.block_confidence[2] == "low"
+    assert any("lower bounds" in n for n in fr.notes)
+    # The flow still balances: what block 2 carries comes out of the measured arm, within 10%.
+    e = {(x.src, x.dst): fr.edge[x.id] for x in cfg.edges}
+    assert e[(0, 1)] + e[(0, 2)] == pytest.approx(fr.block[0], rel=1e-6)
+    assert fr.block[1] == pytest.approx(1000 - floor, rel=1e-3)
+
+
+def test_blocks_with_few_samples_have_no_floor() -> None:
+    from cyclescope.analysis.frequency import sample_floors
+
+    cfg = with_insns(make_cfg(2, [(ENTRY, 0), (0, 1), (1, EXIT)]), [3, 1])
+    assert sample_floors(cfg, [0, 0, 0, 100]) == {1: pytest.approx(70 / 600)}
+    assert sample_floors(cfg, [0, 0, 0, 9]) == {}  # 9 - 3 x 3: no floor from so few samples

@@ -205,7 +205,8 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
             head = f"block {blk.start:x}: no frequency estimate" + NO_ESTIMATE.get(c.freq.block_method[blk.id], "")
         else:
             ex = c.executions(blk.id)
-            exs = f", ~{ex:,.0f} executions" if ex is not None else ""
+            floor = c.freq.block_method[blk.id] == "floor"  # a lower bound (analysis/frequency.py sample_floors)
+            exs = "" if ex is None else f", {'at least ' if floor else '~'}{ex:,.0f} executions"
             actual = bs / f / n if f else 0.0
             head = (f"block {blk.start:x}: F={f:,.2f}{exs} ({c.freq.block_confidence[blk.id]} confidence, "
                     f"{c.freq.block_method[blk.id]}) · best-case {best:.1f}/{n} = {best / n:.2f} CPI · "
