@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cyclescope.analysis.anchors import AnchorStats
+from cyclescope.analysis.anchors import NEAR_BYTES, AnchorStats
 from cyclescope.analysis.cfg import CFG, ENTRY, Edge, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
@@ -416,14 +416,19 @@ def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float 
         return [f"entry at {cfg.blocks[entry].start:#x} heads a loop: its exact count ({a.hits:,} entries in "
                 f"{a.windows:,} windows) does not give the block's"]
     total = float(s_cyc.sum())
-    n = a.entries(total)
-    if n is None or a.hits < MIN_ANCHOR_HITS or a.samples < MIN_ANCHOR_SAMPLES:
+    start = cfg.blocks[entry].start
+    near = float(sum(s_cyc[k] for k, ins in enumerate(cfg.insns) if start <= ins.address < start + NEAR_BYTES))
+    n = a.entries(total, near)
+    seen = a.samples - a.near
+    if n is None or a.hits < MIN_ANCHOR_HITS or seen < MIN_ANCHOR_SAMPLES:
         return [f"entry count: too little seen in the anchor's windows ({a.hits:,} entries against "
-                f"{a.samples:,} samples); the entry's count is the model's"]
-    per_entry = a.samples * period_cycles / a.hits
-    conf = "high" if a.hits >= 100 and a.samples >= 200 else "medium"
-    why = (f"{a.hits:,} entries counted exactly in {a.windows:,} windows against {a.samples:,} of the "
-           f"procedure's {total:,.0f} samples")
+                f"{seen:,} samples); the entry's count is the model's"]
+    per_entry = seen * period_cycles / a.hits
+    conf = "high" if a.hits >= 100 and seen >= 200 else "medium"
+    why = (f"{a.hits:,} entries counted exactly in {a.windows:,} windows against {seen:,} of the "
+           f"procedure's {total - near if a.near else total:,.0f} samples"
+           + (f" (leaving out the {a.near:,} in the windows at the entry's first {NEAR_BYTES} bytes, where "
+              "traps return)" if a.near else ""))
     if per_entry < MIN_ANCHOR_ENTRY_CYCLES:
         # Still closer than the model on the suite (0.6-0.75 of exact, the model 1.5-19 times), but
         # low by an amount that depends on the procedure: low confidence, said why.

@@ -122,7 +122,8 @@ class Profile:
         for i, e in enumerate(d["entry"]):
             if e == entry:
                 return AnchorStats(hits=int(d["hits"][i]), samples=int(d["samples"][i]),
-                                   counted_s=float(d["counted_s"][i]), windows=int(d["windows"][i]))
+                                   counted_s=float(d["counted_s"][i]), windows=int(d["windows"][i]),
+                                   near=int(d["near"][i]))
         return None
 
     def branch_outcomes(self, info: ImageInfo) -> dict[int, dict[int, float]]:

@@ -81,7 +81,8 @@ LOOPS = TallyKind(
 ANCHORS = TallyKind(
     "anchors", "an",
     keys=(("image", pa.string()), ("entry", pa.uint64())),
-    sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64())),
+    sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64()),
+          ("near", pa.uint64())),
 )
 
 # Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
