@@ -16,7 +16,12 @@ Three designs are measured from the same recordings (default `record` settings):
 (loop counters where they hold, the model elsewhere), calc without loop counters (the first
 design, DCPI's issue points), and the naive estimator (a block's samples over its instructions).
 
+With ``--repeat N`` the programs that read the suite's input read it N times over (the kernels and
+the demo run as always): runs of seconds, long enough for anchors to count (callgrind then takes
+about 75 times as long).
+
 Usage: python bench/accuracy.py [--programs kernels,demo,bzip2,gzip,xz,zlib,lua,sqlite,zstd,lzip] [--runs 3]
+       [--repeat N] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -206,10 +211,18 @@ def main() -> None:
                     help="calc's branch outcomes from the databases in DIR (kept recordings of the same "
                          "programs, say with `--values edges --exact interpret`) instead of the recordings' own")
     ap.add_argument("--keep", metavar="DIR", help="keep (and reuse) recordings and callgrind output in DIR")
+    ap.add_argument("--save-as", default="accuracy", help="bench/out/NAME.json")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="the suite's input this many times over: runs long enough for anchors (bench/anchorlong.py)")
     ap.add_argument("--exe", metavar="PATH", help="with one program: analyze this build of it instead of the "
                                                    "suite's (say, the clang build bench/optimize.py uses)")
     args = ap.parse_args()
     progs, inp = programs(args.programs.split(","))
+    if args.repeat > 1:
+        big = Path(inp).parent / f"input-x{args.repeat}.txt"
+        if not big.exists():
+            big.write_bytes(Path(inp).read_bytes() * args.repeat)
+        inp = big
     if args.exe:
         if len(progs) != 1:
             raise SystemExit("--exe needs exactly one program in --programs")
@@ -256,7 +269,7 @@ def main() -> None:
     print(f"left out: {totals['never_ran']:,.0f} samples on code callgrind never saw run (CPU dispatch differs "
           "under valgrind)")
     print(f"analysis time (calc, all procedures analyzed): {totals['time']:.1f} s")
-    path = save("accuracy", {"machine": machine(), "args": vars(args), "programs": per_program,
+    path = save(args.save_as, {"machine": machine(), "args": vars(args), "programs": per_program,
                              "totals": totals})
     print(f"raw data: {path}")
     if not args.keep:
