@@ -16,11 +16,24 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from common import hot_procedures, machine, save
 from suite import programs
+
+
+def near_samples(profile: Any, t: Any, ev: str) -> float:
+    """The procedure's samples in its entry's first NEAR_BYTES, which anchors leave out on both
+    sides where their tallies counted them apart (AnchorStats.entries)."""
+    from cyclescope.analysis.anchors import NEAR_BYTES
+    from cyclescope.app.calc import calc_target
+
+    c = calc_target(profile, t, ev, None, evidence=False)
+    col = c.events.index(ev)
+    return float(sum(c.samples[k, col] for k, ins in enumerate(c.cfg.insns)
+                     if t.start <= ins.address < t.start + NEAR_BYTES))
 
 
 def main() -> None:
@@ -51,9 +64,10 @@ def main() -> None:
             exact = prof.counts[ob].get(t.start, 0) * args.runs if ob else 0
             if a is None or a.hits < 10 or not exact:
                 continue
-            est = a.entries(samples) or 0.0
-            inside = a.samples * period_us / a.hits
-            outside = samples * period_us / exact
+            near = near_samples(profile, t, ev) if a.near else 0.0
+            est = a.entries(samples, near) or 0.0
+            inside = (a.samples - a.near) * period_us / a.hits
+            outside = (samples - near) * period_us / exact
             rows.append({"program": p.name, "procedure": t.name, "samples": samples, "hits": a.hits,
                          "window_samples": a.samples, "est_over_exact": est / exact, "us_in_windows": inside,
                          "us_outside": outside, "added_us": inside - outside})
