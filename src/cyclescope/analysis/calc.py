@@ -396,9 +396,11 @@ MIN_ANCHOR_SAMPLES = 30  # the procedure's samples in those windows (the ratio's
 # The procedure's cycles per entry inside the windows below which an anchor's count is low confidence: each
 # trap adds time of its own to the procedure's user time (the instruction run out of line, caches
 # and predictors disturbed): 0.16-0.93 us a hit (500-2,800 cycles) over the suite's anchored entries
-# (bench/anchorbias.py), so that entries of about 3 us were counted at 0.6-0.75 of the exact count.
-# From 30,000 cycles (10 us at 3 GHz) on, that bias stays under 10%. Below, the count is still used (the
-# model's were 1.5-19 times exact on the same entries) but not corrected: the bias depends on the procedure.
+# (bench/anchorbias.py), so that entries of about 3 us were counted at 0.6-0.75 of the exact count in
+# the suite's short runs, and at 0.77-1.07 (xz) and 0.78-0.91 (zstd) in runs of seconds, whose windows
+# hold hundreds of samples (bench/anchorlong.py). From 30,000 cycles (10 us at 3 GHz) on, that bias
+# stays under 10%. Below, the count is still used (the model's were 1.2-37 times exact on the same
+# entries) but not corrected: the bias depends on the procedure.
 MIN_ANCHOR_ENTRY_CYCLES = 30_000
 
 
@@ -433,7 +435,7 @@ def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float 
         # Still closer than the model on the suite (0.6-0.75 of exact, the model 1.5-19 times), but
         # low by an amount that depends on the procedure: low confidence, said why.
         conf = "low"
-        why += (f"; an entry took about {per_entry:,.0f} cycles in the windows, so short that the traps' own "
-                f"time in it makes the count low (by up to 40% on the benchmark's)")
+        why += (f"; an entry took about {per_entry:,.0f} cycles in the windows, so short that the traps' "
+                f"disturbance makes the count low (by 10-40% on the benchmark's entries of a few us)")
     measured[entry] = Measured(n / period_cycles, conf, "anchor", why)
     return []
