@@ -98,7 +98,7 @@ def test_an_anchor_counts_a_procedures_entries(compile_c: Callable[..., Path], t
     exe = compile_c("entries", "-O2", "-g", out="entries")
     db = tmp_path / "db"
     out = cs("record", "--db", str(db), "-F", "5000", "--", str(exe), "20000", "100000")
-    assert "anchors: 1 procedure" in out.stderr
+    assert "anchors: the entries of 1 procedure counted" in out.stderr
     doc = calc(db, "mid")
     entry = next(b for b in doc["blocks"] if b["start"] == doc["start"])
     assert entry["method"] == "anchor" and entry["confidence"] in ("high", "medium")

@@ -682,8 +682,8 @@ class AnchorProcessor:
             failed = [a.failed for a in aset.anchors.values() if a.failed]
             counted = sum(1 for a in aset.anchors.values() if a.total_windows)
         st = aset.status()
-        line = (f"anchors: {counted} procedure entries counted exactly in windows "
-                f"({st['trap_s']:.2f} s of the programs' time in traps)")
+        line = (f"anchors: the entries of {counted} procedure{'' if counted == 1 else 's'} counted exactly in "
+                f"windows ({st['trap_s']:.2f} s of the programs' time in traps)")
         if failed:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line
