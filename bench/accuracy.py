@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from common import hot_procedures, machine, record_runs, run, save
-from suite import Program, programs
+from suite import Program, programs, repeated_input
 
 BUCKETS = (0.05, 0.10, 0.15)
 
@@ -217,12 +217,8 @@ def main() -> None:
     ap.add_argument("--exe", metavar="PATH", help="with one program: analyze this build of it instead of the "
                                                    "suite's (say, the clang build bench/optimize.py uses)")
     args = ap.parse_args()
-    progs, inp = programs(args.programs.split(","))
-    if args.repeat > 1:
-        big = Path(inp).parent / f"input-x{args.repeat}.txt"
-        if not big.exists():
-            big.write_bytes(Path(inp).read_bytes() * args.repeat)
-        inp = big
+    progs, _ = programs(args.programs.split(","))
+    inp = repeated_input(args.repeat)
     if args.exe:
         if len(progs) != 1:
             raise SystemExit("--exe needs exactly one program in --programs")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -34,30 +33,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import OUT, PY, hot_procedures, machine, save
-from suite import programs
+from common import PY, hot_procedures, machine, perf_probes, save
+from suite import programs, repeated_input
 
 
 def exact_entries(exe: Path, args: list[str], entries: dict[str, int]) -> dict[str, int]:
     """Every entry of each procedure (name -> vaddr) counted by perf probes in one run."""
-    group = re.sub(r"[^A-Za-z0-9_]", "_", exe.name)
     names = {f"a{i}": name for i, name in enumerate(entries)}
-    for ev, name in names.items():
-        subprocess.run(["perf", "probe", "-q", "-x", str(exe), "-a", f"{ev}={entries[name]:#x}"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        with tempfile.NamedTemporaryFile("r", suffix=".stat") as f:
-            subprocess.run(["perf", "stat", "-x,", "-o", f.name, "-e", ",".join(f"probe_{group}:{ev}" for ev in names),
-                            "--", str(exe), *args], check=True, stdout=subprocess.DEVNULL)
-            out = {}
-            for line in Path(f.name).read_text().splitlines():
-                parts = line.split(",")
-                if len(parts) > 2 and parts[2].startswith(f"probe_{group}:"):
-                    out[names[parts[2].split(":", 1)[1]]] = int(parts[0])
-            return out
-    finally:
-        subprocess.run(["perf", "probe", "-q", "-d", f"probe_{group}:*"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+    with perf_probes(exe, {ev: f"{entries[name]:#x}" for ev, name in names.items()}) as events, \
+            tempfile.NamedTemporaryFile("r", suffix=".stat") as f:
+        subprocess.run(["perf", "stat", "-x,", "-o", f.name, "-e", ",".join(events.values()), "--", str(exe), *args],
+                       check=True, stdout=subprocess.DEVNULL)
+        which = {full: names[ev] for ev, full in events.items()}
+        out = {}
+        for line in Path(f.name).read_text().splitlines():
+            parts = line.split(",")
+            if len(parts) > 2 and parts[2] in which:
+                out[which[parts[2]]] = int(parts[0])
+        return out
 
 
 def record(db: Path, exe: Path, args: list[str], src: Path | None) -> None:
@@ -104,10 +97,8 @@ def main() -> None:
     ap.add_argument("--keep", metavar="DIR", help="keep the recordings in DIR")
     ap.add_argument("--save-as", default="anchorlong")
     args = ap.parse_args()
-    progs, inp = programs(args.programs.split(","))
-    big = OUT / "suite" / f"input-x{args.repeat}.txt"
-    if not big.exists():
-        big.write_bytes(Path(inp).read_bytes() * args.repeat)
+    progs, _ = programs(args.programs.split(","))
+    big = repeated_input(args.repeat)
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="cs-anchorlong-"))
     tmp.mkdir(parents=True, exist_ok=True)
     contenders = {"new": None} if not args.old else {"new": None, "old": Path(args.old)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -180,3 +182,19 @@ def hot_procedures(db: Path, image: str, min_samples: int) -> tuple[Any, str, li
         if t is not None:
             out.append((row.counts[i], t))
     return profile, ev, out
+
+
+@contextlib.contextmanager
+def perf_probes(exe: Path, probes: dict[str, str]) -> Iterator[dict[str, str]]:
+    """`perf probe` uprobes on ``exe`` (event name -> where: a function or an address), deleted
+    afterwards; yields each event's full name for `perf stat -e` (probe_<exe>:<name>)."""
+    group = "probe_" + re.sub(r"[^A-Za-z0-9_]", "_", exe.name)
+    try:
+        for ev, where in probes.items():
+            subprocess.run(["perf", "probe", "-q", "-x", str(exe), "-a", f"{ev}={where}"], check=True,
+                           stdout=subprocess.DEVNULL)
+        yield {ev: f"{group}:{ev}" for ev in probes}
+    finally:
+        for ev in probes:
+            subprocess.run(["perf", "probe", "-q", "-d", f"{group}:{ev}"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)

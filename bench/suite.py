@@ -201,6 +201,18 @@ def make_input() -> Path:
     return f
 
 
+def repeated_input(times: int) -> Path:
+    """The suite's input ``times`` over (runs long enough for anchors: bench/anchorlong.py,
+    bench/accuracy.py --repeat)."""
+    f = make_input()
+    if times <= 1:
+        return f
+    big = SUITE / f"input-x{times}.txt"
+    if not big.exists():
+        big.write_bytes(f.read_bytes() * times)
+    return big
+
+
 def programs(names: list[str] | None = None) -> tuple[list[Program], Path]:
     BIN.mkdir(parents=True, exist_ok=True)
     inp = make_input()

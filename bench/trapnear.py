@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import machine, save
+from common import machine, perf_probes, save
 from suite import programs
 
 
@@ -46,29 +45,23 @@ def main() -> None:
     args = ap.parse_args()
     (p,), inp = programs([args.program])
     pargs = [a.replace("{input}", str(inp)) for a in p.args]
-    group = re.sub(r"[^A-Za-z0-9_]", "_", p.exe.name)
-    subprocess.run(["perf", "probe", "-q", "-x", str(p.exe), "-a", f"trapnear={args.function}"], check=True)
     base: collections.Counter[int] = collections.Counter()
     probed: collections.Counter[int] = collections.Counter()
     entries = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds):
-                for probe in ((False, True) if r % 2 == 0 else (True, False)):
-                    data = Path(tmp) / f"{r}-{int(probe)}.data"
-                    rec = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(args.rate), "-o", str(data), "--"]
-                    if probe:
-                        stat = Path(tmp) / f"{r}.stat"
-                        subprocess.run(["perf", "stat", "-x,", "-o", str(stat), "-e", f"probe_{group}:trapnear", "--",
-                                        *rec, str(p.exe), *pargs], check=True, stdout=subprocess.DEVNULL)
-                        entries.append(int(stat.read_text().strip().splitlines()[-1].split(",")[0]))
-                        probed.update(samples_by_offset(data, args.function))
-                    else:
-                        subprocess.run([*rec, str(p.exe), *pargs], check=True, stdout=subprocess.DEVNULL)
-                        base.update(samples_by_offset(data, args.function))
-    finally:
-        subprocess.run(["perf", "probe", "-q", "-d", f"probe_{group}:trapnear"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+    with perf_probes(p.exe, {"trapnear": args.function}) as events, tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for probe in ((False, True) if r % 2 == 0 else (True, False)):
+                data = Path(tmp) / f"{r}-{int(probe)}.data"
+                rec = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(args.rate), "-o", str(data), "--"]
+                if probe:
+                    stat = Path(tmp) / f"{r}.stat"
+                    subprocess.run(["perf", "stat", "-x,", "-o", str(stat), "-e", events["trapnear"], "--",
+                                    *rec, str(p.exe), *pargs], check=True, stdout=subprocess.DEVNULL)
+                    entries.append(int(stat.read_text().strip().splitlines()[-1].split(",")[0]))
+                    probed.update(samples_by_offset(data, args.function))
+                else:
+                    subprocess.run([*rec, str(p.exe), *pargs], check=True, stdout=subprocess.DEVNULL)
+                    base.update(samples_by_offset(data, args.function))
     added = sum(probed.values()) - sum(base.values())
     near = sum(probed[o] - base[o] for o in set(probed) | set(base) if o < args.near)
     print(f"{p.name} {args.function}: {sum(entries):,} entries counted over {args.rounds} rounds; samples "
