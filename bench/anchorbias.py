@@ -24,16 +24,14 @@ from common import hot_procedures, machine, save
 from suite import programs
 
 
-def near_samples(profile: Any, t: Any, ev: str) -> float:
+def near_entry(profile: Any, t: Any, ev: str) -> float:
     """The procedure's samples in its entry's first NEAR_BYTES, which anchors leave out on both
     sides where their tallies counted them apart (AnchorStats.entries)."""
-    from cyclescope.analysis.anchors import NEAR_BYTES
+    from cyclescope.analysis.anchors import near_samples
     from cyclescope.app.calc import calc_target
 
     c = calc_target(profile, t, ev, None, evidence=False)
-    col = c.events.index(ev)
-    return float(sum(c.samples[k, col] for k, ins in enumerate(c.cfg.insns)
-                     if t.start <= ins.address < t.start + NEAR_BYTES))
+    return near_samples([ins.address for ins in c.cfg.insns], c.samples[:, c.events.index(ev)], t.start)
 
 
 def main() -> None:
@@ -64,7 +62,7 @@ def main() -> None:
             exact = prof.counts[ob].get(t.start, 0) * args.runs if ob else 0
             if a is None or a.hits < 10 or not exact:
                 continue
-            near = near_samples(profile, t, ev) if a.near else 0.0
+            near = near_entry(profile, t, ev) if a.near else 0.0
             est = a.entries(samples, near) or 0.0
             inside = (a.samples - a.near) * period_us / a.hits
             outside = (samples - near) * period_us / exact

@@ -63,7 +63,7 @@ def record(db: Path, exe: Path, args: list[str], src: Path | None) -> None:
 
 def analyze(db: Path, image: str) -> dict[str, dict[str, float | str | None]]:
     """Per anchored procedure (name): its entry, tallies and the estimates of its entry count."""
-    from cyclescope.analysis.anchors import NEAR_BYTES
+    from cyclescope.analysis.anchors import near_samples
     from cyclescope.app.calc import calc_target
 
     profile, ev, hot = hot_procedures(db, image, 100)
@@ -75,8 +75,7 @@ def analyze(db: Path, image: str) -> dict[str, dict[str, float | str | None]]:
         c = calc_target(profile, t, ev, None)
         first = calc_target(profile, t, ev, None, evidence=False)
         col = c.events.index(ev)
-        near = float(sum(c.samples[k, col] for k, ins in enumerate(c.cfg.insns)
-                         if t.start <= ins.address < t.start + NEAR_BYTES))
+        near = near_samples([ins.address for ins in c.cfg.insns], c.samples[:, col], t.start)
         entry = next(b for b in c.cfg.blocks if b.start == t.start)
         out[t.name] = {"entry": t.start, "samples": samples, "hits": a.hits, "window_samples": a.samples,
                        "near": a.near, "windows": a.windows, "anchor": a.entries(samples, near),

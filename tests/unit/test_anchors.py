@@ -398,3 +398,11 @@ def test_costly_anchors_count_in_short_windows_weighted_by_their_samples() -> No
     assert hot.total_windows >= 10 and all(a.total_windows >= 1 for a in rest)
     assert hot.cost_s > 5 * max(a.cost_s for a in rest)
     assert sum(a.cost_s for a in s.anchors.values()) <= 0.01 * 62 + ALLOWANCE  # within the budget
+
+
+def test_near_samples_are_those_in_the_entrys_first_bytes() -> None:
+    from cyclescope.analysis.anchors import NEAR_BYTES, near_samples
+
+    addrs = [0x1000, 0x1002, 0x1000 + NEAR_BYTES - 1, 0x1000 + NEAR_BYTES, 0xFFF]
+    assert near_samples(addrs, np.array([5.0, 7.0, 1.0, 100.0, 50.0]), 0x1000) == 13.0
+    assert near_samples([], np.zeros(0), 0x1000) == 0.0

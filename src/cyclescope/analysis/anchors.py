@@ -169,6 +169,14 @@ def window_length(share: float, nfds: int) -> float:
     return min(WINDOW_S, max(MIN_WINDOW_S, CLOSE_S * max(0, nfds - 1), share * WINDOWS_EVERY_S))
 
 
+def near_samples(addresses: Any, samples: Any, entry: int) -> float:
+    """The samples (per instruction, at ``addresses``) in the entry's first NEAR_BYTES: what
+    AnchorStats.entries leaves out of the profile's side where the windows tallied them apart."""
+    a = np.asarray(addresses, np.uint64)
+    m = (a >= np.uint64(entry)) & (a < np.uint64(entry + NEAR_BYTES))
+    return float(np.asarray(samples, np.float64)[m].sum())
+
+
 def _tally(a: Anchor, w: Window, now: int) -> None:
     """What ``w`` counted since it was last tallied, into ``a``'s tallies (under the set's lock)."""
     a.hits += w.hits - w.tallied_hits
@@ -297,6 +305,10 @@ class AnchorSet:
         cap = self.budget * (now - self.started) / 1e9 + ALLOWANCE
         spent = sum(a.cost_s for a in anchors)
         parts = allocate(self.budget, anchors)
+
+        def costly(b: Anchor) -> bool:  # counted in short windows, one at a time (below)
+            return b.rate is None or b.share(parts[id(b)]) < 1.0
+
         wait = IDLE_S
         for a in sorted(anchors, key=lambda a: a.rate is not None):  # first windows first: they measure the rates
             share = a.share(parts[id(a)])
@@ -361,8 +373,7 @@ class AnchorSet:
                 if share < 1.0 and a.credit < registered:
                     wait = min(wait, max(TICK_S, (registered - a.credit) / share))
                     continue
-                if (share < 1.0 or a.rate is None) and (self.closes or any(
-                        b.window is not None and (b.rate is None or b.share(parts[id(b)]) < 1.0) for b in anchors)):
+                if costly(a) and (self.closes or any(b.window is not None and costly(b) for b in anchors)):
                     # One costly window at a time, opened once the last one's probes have closed:
                     # closes serialize (CLOSE_S each), and a probe waiting for its close traps at
                     # its full rate (xz's first windows, ended together: 0.41 s of traps in 18 s,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cyclescope.analysis.anchors import NEAR_BYTES, AnchorStats
+from cyclescope.analysis.anchors import NEAR_BYTES, AnchorStats, near_samples
 from cyclescope.analysis.cfg import CFG, ENTRY, Edge, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
@@ -418,8 +418,7 @@ def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float 
         return [f"entry at {cfg.blocks[entry].start:#x} heads a loop: its exact count ({a.hits:,} entries in "
                 f"{a.windows:,} windows) does not give the block's"]
     total = float(s_cyc.sum())
-    start = cfg.blocks[entry].start
-    near = float(sum(s_cyc[k] for k, ins in enumerate(cfg.insns) if start <= ins.address < start + NEAR_BYTES))
+    near = near_samples([ins.address for ins in cfg.insns], s_cyc, cfg.blocks[entry].start)
     n = a.entries(total, near)
     seen = a.samples - a.near
     if n is None or a.hits < MIN_ANCHOR_HITS or seen < MIN_ANCHOR_SAMPLES:

@@ -442,22 +442,19 @@ def _repair(cfg: CFG, classes: Classes, fr: Frequencies, floors: dict[int, float
         u, mid = arcs[("b", b)]
         g.nodes[u]["demand"] = g.nodes[u].get("demand", 0) + lo
         g.nodes[mid]["demand"] = g.nodes[mid].get("demand", 0) - lo
-    try:
-        _, flow = nx.network_simplex(g)
-    except (nx.NetworkXUnfeasible, nx.NetworkXUnbounded, nx.NetworkXError) as err:
-        if lower:  # floors the flow cannot meet (a block off every path to the exit): repair without them
+    flow = None
+    while flow is None:
+        try:
+            _, flow = nx.network_simplex(g)
+        except (nx.NetworkXUnfeasible, nx.NetworkXUnbounded, nx.NetworkXError) as err:
+            if not lower:
+                fr.notes.append(f"global repair failed: {err}")
+                return
+            # Floors the flow cannot meet (a block off every path to the exit): repair without them.
             for b in lower:
                 u, mid = arcs[("b", b)]
                 g.nodes[u]["demand"] = g.nodes[mid]["demand"] = 0
             lower = {}
-            try:
-                _, flow = nx.network_simplex(g)
-            except (nx.NetworkXUnfeasible, nx.NetworkXUnbounded, nx.NetworkXError) as err2:
-                fr.notes.append(f"global repair failed: {err2}")
-                return
-        else:
-            fr.notes.append(f"global repair failed: {err}")
-            return
     held = 0
     for (kind, i), (u, v) in arcs.items():
         x = (flow[u][v] + (lower.get(i, 0) if kind == "b" else 0)) / scale
