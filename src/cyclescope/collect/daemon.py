@@ -759,22 +759,19 @@ def peak_rss_kib() -> int:
 
 
 def child_done(session: Session) -> Callable[[], bool]:
-    """For record -- CMD: true once the command has exited (its status is kept)."""
-    state: dict[str, int | None] = {"status": None}
+    """For record -- CMD: true once the command has exited. It is not reaped here: until the
+    session closes (Session.close reaps it and keeps its status), its /proc entry stays, and the
+    last drain, which reads its exit, still finds its owner (values and probe hits of a process
+    whose owner is unknown are not kept)."""
 
     def check() -> bool:
         pid = session.child_pid
-        if pid is None:
+        if pid is None or session.exit_status is not None:
             return True
         try:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
         except ChildProcessError:
             return True
-        if done:
-            state["status"] = status
-            session.exit_status = status
-            return True
-        return False
 
     return check
 

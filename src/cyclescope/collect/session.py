@@ -597,6 +597,14 @@ class Session:
             st.enabled_ns = max(e for _, e, _ in vals) if per_task else sum(e for _, e, _ in vals)
 
     def close(self) -> None:
+        if self.child_pid is not None and self._child_go is None and self.exit_status is None:
+            # The command exited (collect.daemon.child_done left it unreaped for the last drain).
+            try:
+                done, status = os.waitpid(self.child_pid, os.WNOHANG)
+                if done:
+                    self.exit_status = status
+            except ChildProcessError:
+                pass
         for r in self.rings:
             r.close()
         self.rings.clear()
