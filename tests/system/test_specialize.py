@@ -147,7 +147,7 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
             d.communicate()
     rows = json.loads(cs("values", "--db", str(db), "--json").stdout)["rows"]
     daemon = {(r["where"], r["kind"]): r for r in rows if r["kind"].startswith("exact:")}
-    assert daemon[("bucket_sum", "exact:rdx")]["vtot"] == longer
+    assert daemon[("bucket_sum", "exact:rdx")]["vtot"] == longer, (doc["points"], err)
     assert {h["value"]: h["count"] for h in daemon[("bucket_sum", "exact:rdx")]["hotlist"]}["16"] == div16_longer
 
 
@@ -190,12 +190,21 @@ def test_a_difference_of_two_registers_is_captured_together(tmp_path: Path) -> N
     assert sampled and sum(r["vtot"] for r in sampled) >= 30
     top = max(sampled, key=lambda r: r["vtot"])["hotlist"][0]
     assert top["value"] == "0" and top["share"] > 0.8
-    # A probe at the entry: every call.
-    cs("record", "--db", str(tmp_path / "exact"), "-q", "-F", "2000", "--goal", str(plan), "--goal-budget", "1",
-       "--", *args, timeout=300)
+    # A probe at the entry: every call. The plan's rate for it is calc's count of the entry, ahead of
+    # a loop of 262,144 trips: where the anchor saw too little of a one-second run, the model's guess,
+    # 0 ("unknown": probed with a whole CPU) in 24 plain recordings of 25 and 1.4 million in one (a
+    # site of 25 CPUs' traps, left to the samples: issue 30's shortfall, not this test's subject).
+    # The capture is tested here: the plan says the rate is unknown.
+    doc = json.loads(plan.read_text())
+    for p in doc["points"]:
+        if p["what"] == "rdx-rcx" and p.get("probe"):
+            p["probe"]["rate"] = 0.0
+    plan.write_text(json.dumps(doc))
+    summary = cs("record", "--db", str(tmp_path / "exact"), "-F", "2000", "--goal", str(plan), "--goal-budget", "1",
+                 "--", *args, timeout=300).stderr
     rows = json.loads(cs("values", "--db", str(tmp_path / "exact"), "--json", "--limit", "0").stdout)["rows"]
     exact = [r for r in rows if r["kind"] == "exact:rdx-rcx"]
-    assert len(exact) == 1 and exact[0]["where"] == "mix" and exact[0]["vtot"] == rounds
+    assert len(exact) == 1 and exact[0]["where"] == "mix" and exact[0]["vtot"] == rounds, (diff.get("probe"), summary)
     counts = {h["value"]: h["count"] for h in exact[0]["hotlist"]}
     assert counts["0"] == _difference_truth(rounds, n)
     rep = json.loads(cs("specialize", "--db", str(tmp_path / "exact"), "mix", "--json", timeout=300).stdout)

@@ -16,9 +16,9 @@ from cyclescope.values.probes import HIT_COST_S, GoalProbes
 from tests import perfbytes as pb
 
 
-def point(proc: str, reg: str, rate: float, at: int) -> GoalPoint:
+def point(proc: str, reg: str, rate: float, at: int, confidence: str = "high") -> GoalPoint:
     return GoalPoint("img", proc, reg, 0.5, [(at, reg)],
-                     probe=ProbeSpec(at, reg, "/bin/prog", at, None, rate))
+                     probe=ProbeSpec(at, reg, "/bin/prog", at, None, rate, confidence))
 
 
 class FakeRing:
@@ -87,6 +87,19 @@ def test_the_cheapest_sites_are_probed_within_the_budget() -> None:
     assert {s.reg for s in GoalProbes(plan, budget=1.0).choose()} == {"rdi", "rsi", "rcx"}
 
 
+def test_a_guessed_rate_is_taken_as_it_is_and_said_to_be_a_guess() -> None:
+    """A rate from a low-confidence count (the model's guess) decides as a measured one does, even
+    with a whole CPU (probing guesses anyway probed hot loops: their hits overflowed the rings); the
+    site's state says it was a guess."""
+    plan = Plan([point("a", "rdi", 5e6, 0x10, "low"), point("b", "rsi", 5e6, 0x20, "high"),
+                 point("c", "rdx", 300.0, 0x30, "low")])
+    whole = GoalProbes(plan, budget=1.0)
+    assert [s.reg for s in whole.choose()] == ["rdx"]
+    states = {s.reg: s.state for s in whole.sites}
+    assert states["rdi"] == "too costly (5,000,000 executions/s, calc guessed)"
+    assert states["rsi"] == "too costly (5,000,000 executions/s)"
+
+
 def test_per_task_probes_share_a_ring_per_cpu_and_wait_for_exec() -> None:
     plan = Plan([point("a", "rdi", 100.0, 0x10), point("b", "rsi", 100.0, 0x20)])
     k = FakeKernel()
@@ -120,7 +133,26 @@ def test_hits_decode_to_each_sites_register_and_lost_hits_are_counted() -> None:
     assert [probes.sites[i].reg for i in got.site.tolist()] == ["rdi", "rsi", "rdi"]
     assert got.value.tolist() == [16, 9, 16]
     assert by_reg["rdi"].hits == 2 and by_reg["rsi"].hits == 1 and probes.lost == 3
+    assert by_reg["rdi"].lost == 2 and by_reg["rsi"].lost == 1  # put down to the sites by their hits
     assert len(probes.poll()) == 0
+
+
+def test_lost_hits_count_against_the_budget() -> None:
+    """A site whose hits overflow the ring is closed for the hits lost too: they trapped as well
+    (before, a hot site that lost 8 million hits in a minute kept trapping, unseen)."""
+    now = [0.0]
+    plan = Plan([point("a", "rdi", 100.0, 0x10), point("b", "rsi", 100.0, 0x20)])
+    k = FakeKernel()
+    probes = GoalProbes(plan, budget=1.0, kernel=k, clock=lambda: now[0])
+    probes.open((77,), (0,), on_exec=False)
+    a, b = probes.sites
+    ring = next(iter(k.rings.values()))
+    ident = 1000 + a.fds[0]
+    ring.data = hit(ident, 0x401010, 77, [5, 16]) + pb.lost(ident, 200_000, 2)
+    now[0] = 1.0  # each may spend half a second of traps in a second, plus the allowance: 200,000 hits are 2.2 s
+    probes.poll()
+    assert a.lost == 200_000 and b.lost == 0
+    assert probes.police() == [0] and b.state == "open"
 
 
 def test_a_probe_over_its_budget_is_closed_and_its_candidate_goes_back_to_the_samples() -> None:
@@ -151,7 +183,10 @@ def test_plans_carry_probe_sites_and_older_plans_still_read(tmp_path: Any) -> No
     f = tmp_path / "plan.json"
     f.write_text(json.dumps(doc))
     p = read_plan(f).points[0]
-    assert p.probe == ProbeSpec(16, "rdx", "/bin/x", 4112, "ab", 12.5)
+    assert p.probe == ProbeSpec(16, "rdx", "/bin/x", 4112, "ab", 12.5, "high")  # no confidence: high
+    doc["points"][0]["probe"]["rate_confidence"] = "low"
+    f.write_text(json.dumps(doc))
+    assert read_plan(f).points[0].probe.rate_confidence == "low"  # type: ignore[union-attr]
     doc["version"] = 2
     del doc["points"][0]["probe"]
     f.write_text(json.dumps(doc))

@@ -116,11 +116,13 @@ class GoalModel:
 
     ``latency``: cycles per instruction (the static model's); ``freq``: executions of each
     instruction over the profiled run (calc's counts); ``edge_freq``: of each CFG edge, by id. The
-    procedure's entries are its entry edges' executions."""
+    procedure's entries are its entry edges' executions. ``confidence``: calc's confidence in each
+    instruction's count (its block's: high, medium or low; all high when not given)."""
 
     def __init__(self, cfg: CFG, infos: Sequence[InsnInfo], latency: Sequence[float], freq: Sequence[float],
-                 edge_freq: Sequence[float]) -> None:
+                 edge_freq: Sequence[float], confidence: Sequence[str] | None = None) -> None:
         self.cfg, self.infos, self.latency, self.freq, self.edge_freq = cfg, infos, latency, freq, edge_freq
+        self.confidence = list(confidence) if confidence is not None else ["high"] * len(infos)
         self.entry_freq = sum(edge_freq[e.id] for e in cfg.edges if e.src == ENTRY)
         self.rd = ReachingDefs.of(cfg, infos)
         self.uses: dict[tuple[int, str], list[tuple[int, bool]]] = {}  # (def, reg) -> [(use, only def)]

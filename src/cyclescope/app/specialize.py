@@ -50,8 +50,9 @@ def goal_model(c: Calc) -> GoalModel:
         for i, im in enumerate(c.model.blocks[b.id].insns):
             lat[b.first + i] = max(float(im.own), 0.0)
     freq = [float(c.freq.block[cfg.block_of[k]] or 0.0) for k in range(len(cfg.insns))]
+    confidence = [c.freq.block_confidence[cfg.block_of[k]] for k in range(len(cfg.insns))]
     edges = [float(e or 0.0) for e in c.freq.edge]
-    return GoalModel(cfg, c.infos, lat, freq, edges)
+    return GoalModel(cfg, c.infos, lat, freq, edges, confidence)
 
 
 def procedure_goal(c: Calc, target: Target, phi: float, path: str, offsets: dict[int, int]
@@ -280,7 +281,8 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
                 if file_offset is not None:
                     point["probe"] = {"at": g.offsets.get(vaddr, vaddr), "reg": probe_reg, "path": g.path,
                                       "file_offset": file_offset, "build_id": g.build_id,
-                                      "rate": round(rate * (rep.rate_scale or 0.0), 3)}
+                                      "rate": round(rate * (rep.rate_scale or 0.0), 3),
+                                      "rate_confidence": m.confidence[probe_at]}
             points.append(point)
     doc = {"version": PLAN_VERSION, "counts": rep.counts, "points": points}
     tmp = Path(str(path) + ".tmp")

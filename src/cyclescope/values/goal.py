@@ -51,6 +51,7 @@ class ProbeSpec:
     file_offset: int
     build_id: str | None
     rate: float  # executions per CPU-second of the profiled programs, in the plan's profile
+    rate_confidence: str = "high"  # calc's confidence in the count the rate comes from
 
 
 @dataclass
@@ -92,7 +93,8 @@ def read_plan(path: str | Path) -> Plan:
             probe = None
             if pr is not None and operands(str(pr["reg"])):
                 probe = ProbeSpec(int(pr["at"]), str(pr["reg"]), str(pr["path"]), int(pr["file_offset"]),
-                                  str(pr["build_id"]) if pr.get("build_id") else None, float(pr["rate"]))
+                                  str(pr["build_id"]) if pr.get("build_id") else None, float(pr["rate"]),
+                                  str(pr.get("rate_confidence", "high")))
             mems = None
             if p.get("mems") is not None:
                 m1, m2 = (MemOperand(str(b), str(i), int(sc), int(d), int(sz)) for b, i, sc, d, sz in p["mems"])
