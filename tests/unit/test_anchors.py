@@ -406,3 +406,25 @@ def test_near_samples_are_those_in_the_entrys_first_bytes() -> None:
     addrs = [0x1000, 0x1002, 0x1000 + NEAR_BYTES - 1, 0x1000 + NEAR_BYTES, 0xFFF]
     assert near_samples(addrs, np.array([5.0, 7.0, 1.0, 100.0, 50.0]), 0x1000) == 13.0
     assert near_samples([], np.zeros(0), 0x1000) == 0.0
+
+
+def test_an_anchor_placed_late_gets_the_budget_since_the_start() -> None:
+    """An anchor placed at the first drain, a second into the run (difference.c's mix, 2,500 entries
+    a second: 60% of the time within the default budget): once its first window has measured the
+    rate, its share of the time since the first tick pays for the next window at once. Before, it
+    waited a third of a second, past the end of a program of 1.3 s."""
+    clock = [10_000 * MS]
+    s = AnchorSet(True, lambda i: f"img{i}", 0.01, FakeProbes(clock, 2500.0), cpus=(0, 1),
+                  clock=lambda: clock[0], rng=random.Random(1))
+    s.tick()  # the ticker starts with the recording: no anchor yet
+    clock[0] += 1000 * MS
+    s.place(1, 0x1000, 0x1100, "/bin/x", 0x1000)
+    a = s.anchors[(1, 0x1000)]
+
+    def ran_lately() -> None:
+        a.tids = {42: clock[0]}
+
+    ran_lately()
+    run_by_steps(s, clock, 0.1, ran_lately)
+    assert a.rate == pytest.approx(2500.0, rel=0.05) and a.total_windows >= 2
+    assert a.cost_s <= 0.01 * 1.1 + ALLOWANCE  # within the budget of the time since the start

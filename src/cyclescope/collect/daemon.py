@@ -281,6 +281,9 @@ class Collector:
         # machine (tests/system/test_calc.py's branchy lost its trip counts).
         early = self.python is not None or self.unwind is not None
         first = min(self.cfg.drain_s, FIRST_DRAIN_S) if early else self.cfg.drain_s
+        # A processor may want its first samples sooner (anchors: their windows start once a
+        # procedure has samples, and a run under a second had none).
+        first = min([first] + [float(s) for p in self.processors if (s := getattr(p, "first_drain_s", None))])
         if self.unwind is not None:
             first = min(first, UNWIND_DRAIN_S)
         next_drain = start + first
