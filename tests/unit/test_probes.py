@@ -137,14 +137,20 @@ def test_hits_decode_to_each_sites_register_and_lost_hits_are_counted() -> None:
     assert len(probes.poll()) == 0
 
 
-def test_lost_hits_count_against_the_budget() -> None:
-    """A site whose hits overflow the ring is closed for the hits lost too: they trapped as well
-    (before, a hot site that lost 8 million hits in a minute kept trapping, unseen)."""
+def two_open_sites(budget: float) -> tuple[GoalProbes, FakeKernel, list[float]]:
+    """Two sites of 100 executions a second, open for one task on one CPU, on a clock set by hand."""
     now = [0.0]
     plan = Plan([point("a", "rdi", 100.0, 0x10), point("b", "rsi", 100.0, 0x20)])
     k = FakeKernel()
-    probes = GoalProbes(plan, budget=1.0, kernel=k, clock=lambda: now[0])
+    probes = GoalProbes(plan, budget=budget, kernel=k, clock=lambda: now[0])
     probes.open((77,), (0,), on_exec=False)
+    return probes, k, now
+
+
+def test_lost_hits_count_against_the_budget() -> None:
+    """A site whose hits overflow the ring is closed for the hits lost too: they trapped as well
+    (before, a hot site that lost 8 million hits in a minute kept trapping, unseen)."""
+    probes, k, now = two_open_sites(budget=1.0)
     a, b = probes.sites
     ring = next(iter(k.rings.values()))
     ident = 1000 + a.fds[0]
@@ -156,11 +162,8 @@ def test_lost_hits_count_against_the_budget() -> None:
 
 
 def test_a_probe_over_its_budget_is_closed_and_its_candidate_goes_back_to_the_samples() -> None:
-    now = [0.0]
-    plan = Plan([point("a", "rdi", 100.0, 0x10), point("b", "rsi", 100.0, 0x20)])
-    k = FakeKernel()
-    probes = GoalProbes(plan, budget=0.01, kernel=k, clock=lambda: now[0])
-    probes.open((77,), (0,), on_exec=False)
+    probes, k, now = two_open_sites(budget=0.01)
+    plan = probes.plan
     a, b = probes.sites
     now[0] = 10.0  # each may spend 0.05 s of traps in 10 s, plus the allowance
     a.hits = int((0.05 + 0.02) / HIT_COST_S) + 10

@@ -354,11 +354,11 @@ class AnchorSet:
                         first_rate = a.rate is None
                         a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
                         if first_rate:
-                            # Its share of the time since the first tick, now that the share is
-                            # known: the budget accrues from the start, as the cap's does. An anchor
-                            # placed at the first drain (a second in) otherwise waited a third of a
-                            # second for its next window, past the end of a program of 1.3 s
-                            # (difference.c's mix: 6 entries seen, and the model's count of them).
+                            # Its share of the time since the recording began, now that the share
+                            # is known: the budget accrues from the start, as the cap's does. An
+                            # anchor placed at the first drain (then a second in) otherwise waited a
+                            # third of a second for its next window, past the end of a program of
+                            # 1.3 s (difference.c's mix: 6 entries seen, and the model's count).
                             part = min(parts[id(a)], 1.25 * a.rate * HIT_COST_S)
                             a.credit = min(a.credit + a.share(part) * (now - self.started) / 1e9, MAX_CREDIT_S)
                 self._retire(a)
@@ -599,8 +599,8 @@ class AnchorProcessor:
         from cyclescope.collect.session import online_cpus
 
         self.set = AnchorSet(ctx.per_task, lambda i: ctx.table[i].key, self.budget, Probes(), online_cpus())
-        # The budget accrues from the recording's start, not from the first anchor's placement (the
-        # first drain's, a second in): the cap's, and each anchor's share once its rate is known.
+        # The budget accrues from the recording's start, not from the first anchor's placement (at
+        # the first drain): the cap's, and each anchor's share once its rate is known.
         self.set.started = self.set.clock()
         self._info_of = lambda i: ctx.table[i]
         self._time_event = ctx.time_event
