@@ -50,19 +50,19 @@ def addr2line(exe: Path, addr: int) -> list[tuple[str, int]]:
 def test_line_tables_and_inlined_calls_agree_with_addr2line(inl: Path, tmp_path: Path) -> None:
     key = read_elf_info(str(inl)).build_id or ""
     addrs = [0x1190, *WORK_LOOP, 0x11BD]
-    dw = DwarfIndex(str(inl), key, Cache(tmp_path / "c"))
-    pos = dw.positions(np.array(addrs, np.uint64))
+    dwarf_index = DwarfIndex(str(inl), key, Cache(tmp_path / "c"))
+    pos = dwarf_index.positions(np.array(addrs, np.uint64))
     for a, p in zip(addrs, pos, strict=True):
         truth = addr2line(inl, a)
         assert p is not None and (os.path.basename(p.file), p.line) == truth[0], hex(a)
-        inlined = [s for s in dw.scopes_at(a) if s.inlined]
+        inlined = [s for s in dwarf_index.scopes_at(a) if s.inlined]
         # addr2line -i lists the inlined frame's line, then the call site of each inlined call.
         assert [s.line for s in reversed(inlined)] == [ln for _, ln in truth[1:]], hex(a)
         assert all(s.name == "step" for s in inlined)
-    stack = dw.scopes_at(0x11A3)
+    stack = dwarf_index.scopes_at(0x11A3)
     assert [s.name for s in stack] == ["work", "step"] and stack[0].line == 9  # work is declared on line 9
-    assert dw.decoded_cus == 1
-    dw.close()
+    assert dwarf_index.decoded_cus == 1
+    dwarf_index.close()
     # A second index decodes nothing: everything comes from the cache.
     again = DwarfIndex(str(inl), key, Cache(tmp_path / "c"))
     assert again.positions(np.array(addrs, np.uint64)) == pos

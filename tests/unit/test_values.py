@@ -444,8 +444,8 @@ def test_capture_takes_operands_addresses_previous_results_and_context_in_bulk()
     pcs = [0x1003] * 30 + [0x1007] * 10
     rdi = [0x8000] * 40
     rsi = [3, 3, 9] * 10 + [5] * 10
-    s, img, off, regs, stack, slen = _batch(pcs, rdi, rsi, 0x556000000000 + 0x2005)
-    assert vc.process(s, img, off, regs, stack, slen) == 40
+    s, img, off, regs, stack, stack_len = _batch(pcs, rdi, rsi, 0x556000000000 + 0x2005)
+    assert vc.process(s, img, off, regs, stack, stack_len) == 40
     rows = _rows(vc)
     assert rows[(0x1003, "in:rsi")] == {(3, 0, -1): 20, (9, 0, -1): 10}
     # At 0x1003 the previous instruction (mov rax, rdi at 0x1000) has just written rax.
@@ -493,12 +493,12 @@ def test_capture_takes_stack_words_and_sub_registers_where_the_snapshot_has_them
     table = ImageTable()
     table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
     vc = ValueCapture(ValueOptions(length=0, seed=1), _Mapper(), table, code=_Code(table), modules=[Words()])
-    s, img, off, regs, stack, slen = _batch([0x1003] * 6, [0x1234] * 6, [0] * 6, 0)
+    s, img, off, regs, stack, stack_len = _batch([0x1003] * 6, [0x1234] * 6, [0] * 6, 0)
     stack[:, 8:16] = np.frombuffer(struct.pack("<Q", 0xDEADBEEF), np.uint8)
     stack[:, 40:48] = np.frombuffer(struct.pack("<Q", 7), np.uint8)
     stack[:, 60:64] = 0xAB  # a word across the end of the 64-byte snapshot: never taken
-    slen[4:] = 16  # two samples found only 16 bytes of stack to copy: no word at 40 for them
-    assert vc.process(s, img, off, regs, stack, slen) == 6
+    stack_len[4:] = 16  # two samples found only 16 bytes of stack to copy: no word at 40 for them
+    assert vc.process(s, img, off, regs, stack, stack_len) == 6
     rows = _rows(vc)
     assert rows[(0x1003, "arg@8")] == {(0xDEADBEEF, 0, -1): 6}
     assert rows[(0x1003, "arg@40")] == {(7, 0, -1): 4}
@@ -514,15 +514,15 @@ def test_capture_respects_owner_and_command_filters() -> None:
                        (ValueOptions(length=0, commands=frozenset({"other"})), 0),
                        (ValueOptions(length=0, commands=frozenset({"prog"})), 4)):
         vc = ValueCapture(opts, _Mapper(), table, code=_Code(table))
-        s, img, off, regs, stack, slen = _batch([0x1003] * 4, [1] * 4, [2] * 4, 0)
-        assert vc.process(s, img, off, regs, stack, slen) == kept
+        s, img, off, regs, stack, stack_len = _batch([0x1003] * 4, [1] * 4, [2] * 4, 0)
+        assert vc.process(s, img, off, regs, stack, stack_len) == kept
         if not kept:
             assert vc.skipped["not allowed"] == 4
     # One drain may hold samples from before an exec (the forked profiler, "python") and after it
     # ("prog"): the filter goes by each sample's command, not the process's name at the end.
     vc = ValueCapture(ValueOptions(length=0, commands=frozenset({"prog"})), _Mapper(), table, code=_Code(table))
-    s, img, off, regs, stack, slen = _batch([0x1003] * 6, [1] * 6, [2] * 6, 0)
-    assert vc.process(s, img, off, regs, stack, slen, np.array([2, 2, 2, 2, 1, 1])) == 2
+    s, img, off, regs, stack, stack_len = _batch([0x1003] * 6, [1] * 6, [2] * 6, 0)
+    assert vc.process(s, img, off, regs, stack, stack_len, np.array([2, 2, 2, 2, 1, 1])) == 2
     assert vc.skipped["not allowed"] == 4
 
 
@@ -589,8 +589,8 @@ def test_interpretation_stays_within_its_cpu_budget_and_counts_what_it_left_out(
     vc = ValueCapture(ValueOptions(modules=("operands",), length=4, every=1, budget=0.5, seed=3),
                       _Mapper(), table, code=_Code(table), interpreter=slow)  # type: ignore[arg-type]
     vc._last_interp = _time.perf_counter() - 0.02  # 20 ms since the last drain: a 10 ms budget
-    s, img, off, regs, stack, slen = _batch([0x1003] * 40, [1] * 40, [2] * 40, 0)
-    assert vc.process(s, img, off, regs, stack, slen) == 40  # every sample still gives its values
+    s, img, off, regs, stack, stack_len = _batch([0x1003] * 40, [1] * 40, [2] * 40, 0)
+    assert vc.process(s, img, off, regs, stack, stack_len) == 40  # every sample still gives its values
     assert 0 < slow.runs < 40
     left = vc.skipped["interpretation over CPU budget"]
     assert slow.runs + left == 40

@@ -135,7 +135,7 @@ def make_listing(p: Profile, target: Target, source_dirs: list[str], with_source
     problems = list(notes)
     b = sym.binary(info)
     insns = []
-    dw: DwarfIndex | None = None
+    dwarf_index: DwarfIndex | None = None
     if b.path is not None:
         try:
             insns = disassemble(read_code(b.path, target.start, target.end), target.start)
@@ -144,7 +144,7 @@ def make_listing(p: Profile, target: Target, source_dirs: list[str], with_source
         if with_source:
             src = dwarf_source(b.path, info.key)
             if src is not None:
-                dw = DwarfIndex(src, info.key)
+                dwarf_index = DwarfIndex(src, info.key)
             else:
                 problems.append(f"{info.path}: no DWARF line information (built without -g, or stripped)")
     elif b.problem:
@@ -154,10 +154,10 @@ def make_listing(p: Profile, target: Target, source_dirs: list[str], with_source
     addrs = np.array([i.address for i in insns], np.uint64)
     positions: list[SourcePos | None] = [None] * len(insns)
     stacks: list[list[Scope]] = [[] for _ in insns]
-    if dw is not None and len(addrs):
-        positions = dw.positions(addrs)
-        stacks = _stacks(dw, addrs, target.start, target.end)
-        dw.close()
+    if dwarf_index is not None and len(addrs):
+        positions = dwarf_index.positions(addrs)
+        stacks = _stacks(dwarf_index, addrs, target.start, target.end)
+        dwarf_index.close()
     near = [str(__import__("os").path.dirname(b.path))] if b.path else []
     files = SourceFiles(source_dirs, near)
     table = sym.table(info)
@@ -178,16 +178,16 @@ def make_listing(p: Profile, target: Target, source_dirs: list[str], with_source
     return lst
 
 
-def _stacks(dw: DwarfIndex, addrs: np.ndarray, start: int, end: int) -> list[list[Scope]]:
+def _stacks(dwarf_index: DwarfIndex, addrs: np.ndarray, start: int, end: int) -> list[list[Scope]]:
     """Inlined-call stacks per address: each scope marks the sorted addresses it covers."""
     import numpy as np
 
-    cus = dw.cu_at(addrs)
+    cus = dwarf_index.cu_at(addrs)
     hits: list[list[Scope]] = [[] for _ in range(len(addrs))]
     order = np.argsort(addrs, kind="stable")
     sorted_addrs = addrs[order]
     for cu in np.unique(cus[cus >= 0]).tolist():
-        for sc in dw.scopes(int(cu)).items:
+        for sc in dwarf_index.scopes(int(cu)).items:
             if not sc.inlined or sc.low >= end or sc.high <= start:
                 continue
             lo = int(np.searchsorted(sorted_addrs, np.uint64(sc.low), side="left"))
@@ -228,11 +228,11 @@ def make_source_listing(p: Profile, pattern: str, source_dirs: list[str]) -> Sou
         src = dwarf_source(b.path, info.key) if b.path else None
         if src is None:
             continue
-        dw = DwarfIndex(src, info.key)
+        dwarf_index = DwarfIndex(src, info.key)
         off = sym.offsets_to_vaddr(info, off)
         uniq, inv = np.unique(off, return_inverse=True)
-        pos = dw.positions(uniq)
-        dw.close()
+        pos = dwarf_index.positions(uniq)
+        dwarf_index.close()
         for i, (e, c) in enumerate(zip(ev.tolist(), cnt.tolist(), strict=True)):
             sp = pos[int(inv[i])]
             if sp is None or not _file_matches(sp.file, pattern):

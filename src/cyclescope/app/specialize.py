@@ -127,7 +127,7 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
             hots[g.image] = _Hotlists(p, nh, g.image) if nh is not None else None
             src = dwarf_source(g.path, g.image)
             dwarf[g.image] = DwarfIndex(src, g.image) if src else None
-        hot, dw = hots[g.image], dwarf[g.image]
+        hot, dwarf_index = hots[g.image], dwarf[g.image]
         for c in g.kept:
             best, exact = None, []
             m = models.get(f"{g.image}:{g.start}")
@@ -155,16 +155,16 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
                 continue
             at = g.addresses[c.at] if 0 <= c.at < len(g.addresses) else g.start
             line = ""
-            if dw is not None:
-                pos = dw.positions(np.array([at], np.uint64))[0]
+            if dwarf_index is not None:
+                pos = dwarf_index.positions(np.array([at], np.uint64))[0]
                 line = f"{os.path.basename(pos.file)}:{pos.line}" if pos is not None else ""
             off = at - g.start
             out.append(Opportunity(g.name, at, g.name + (f"+{off:#x}" if off else ""), line, c.reg, c.kind, value,
                                    prob, se, n, c.benefit, net, net / total if total else 0.0, len(c.folded),
                                    bool(exact)))
-    for dw in dwarf.values():
-        if dw is not None:
-            dw.close()
+    for dwarf_index in dwarf.values():
+        if dwarf_index is not None:
+            dwarf_index.close()
     # The same value saving the same instructions through a copy (mov ecx, edx): the first point
     # only (the lowest address: the definition, not the copy), whichever of the two the sampled
     # probabilities happen to favour.

@@ -100,7 +100,7 @@ class Daemon(Command):
 
         if args.values == "list":
             return list_value_modules()
-        vopts = value_options(args)
+        value_opts = value_options(args)
         events, rate = make_events(args)
         rate = rate if rate is not None or args.period is not None else DEFAULT_DAEMON_HZ
         if args.flush_interval <= 0:
@@ -112,14 +112,14 @@ class Daemon(Command):
 
             with contextlib.suppress(Offline):
                 destination(args.ship_to, ship_token)
-        procs = processors(args, vopts, system_wide=True)
+        procs = processors(args, value_opts, system_wide=True)
         bpf = bpf_collector(args, procs, rate, len(cpus), "daemon")
-        session, db = open_session(args, events, SystemWide(cpus), rate, vopts, procs, bpf)
+        session, db = open_session(args, events, SystemWide(cpus), rate, value_opts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval,
                               compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,
                               follow_epochs=True, lean_memory=True, ship_to=args.ship_to,
                               ship_token=ship_token, rerandomize_s=args.redraw / 1000,
-                              drain_s=drain_interval(vopts), processors=procs, bpf=bpf)
+                              drain_s=drain_interval(value_opts), processors=procs, bpf=bpf)
         c = Collector(session, db, cfg)
         c.listen()
         try:

@@ -34,7 +34,7 @@ HAND_OVER_S = 0.5  # drain the rings and hand the stops over to value capture at
 
 
 def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec], rate: float | None,
-              vopts: ValueOptions) -> int:
+              value_opts: ValueOptions) -> int:
     from cyclescope.cli.sampling import exit_code, host_of, progress_printer, summary_line
     from cyclescope.collect.daemon import Collector, CollectorConfig
     from cyclescope.collect.session import Command as CommandTarget
@@ -46,10 +46,10 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     if os.geteuid() != 0 and not os.access("/proc/self/status", os.R_OK):
         raise CycleScopeError("exact mode needs to trace the command (ptrace)")
     hz = args.freq if args.freq is not None else DEFAULT_EXACT_HZ
-    if vopts.length < 1:
+    if value_opts.length < 1:
         raise CycleScopeError("exact mode steps at least one instruction: --interpret L with L >= 1")
-    vopts = replace(vopts, exact=True)
-    values = ValueProcessor(vopts)  # fed by the tracer's stops (the session samples no registers)
+    value_opts = replace(value_opts, exact=True)
+    values = ValueProcessor(value_opts)  # fed by the tracer's stops (the session samples no registers)
     session = Session(events, CommandTarget(tuple(cmd)), rate_hz=hz if args.period is None else None,
                       band=args.band, force=args.force, traceme=True)
     db = Database.create_or_open(db_path(args))
@@ -69,7 +69,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
         if pid is None:
             raise CycleScopeError("the command did not start")
         period_ns = int(1e9 / hz)
-        tracer = ExactTracer(pid, vopts.length, vopts.stack, period_ns, band=args.band, how=args.exact)
+        tracer = ExactTracer(pid, value_opts.length, value_opts.stack, period_ns, band=args.band, how=args.exact)
         assert values.capture is not None
         values.capture.pin_owner(pid)
         c.install_signals()
@@ -77,7 +77,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
             eprint(f"cyclescope record: {w}")
         tr = tracer
         c.run(duration_s=args.duration, until=lambda: tr.exited is not None,
-              hooks=_hooks(c, values, tracer, vopts, wake_r, WALL))
+              hooks=_hooks(c, values, tracer, value_opts, wake_r, WALL))
     finally:
         if tracer is not None and tracer.exited is None:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -96,7 +96,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
         sys.stderr.write("\r\x1b[K")
     if not args.quiet:
         eprint(f"cyclescope record: {summary_line(c.totals, elapsed, c.epoch, db_path(args))}")
-        eprint(f"cyclescope record: exact mode: {tracer.perf_stops:,} stops, {vopts.length} steps each; "
+        eprint(f"cyclescope record: exact mode: {tracer.perf_stops:,} stops, {value_opts.length} steps each; "
                f"{values.summary()}")
         it = tracer.interp
         if tracer.how == "interpret" and it is not None and it.runs:
@@ -110,7 +110,7 @@ def run_exact(args: argparse.Namespace, cmd: list[str], events: list[EventSpec],
     return exit_code(tracer.exited)
 
 
-def _hooks(c: Collector, values: ValueProcessor, tracer: ExactTracer, vopts: ValueOptions, wake_r: int,
+def _hooks(c: Collector, values: ValueProcessor, tracer: ExactTracer, value_opts: ValueOptions, wake_r: int,
            wall: int) -> RunHooks:
     """The tracer's part of Collector.run's loop: collect the command's stops when SIGCHLD wakes
     it (through the wakeup pipe), hand them over in batches, and the rest at the end."""
@@ -132,21 +132,21 @@ def _hooks(c: Collector, values: ValueProcessor, tracer: ExactTracer, vopts: Val
                 break
             tracer.on_stop(status)
         if tracer.stops and (len(tracer.stops) >= 256 or now >= next_hand[0] or tracer.exited is not None):
-            _hand_over(c, capture, tracer, vopts)
+            _hand_over(c, capture, tracer, value_opts)
             next_hand[0] = now + HAND_OVER_S
 
     def finish() -> None:
         if tracer.stops:
-            _hand_over(c, capture, tracer, vopts)
+            _hand_over(c, capture, tracer, value_opts)
         c.session.exit_status = tracer.exited
         capture.check.update(tracer.stats.as_dict())
 
     return RunHooks((wake_r,), tick, finish)
 
 
-def _hand_over(c: Collector, capture: ValueCapture, tracer: ExactTracer, vopts: ValueOptions) -> None:
+def _hand_over(c: Collector, capture: ValueCapture, tracer: ExactTracer, value_opts: ValueOptions) -> None:
     c.step()  # the ring's mmap records first: they map the stops' addresses
-    samples, regs, stack, slen, stops = tracer.take_batch(vopts.stack)
+    samples, regs, stack, stack_len, stops = tracer.take_batch(value_opts.stack)
     mapped = c.mapper.map_batch(samples, [])
-    capture.process(samples, mapped.image, mapped.offset, regs, stack, slen, mapped.comm)
+    capture.process(samples, mapped.image, mapped.offset, regs, stack, stack_len, mapped.comm)
     capture.add_sequences(tracer.pid, [(s.steps, s.reason) for s in stops])

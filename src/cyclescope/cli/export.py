@@ -140,7 +140,7 @@ class Export(Command):
         dpath = dwarf_source(b.path, info.key)
         if dpath is None:
             raise NotFoundError(f"{info.path}: no DWARF line information (build with -g)")
-        dw = DwarfIndex(dpath, info.key)
+        dwarf_index = DwarfIndex(dpath, info.key)
         raw = read_symbols(b.path, demangle=False)  # compilers know functions by their linkage names
         heads: dict[int, int] | None  # entry counts by function; None: the entry instruction's count
         if args.callgrind:
@@ -167,7 +167,8 @@ class Export(Command):
                 names = ", ".join(f"{n} {100 * k / t:.0f}%" for n, k, t in top[:3]) + (", ..." if len(top) > 3 else "")
                 source += (f"; calc's counts kept for {100 * share:.0f}% of the shaped functions' count where "
                            f"the flow gives none (of each: {names})")
-        profiles = [p for p in (_profile_of(b.path, dw, raw, start, c, heads) for start, c in per_fn.items()) if p]
+        profiles = [p for p in (_profile_of(b.path, dwarf_index, raw, start, c, heads) for start, c in per_fn.items())
+                    if p]
         if not any(p.total for p in profiles):
             raise NotFoundError(f"{info.path}: no execution counts for any function with source lines"
                                 + (" (see `cyclescope calc`)" if not args.callgrind and args.counts == "calc" else ""))
@@ -229,7 +230,7 @@ def _callgrind_counts(path: str, image_path: str) -> dict[int, int]:
     return dict(prof.counts[ob])
 
 
-def _profile_of(path: str, dw: DwarfIndex, raw: SymbolTable, start: int, counts: dict[int, int],
+def _profile_of(path: str, dwarf_index: DwarfIndex, raw: SymbolTable, start: int, counts: dict[int, int],
                 heads: dict[int, int] | None) -> FunctionProfile | None:
     """The profile of the function at ``start`` from its instructions' counts (None without source lines).
     ``heads``: entry counts by function, or None to take the entry instruction's own count."""
@@ -238,11 +239,11 @@ def _profile_of(path: str, dw: DwarfIndex, raw: SymbolTable, start: int, counts:
     from cyclescope.report.llvm_sample import Executed, function_profile
 
     i = int(raw.lookup(np.array([start], np.uint64))[0])
-    cu = int(dw.cu_at(np.array([start], np.uint64))[0])
+    cu = int(dwarf_index.cu_at(np.array([start], np.uint64))[0])
     if i < 0 or cu < 0:
         return None
     end, name = int(raw.ends[i]), raw.names[i]
-    cu_scopes = dw.scopes(cu)
+    cu_scopes = dwarf_index.scopes(cu)
     at_start = cu_scopes.stack_at(start)
     if not at_start or at_start[0].inlined:
         return None  # no DWARF subprogram here (assembly, or code without -g)
@@ -259,7 +260,7 @@ def _profile_of(path: str, dw: DwarfIndex, raw: SymbolTable, start: int, counts:
             if j >= 0 and int(raw.starts[j]) == t:
                 callee_of[ins.address] = raw.names[j]
     addrs = sorted(a for a, c in counts.items() if c > 0)
-    pos = dw.positions(np.array(addrs, np.uint64))
+    pos = dwarf_index.positions(np.array(addrs, np.uint64))
     executed = []
     for a, p in zip(addrs, pos, strict=True):
         if p is None:

@@ -76,7 +76,7 @@ class Record(Command):
             cmd = cmd[1:]
         if args.values == "list":
             return list_value_modules()
-        vopts = value_options(args)
+        value_opts = value_options(args)
         if args.exact and (not cmd or args.pid or args.all_cpus):
             raise UsageError("--exact needs a command (and neither -p nor -a)")
         if args.pid and cmd:
@@ -110,15 +110,15 @@ class Record(Command):
 
             if args.call_graph:
                 raise UsageError("--exact does not record call stacks; leave out --call-graph")
-            assert vopts is not None
-            return int(run_exact(args, cmd, events, rate, vopts))
-        procs = processors(args, vopts, system_wide=bool(args.all_cpus))
+            assert value_opts is not None
+            return int(run_exact(args, cmd, events, rate, value_opts))
+        procs = processors(args, value_opts, system_wide=bool(args.all_cpus))
         ncpus = len(target.cpus) if isinstance(target, SystemWide) else len(online_cpus())
         bpf = bpf_collector(args, procs, rate, ncpus, "record")
-        session, db = open_session(args, events, target, rate, vopts, procs, bpf)
+        session, db = open_session(args, events, target, rate, value_opts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
-                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(vopts), processors=procs,
+                              rerandomize_s=args.redraw / 1000, drain_s=drain_interval(value_opts), processors=procs,
                               bpf=bpf)
         show = not args.quiet and stderr_tty()
         start = time.monotonic()

@@ -239,7 +239,7 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
                         "within it")
 
 
-def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
+def processors(args: argparse.Namespace, value_opts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
     """What the collector computes from each drain besides the flat counts (collect/processor.py),
     as the options ask: the timeline (always), loop counts and anchors (calc's evidence; per task
     on unless --no-loop-counts or --no-anchors; when ``system_wide`` off unless --loop-counts or
@@ -280,10 +280,10 @@ def processors(args: argparse.Namespace, vopts: ValueOptions | None, system_wide
         from cyclescope.collect.stacks import StackProcessor
 
         out.append(StackProcessor(args.call_graph))
-    if vopts is not None:
+    if value_opts is not None:
         from cyclescope.values.processor import ValueProcessor
 
-        out.append(ValueProcessor(vopts))
+        out.append(ValueProcessor(value_opts))
     return out
 
 
@@ -335,7 +335,7 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
 
 
 def open_session(args: argparse.Namespace, events: list[EventSpec], target: SystemWide | Processes | Command,
-                 rate: float | None, vopts: ValueOptions | None, procs: list[Processor],
+                 rate: float | None, value_opts: ValueOptions | None, procs: list[Processor],
                  bpf: BpfAggregator | None) -> tuple[Session, Database]:
     """The session the options ask for (its stacks left to the eBPF program when ``bpf`` counts
     the samples) and the database; ``bpf`` is closed if either fails."""
@@ -345,7 +345,7 @@ def open_session(args: argparse.Namespace, events: list[EventSpec], target: Syst
 
     try:
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
-                          user_stack=vopts.stack if vopts is not None else None,
+                          user_stack=value_opts.stack if value_opts is not None else None,
                           call_graph=None if bpf is not None else args.call_graph,
                           user_regs=any(p.needs_regs for p in procs))
         return session, Database.create_or_open(db_path(args))
@@ -355,13 +355,13 @@ def open_session(args: argparse.Namespace, events: list[EventSpec], target: Syst
         raise
 
 
-def drain_interval(vopts: ValueOptions | None) -> float:
+def drain_interval(value_opts: ValueOptions | None) -> float:
     """Seconds between drains on the timer: short with interpretation (VALUE_DRAIN_S), else 1. On
     the eBPF path with stacks, a process that maps a CPython interpreter brings the next drain
     forward (Collector._peek_side): it is described to the program (collect/pyframes.py) before
     most of its samples go by without Python frames; a quarter-second timer did that at four
     times the drains, each several ms with stacks."""
-    if vopts is not None and vopts.length > 0:
+    if value_opts is not None and value_opts.length > 0:
         return VALUE_DRAIN_S
     return 1.0
 

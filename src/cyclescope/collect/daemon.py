@@ -413,18 +413,19 @@ class Collector:
     def step(self) -> int:
         """One drain: decode the rings, act on the side records, map and count the samples, hand
         them to the processors. Returns how many samples it took."""
-        samples, side, regs, stack, slen, chains = self._decode(self.session.drain())
+        samples, side, regs, stack, stack_len, chains = self._decode(self.session.drain())
         if self._side_pending:  # read between drains (peek_side), in order before these
             side = self._side_pending + side
             self._side_pending = []
         self._side_records(side)
         try:
-            return self._step_samples(samples, side, regs, stack, slen, chains)
+            return self._step_samples(samples, side, regs, stack, stack_len, chains)
         finally:
             self._forget_exited()
 
     def _step_samples(self, samples: np.ndarray | None, side: list[SideRecord], regs: np.ndarray | None,
-                      stack: np.ndarray | None, slen: np.ndarray | None, chains: list[tuple[int, ...] | None]) -> int:
+                      stack: np.ndarray | None, stack_len: np.ndarray | None,
+                      chains: list[tuple[int, ...] | None]) -> int:
         """The drain's samples (on the eBPF path, the kernel's rows) mapped, counted and handed to
         the processors."""
         if self.bpf is not None:
@@ -441,7 +442,7 @@ class Collector:
                 chains = [c for c, k in zip(chains, keep.tolist(), strict=True) if k]
         periods = self.session.account(ev, samples)
         mapped = self.mapper.map_batch(samples, side)
-        return self._count(Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, slen,
+        return self._count(Drain(samples, ev, periods, mapped.image, mapped.offset, mapped.comm, regs, stack, stack_len,
                                  chains if self._chains else None))
 
     def _count(self, d: Drain) -> int:

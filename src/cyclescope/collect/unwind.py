@@ -340,7 +340,7 @@ class DwarfStacks:
 
     def chains(self, mapper: Mapper, pids: list[int], ips: list[int], events: list[int], comms: list[int],
                kernel_chains: list[tuple[int, ...] | None], regs_rows: list[int], regs: np.ndarray | None,
-               stack: np.ndarray | None, slen: np.ndarray | None, force: bool = False) -> Unwound:
+               stack: np.ndarray | None, stack_len: np.ndarray | None, force: bool = False) -> Unwound:
         """The samples unwound now: the waiting ones whose tables arrived, then this batch's (per
         sample: pid, ip, event index, command, and the chain in user_chain's form). force: unwind
         everything (the end of a run)."""
@@ -348,8 +348,8 @@ class DwarfStacks:
         todo = self.waiting
         self.waiting = []
         for pid, ip, ev, cm, kc, r in zip(pids, ips, events, comms, kernel_chains, regs_rows, strict=True):
-            if r >= 0 and regs is not None and stack is not None and slen is not None:
-                n = int(slen[r])
+            if r >= 0 and regs is not None and stack is not None and stack_len is not None:
+                n = int(stack_len[r])
                 w = _Waiting(pid, mapper.procs.get(pid), ip, ev, cm, kc or (), regs[r].tolist(),
                              stack[r, :n].tobytes())
             else:

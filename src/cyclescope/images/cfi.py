@@ -124,16 +124,16 @@ def _reg_rule(rule: RegisterRule | None, missing: int) -> tuple[int, int]:
 def build(elf: ELFFile) -> CfiTable:
     """The unwind table of an ELF file's .eh_frame (or .debug_frame when there is none)."""
     try:
-        dw = elf.get_dwarf_info(relocate_dwarf_sections=False)
-        if dw.has_EH_CFI():
-            entries = dw.EH_CFI_entries()
-        elif dw.has_CFI():
-            entries = dw.CFI_entries()
+        dwarf_info = elf.get_dwarf_info(relocate_dwarf_sections=False)
+        if dwarf_info.has_EH_CFI():
+            entries = dwarf_info.EH_CFI_entries()
+        elif dwarf_info.has_CFI():
+            entries = dwarf_info.CFI_entries()
         else:
             return CfiTable([], [], [])
     except (DWARFError, ELFError, ValueError, KeyError) as e:
         raise DataError(f"cannot read call frame information: {e}") from e
-    parser = DWARFExprParser(dw.structs)
+    parser = DWARFExprParser(dwarf_info.structs)
     exprs: list[list[tuple[str, list[int]]]] = []
     spans: list[tuple[int, int, list[tuple[int, Row]]]] = []
     for fde in entries:

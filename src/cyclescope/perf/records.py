@@ -464,8 +464,8 @@ class RecordDecoder:
                 except (ValueError, struct.error, IndexError):
                     malformed += 1
             off += size
-        samples, regs, stack, slen = self._assemble(chunks, rows, extras)
-        return DecodedBatch(samples, side, extras, regs, stack, slen, truncated=n - off, malformed=malformed)
+        samples, regs, stack, stack_len = self._assemble(chunks, rows, extras)
+        return DecodedBatch(samples, side, extras, regs, stack, stack_len, truncated=n - off, malformed=malformed)
 
     def _assemble(self, chunks: list[np.ndarray], rows: list[tuple[int, ...]], extras: list[SampleExtras]
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -539,8 +539,8 @@ class RecordDecoder:
                     len_parts.append(ll)
         regs = np.concatenate(regs_parts) if regs_parts else np.zeros((0, nregs), np.uint64)
         stack = np.concatenate(stack_parts) if stack_parts else np.zeros((0, ssz), np.uint8)
-        slen = np.concatenate(len_parts) if len_parts else np.zeros(0, np.uint32)
-        return out, regs, stack, slen
+        stack_len = np.concatenate(len_parts) if len_parts else np.zeros(0, np.uint32)
+        return out, regs, stack, stack_len
 
 
 def _fixed_run(buf: memoryview | bytes, off: int, ssize: int, n: int, sample_t: int) -> int:

@@ -420,18 +420,18 @@ def find_invariants(nh: NamedHotlists, modules: list[ValueModule], namer: Namer,
                 b = namer.sym.binary(info)
                 path = dwarf_source(b.path, info.key) if b.path else None
                 dwarf[r.image] = DwarfIndex(path, info.key) if path else None
-            dw = dwarf[r.image]
-            if dw is not None:
-                pos = dw.positions(np.array([r.offset], np.uint64))[0]
+            dwarf_index = dwarf[r.image]
+            if dwarf_index is not None:
+                pos = dwarf_index.positions(np.array([r.offset], np.uint64))[0]
                 if pos is not None:
                     src = f"{os.path.basename(pos.file)}:{pos.line}"
             here = namer.insn(r.image, r.offset)
             out.append(Invariant(r.image, r.offset, namer.where(r.image, r.offset), here.text if here else "", r.kind,
                                  top.text, top.share, max(0.0, top.share - 2 * top.se), r.vtot, share, save, src,
                                  site))
-    for dw in dwarf.values():
-        if dw is not None:
-            dw.close()
+    for dwarf_index in dwarf.values():
+        if dwarf_index is not None:
+            dwarf_index.close()
     # A call-site row that says no more than the row for all sites (one caller) is dropped.
     overall = {(x.image, x.offset, x.kind.split("@")[0], x.value): x.prob for x in out if not x.call_site}
     out = [x for x in out if not x.call_site

@@ -267,9 +267,9 @@ class ExactTracer:
         for name, col in PERF_COLUMNS.items():
             regs[:, col] = [s.regs.get(name, 0) for s in stops]
         stack = np.zeros((n, stack_bytes), np.uint8)
-        slen = np.zeros(n, np.uint32)
+        stack_len = np.zeros(n, np.uint32)
         for i, s in enumerate(stops):
             b = np.frombuffer(s.stack[:stack_bytes], np.uint8)
             stack[i, : len(b)] = b
-            slen[i] = len(b)
-        return samples, regs, stack, slen, stops
+            stack_len[i] = len(b)
+        return samples, regs, stack, stack_len, stops

@@ -16,8 +16,9 @@ procedure entry ahead of a long loop may be guessed at hundreds of times its cal
 (tests/programs/difference.c's mix: 3,000 calls guessed at 1.4 million once in 25 plain recordings
 of a second), and left to the samples; the site's state says the rate was a guess. Probing such
 guesses anyway at a whole CPU's budget probed the hot ones too: their hits overflowed the rings
-(8 million lost in a minute) and slowed the program six times. The paper's goal is the same: the
-selection favours points outside hot loops, and those are the ones cheap to count.
+(tests/programs/specialize.c, 3,000 calls of 65,536 elements: 8.4 million hits lost, and the
+recording took 62 s against 1.5 s). The paper's goal is the same: the selection favours points
+outside hot loops, and those are the ones cheap to count.
 
 While recording, the hits are counted: a probe whose traps exceed the budget of the time since it
 opened (the plan came from another run; rates move) is closed and its candidate goes back to the
