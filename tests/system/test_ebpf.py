@@ -175,4 +175,7 @@ def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_pa
     st = folded(cs("export", "collapsed", "--db", str(db), "--process", "pyshares-py").stdout)
     script = str(PROGRAMS / "pyshares.py")
     named = sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";"))
-    assert sum(st.values()) > 200 and named > 0.7 * sum(st.values()), st.most_common(5)
+    # Named: 85-88% of the samples in three runs here, 89-93% in three beside two busy loops, 69.5%
+    # (554 of 797) once in a fresh-clone CI run: the samples before the first drain describes the
+    # process have no Python frames, and a busy machine delays that drain. A share that holds there.
+    assert sum(st.values()) > 200 and named > 0.6 * sum(st.values()), (named, st.most_common(5))
