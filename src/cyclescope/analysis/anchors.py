@@ -375,15 +375,16 @@ class AnchorSet:
                 # A window traps until it ends (the ticker wakes for it), then while its fds close
                 # one after another.
                 nfds = len(self._tids(a, now) or ()) if self.per_task else len(self.cpus)
+                closing = CLOSE_S * max(0, nfds - 1)
                 length = window_length(share, nfds)
-                registered = length + WINDOW_SLACK_S + CLOSE_S * max(0, nfds - 1)
+                registered = length + WINDOW_SLACK_S + closing
                 if share < 1.0 and a.credit < registered and a.total_windows <= 1:
                     # Its first window that counts: now, as long as the credit pays for (at least
                     # MIN_WINDOW_S), not a whole one later: a program of under a second ended
                     # before that (difference.c's mix: placed at 0.25 s, a window of 0.2 s paid
                     # for at 0.7 s; the count rested on the first window's 13 entries).
-                    short = a.credit - WINDOW_SLACK_S - CLOSE_S * max(0, nfds - 1)
-                    if short >= max(MIN_WINDOW_S, CLOSE_S * max(0, nfds - 1)):
+                    short = a.credit - WINDOW_SLACK_S - closing
+                    if short >= max(MIN_WINDOW_S, closing):
                         length, registered = short, a.credit
                 if spent >= cap:  # nothing opens until the time since the start has paid for the traps
                     wait = min(wait, max(TICK_S, (spent - ALLOWANCE) / self.budget - (now - self.started) / 1e9))

@@ -79,6 +79,8 @@ class Context:
 class Processor(Protocol):
     name: str  # its key in the daemon's status
     needs_regs: bool  # the session must sample the user registers
+    # Optional, read with getattr by Collector.run: ``first_drain_s``, how soon the first drain
+    # should come for it (anchors: 0.25 s; otherwise the drain interval).
 
     def bind(self, ctx: Context) -> None: ...
 

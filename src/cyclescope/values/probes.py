@@ -302,8 +302,9 @@ class GoalProbes:
             weights = counts.astype(np.float64) if counts.any() else \
                 np.array([s.state == "open" for s in self.sites], np.float64)
             if weights.any():
-                for i in np.flatnonzero(weights).tolist():
-                    self.sites[i].lost += lost * float(weights[i] / weights.sum())
+                parts = lost * weights / weights.sum()
+                for i in np.flatnonzero(parts).tolist():
+                    self.sites[i].lost += float(parts[i])
         return out
 
     def police(self) -> list[int]:
