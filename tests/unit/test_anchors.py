@@ -26,6 +26,7 @@ from cyclescope.analysis.anchors import (
     window_length,
 )
 from cyclescope.db.tallies import ANCHORS, merge
+from tests.unit.test_calc import MCPU
 
 MS = 1_000_000
 
@@ -296,18 +297,20 @@ def test_calc_takes_the_entry_count_from_an_anchor() -> None:
               0x1190: np.array([1.0]), 0x11BD: np.array([1.0])}
     total = 302.0
     anchor = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)  # 500 entries per 151 samples
-    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                        anchor=anchor)
     entry = next(b for b in c.cfg.blocks if b.start == 0x1190)
     assert c.freq.block_method[entry.id] == "anchor" and c.freq.block_confidence[entry.id] == "medium"
     assert c.executions(entry.id) == pytest.approx(500 / 151 * total, rel=0.01)
     few = AnchorStats(hits=3, samples=151, counted_s=1.0, windows=1)
-    c2 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, anchor=few)
+    c2 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                        mcpu=MCPU, anchor=few)
     assert c2.freq.block_method[entry.id] != "anchor" and any("too little seen" in n for n in c2.notes)
     # Entries of about 300 cycles each (50,000 of them per 151 samples of 10^6 cycles): each trap's
     # own time inflates the procedure's samples in the windows, so the count is used in low confidence.
     short = AnchorStats(hits=50_000, samples=151, counted_s=1.0, windows=10)
-    c3 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, anchor=short)
+    c3 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                        mcpu=MCPU, anchor=short)
     assert c3.freq.block_method[entry.id] == "anchor" and c3.freq.block_confidence[entry.id] == "low"
     assert c3.executions(entry.id) == pytest.approx(50_000 / 151 * total, rel=0.01)
 

@@ -12,6 +12,9 @@ from cyclescope.images.disasm import Insn, disassemble, insn_info, read_code
 from cyclescope.report.calc import calc_to_json, summarize
 from tests.unit.test_listing import DATA
 
+# The synthetic samples below are drawn from znver3's schedule (llvm-mca's), whatever core runs the tests.
+MCPU = "znver3"
+
 
 def test_skid_moves_cycles_to_where_samples_land() -> None:
     code = read_code(str(DATA / "inl"), 0x11A0, 0x11BD)
@@ -28,7 +31,7 @@ def calc() -> object:
     f = 100.0
     # Samples drawn from the skidded model at F=100 per P: a stall-free loop.
     counts = {0x11A7: np.array([f]), 0x11AA: np.array([f]), 0x11B8: np.array([f]), 0x1190: np.array([1.0])}
-    return calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0)
+    return calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU)
 
 
 def test_a_stall_free_loop_gets_its_frequency_in_high_confidence(calc: object) -> None:
@@ -56,7 +59,7 @@ def test_a_stalled_instruction_gets_culprits_and_a_lower_confidence() -> None:
     code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
     counts = {0x11A7: np.array([100.0]), 0x11AA: np.array([100.0]), 0x11B8: np.array([100.0]),
               0x11A0: np.array([3000.0])}  # a stall at the loop head, 30 cycles per iteration
-    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0)
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU)
     loop = next(b for b in c.cfg.blocks if b.start == 0x11A0)
     k = loop.first
     assert c.dyn[k] > 10 and c.culprits[k] is not None
@@ -76,7 +79,7 @@ def test_a_measured_loops_back_branch_is_not_blamed_for_mispredicts() -> None:
               0x11A0: np.array([3000.0])}
     stats = {0x11A0: LoopStats(own=3300, own_period=3300 * 1e6, followed=3300, next_own=3299, pairs=3299,
                                iterations=3299 * 1000.0, pair_period=3299 * 1e6)}
-    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                        loop_stats=stats, mean_period=1e6)
     loop = next(b for b in c.cfg.blocks if b.start == 0x11A0)
     assert c.freq.block_method[loop.id] == "loop-counter" and c.freq.block_confidence[loop.id] == "high"
@@ -150,9 +153,9 @@ def test_paths_split_a_procedures_forward_branches_and_an_anchor_scales_them() -
     # 10^4 entries of about 30,000 cycles each: long enough for the traps not to disturb the count
     anchor = AnchorStats(hits=3_290, samples=100, counted_s=1.0, windows=10)
     outcomes = {0x1193: {0x11C0: 30.0, 0x1195: 70.0}, 0x11BB: {0x11A0: 1.0, 0x11BD: 99.0}}
-    plain = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+    plain = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                            anchor=anchor)
-    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                        anchor=anchor, outcomes=outcomes)
     at = {b.start: b.id for b in c.cfg.blocks}
     entries = 3_290 / 100 * total
@@ -171,13 +174,13 @@ def test_paths_without_a_measured_count_keep_the_models_scale_in_low_confidence(
     code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
     counts = {0x11B5: np.array([300.0]), 0x1190: np.array([1.0]), 0x1197: np.array([1.0]),
               0x11BD: np.array([1.0]), 0x11C0: np.array([1.0]), 0x11C5: np.array([1.0])}
-    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                        outcomes={0x1193: {0x11C0: 30.0, 0x1195: 70.0}})
     at = {b.start: b.id for b in c.cfg.blocks}
     shaped = [b.id for b in c.cfg.blocks if c.freq.block_method[b.id] == "paths"]
     assert at[0x11C0] in shaped and all(c.freq.block_confidence[b] == "low" for b in shaped)
     split = (c.freq.block[at[0x11C0]] or 0.0) / (c.freq.block[at[0x1190]] or 1.0)
     assert split == pytest.approx(0.3, rel=0.05)
-    nothing = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+    nothing = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                              outcomes={0x9999: {0x1: 3.0}})  # no branch of the procedure observed
     assert "paths" not in nothing.freq.block_method
