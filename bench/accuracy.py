@@ -74,7 +74,7 @@ def _acc() -> dict[str, Any]:
 
 
 def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: int,
-            paths_from: Path | None = None) -> dict[str, Any]:
+            paths_from: Path | None = None, mcpu: str | None = None) -> dict[str, Any]:
     """Each design's estimates against the exact counts, from the same recordings: calc as it is
     (loop counters where they hold, the model elsewhere), calc without the loop counters (the first
     design), and the naive estimator (a block's samples over its instruction count at one cycle
@@ -93,12 +93,12 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
     out.update({"procedures": [], "time": 0.0, "never_ran": 0.0})
     for samples, t in hot:
         t0 = time.perf_counter()
-        c = calc_target(profile, t, ev, None, outcomes_from=other)
+        c = calc_target(profile, t, ev, mcpu, outcomes_from=other)
         dt = time.perf_counter() - t0
         out["time"] += dt
-        c1 = calc_target(profile, t, ev, None, estimator="dcpi", evidence=False)
-        cg = calc_target(profile, t, ev, None, estimator="dcpi")
-        cn = calc_target(profile, t, ev, None, paths=False)
+        c1 = calc_target(profile, t, ev, mcpu, estimator="dcpi", evidence=False)
+        cg = calc_target(profile, t, ev, mcpu, estimator="dcpi")
+        cn = calc_target(profile, t, ev, mcpu, paths=False)
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
         ecol = c.events.index(ev)
@@ -214,6 +214,7 @@ def main() -> None:
     ap.add_argument("--save-as", default="accuracy", help="bench/out/NAME.json")
     ap.add_argument("--repeat", type=int, default=1,
                     help="the suite's input this many times over: runs long enough for anchors (bench/anchorlong.py)")
+    ap.add_argument("--mcpu", metavar="CPU", help="calc's llvm-mca CPU model (default: this machine's)")
     ap.add_argument("--exe", metavar="PATH", help="with one program: analyze this build of it instead of the "
                                                    "suite's (say, the clang build bench/optimize.py uses)")
     args = ap.parse_args()
@@ -235,7 +236,7 @@ def main() -> None:
         db = tmp / f"{p.name}.db"
         record_runs(db, args.runs, args.rate, p.exe, pargs, p.name, shlex.split(args.record_args))
         acc = analyze(p, db, prof, ob, args.runs, args.min_samples,
-                      Path(args.paths_from) / f"{p.name}.db" if args.paths_from else None)
+                      Path(args.paths_from) / f"{p.name}.db" if args.paths_from else None, args.mcpu)
         per_program[p.name] = acc
         print(f"{p.name}: {len(acc['procedures'])} procedures, {acc['calc']['samples']:,.0f} samples analyzed, "
               f"analysis {acc['time']:.1f} s; weighted median of estimate/exact: "

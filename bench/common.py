@@ -145,7 +145,15 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    return {"kernel": os.uname().release, "cpus": os.cpu_count(), "cpu": cpu, "time": time.strftime("%Y-%m-%d %H:%M")}
+    from cyclescope.analysis.schedule import host_mcpu, llvm_mca
+    from cyclescope.errors import CycleScopeError
+
+    try:
+        mca = f"{os.path.basename(llvm_mca())} -mcpu={host_mcpu()}"
+    except CycleScopeError:
+        mca = "none"
+    return {"kernel": os.uname().release, "cpus": os.cpu_count(), "cpu": cpu, "time": time.strftime("%Y-%m-%d %H:%M"),
+            "mca": mca}
 
 
 def record_runs(db: Path, runs: int, rate: float, exe: Path, args: list[str], name: str,

@@ -184,3 +184,24 @@ def test_paths_without_a_measured_count_keep_the_models_scale_in_low_confidence(
     nothing = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
                              outcomes={0x9999: {0x1: 3.0}})  # no branch of the procedure observed
     assert "paths" not in nothing.freq.block_method
+
+
+def test_the_core_model_is_chosen_from_cpuinfo() -> None:
+    from cyclescope.analysis.schedule import cpu_models
+
+    def info(vendor: str, family: int, model: int, flags: str = "fpu sse2") -> str:
+        return f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nflags\t\t: {flags}\n"
+
+    assert cpu_models(info("AuthenticAMD", 25, 1)) == ["znver3"]  # Milan
+    assert cpu_models(info("AuthenticAMD", 25, 17)) == ["znver4", "znver3"]  # Genoa
+    assert cpu_models(info("AuthenticAMD", 26, 2)) == ["znver5", "znver4", "znver3"]
+    assert cpu_models(info("AuthenticAMD", 23, 49)) == ["znver2"]
+    # A Xeon with AMX whose VM reports a Rocket Lake's model number: its features say what it is.
+    assert cpu_models(info("GenuineIntel", 6, 167, "avx512f avx512_fp16 amx_tile avx_vnni")) == ["sapphirerapids"]
+    assert cpu_models(info("GenuineIntel", 6, 173, "avx512f amx_tile amx_fp16")) == ["graniterapids",
+                                                                                     "sapphirerapids"]
+    assert cpu_models(info("GenuineIntel", 6, 106, "avx512f avx512_vbmi2 avx512_vnni")) == ["icelake-server"]
+    assert cpu_models(info("GenuineIntel", 6, 85, "avx512f avx512_vnni")) == ["cascadelake"]
+    assert cpu_models(info("GenuineIntel", 6, 151, "avx2 avx_vnni")) == ["alderlake"]
+    assert cpu_models(info("GenuineIntel", 6, 60, "avx2")) == []  # Haswell: llvm's own guess
+    assert cpu_models("") == []

@@ -8,8 +8,8 @@ one. So a sample lands on instruction i for as long as i is what retirement
 waits for, and the static analog of M_i is the gap between i's retirement
 and its predecessor's in a schedule without dynamic stalls.
 
-That schedule comes from llvm-mca (LLVM's machine-code analyzer, with the
-scheduling model of the host CPU): one invocation per procedure, each basic
+That schedule comes from llvm-mca (LLVM's machine-code analyzer, the newest
+installed, with the scheduling model of the host CPU: :func:`host_mcpu`): one invocation per procedure, each basic
 block a region, each region run for ITERATIONS iterations; M_i is the mean
 retire-cycle gap over the steady-state iterations. As DCPI did, a block is
 scheduled on its own (code before it is ignored).
@@ -22,8 +22,10 @@ issued waits on an execution resource.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -61,31 +63,84 @@ class ProcedureModel:
     notes: list[str] = field(default_factory=list)
 
 
+# Newest first: LLVM 17 brought scheduling models of Zen 4 and Sapphire Rapids, LLVM 16 Alder Lake's
+# P-cores. LLVM 14 schedules every Intel core since Skylake-server with Skylake's model (a 64-bit idiv
+# takes 100 cycles in it; 18 measured on a Sapphire Rapids class Xeon) and knows no Zen after Zen 3.
+LLVM_MCA_NAMES = ("llvm-mca-19", "llvm-mca-18", "llvm-mca-17", "llvm-mca-16", "llvm-mca-15", "llvm-mca-14",
+                  "llvm-mca")
+
+
+@functools.cache
 def llvm_mca() -> str:
-    for name in ("llvm-mca", "llvm-mca-14", "llvm-mca-15", "llvm-mca-16", "llvm-mca-17", "llvm-mca-18"):
+    for name in LLVM_MCA_NAMES:
         p = shutil.which(name)
         if p:
             return p
-    raise CycleScopeError("llvm-mca is not installed (apt-get install llvm)")
+    raise CycleScopeError("llvm-mca is not installed (apt-get install llvm-19)")
+
+
+@functools.cache
+def mca_cpus() -> frozenset[str]:
+    """The CPU models this llvm-mca knows (``-mcpu=help``)."""
+    try:
+        p = subprocess.run([llvm_mca(), "-mcpu=help"], input="", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(re.findall(r"^\s+(\S+)\s+- Select the", p.stdout + p.stderr, re.M))
+
+
+# Zen 4's models in family 0x19 (Genoa 0x10-0x1f, Raphael 0x60-0x6f, Phoenix 0x70-0x7f, Bergamo and
+# Siena 0xa0-0xaf); the rest of the family is Zen 3.
+_ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def cpu_models(cpuinfo: str) -> list[str]:
+    """llvm's names for the core /proc/cpuinfo describes, best first (each a fallback for the one before).
+
+    Intel's cores are told apart by their features, not their model numbers: a VM may report any
+    model (this project's Xeons with AMX say family 6, model 167, a Rocket Lake's number, which is
+    what llvm's host detection then picks)."""
+    def field_of(name: str) -> str:
+        m = re.search(rf"^{name}\s*:\s*(.*)$", cpuinfo, re.M)
+        return m.group(1).strip() if m else ""
+
+    vendor = field_of("vendor_id")
+    try:
+        family, model = int(field_of("cpu family")), int(field_of("model"))
+    except ValueError:
+        return []
+    flags = set(field_of("flags").split())
+    if vendor in ("AuthenticAMD", "HygonGenuine"):
+        if family == 0x17:
+            return ["znver2" if model >= 0x30 else "znver1"]
+        if family == 0x19:
+            return ["znver4", "znver3"] if any(model in r for r in _ZEN4_MODELS) else ["znver3"]
+        if family > 0x19:
+            return ["znver5", "znver4", "znver3"]
+    if vendor == "GenuineIntel" and family == 6:
+        if "amx_fp16" in flags:
+            return ["graniterapids", "sapphirerapids"]
+        if "amx_tile" in flags or "avx512_fp16" in flags:
+            return ["sapphirerapids"]
+        if "avx512f" in flags:
+            if "avx512_vbmi2" in flags:
+                return ["icelake-server"]
+            return ["cascadelake"] if "avx512_vnni" in flags else ["skylake-avx512"]
+        if "avx_vnni" in flags:
+            return ["alderlake"]
+    return []
 
 
 def host_mcpu() -> str:
-    """The llvm-mca CPU model for this machine (from /proc/cpuinfo; 'native' when unsure)."""
+    """The llvm-mca CPU model for this machine (from /proc/cpuinfo; 'native', llvm's own guess, when
+    the core is none that :func:`cpu_models` knows or this llvm-mca knows none of its names)."""
     try:
         with open("/proc/cpuinfo") as fh:
             text = fh.read()
     except OSError:
         return "native"
-    fam = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M)
-    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
-    if vendor and vendor.group(1) == "AuthenticAMD" and fam:
-        f = int(fam.group(1))
-        model = int(re.search(r"^model\s*:\s*(\d+)", text, re.M).group(1))  # type: ignore[union-attr]
-        if f == 0x17:
-            return "znver2" if model >= 0x30 else "znver1"
-        if f >= 0x19:
-            return "znver3"  # llvm-14's newest AMD model; Zen 4 is close enough for retirement gaps
-    return "native"
+    known = mca_cpus()
+    return next((c for c in cpu_models(text) if c in known), "native")
 
 
 def asm_line(ins: Insn) -> str:
@@ -215,7 +270,7 @@ MODEL_VERSION = "5"  # 3: dependency breakers after non-looping blocks; 4: the s
 
 
 def model_key(blocks: Sequence[Sequence[Insn]], mcpu: str) -> str:
-    h = hashlib.sha1((MODEL_VERSION + mcpu).encode())
+    h = hashlib.sha1((MODEL_VERSION + mcpu + os.path.basename(llvm_mca())).encode())
     for blk in blocks:
         h.update(b"|")
         for ins in blk:
