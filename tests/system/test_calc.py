@@ -33,7 +33,11 @@ def test_a_stall_free_loop_is_counted_within_a_few_percent(kernels_db: Path) -> 
     # between samples, whatever the core's model, clock or skid.
     assert loop["confidence"] == "high" and loop["method"] == "loop-counter"
     assert loop["executions"] == pytest.approx(300e6, rel=0.05)
-    assert doc["summary"]["actual_cpi"] == pytest.approx(doc["summary"]["best_cpi"], rel=0.25)
+    # No dynamic stall: the loop runs at the model's best case. The band's low side is wide for LLVM 19's
+    # Golden Cove model (sapphirerapids), which gives this 3-cycle chain 5 cycles (xor at 2, the
+    # eliminated register moves at 1 each): measured 3.3 on a Xeon with AMX.
+    best, actual = doc["summary"]["best_cpi"], doc["summary"]["actual_cpi"]
+    assert 0.6 * best <= actual <= 1.25 * best, (doc["mcpu"], best, actual)
 
 
 def test_loop_counters_count_loops_of_known_trip_counts(kernels_db: Path, compile_c: Callable[..., Path],
