@@ -56,7 +56,7 @@ def main() -> None:
         prof = parse_callgrind(cg.read_text())
         ob = prof.object_for(str(p.exe))
         profile, ev, hot = hot_procedures(db, p.image, args.min_samples)
-        period_us = profile.ps.events[ev].mean_period / 1e3  # cpu-clock: ns
+        period_us = profile.profile_set.events[ev].mean_period / 1e3  # cpu-clock: ns
         for samples, t in hot:
             a = profile.anchor_stats(t.info.key, t.start)
             exact = prof.counts[ob].get(t.start, 0) * args.runs if ob else 0

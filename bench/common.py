@@ -180,10 +180,10 @@ def hot_procedures(db: Path, image: str, min_samples: int) -> tuple[Any, str, li
 
     profile = open_profile(Database.open(db), Selection(epochs="all", images=(image,)))
     ev = cycles_event(profile, None)
-    rep = prof_report(profile)
-    i = rep.events.index(ev)
+    report = prof_report(profile)
+    i = report.events.index(ev)
     out = []
-    for row in rep.rows:
+    for row in report.rows:
         if row.counts[i] < min_samples or row.start is None:
             continue
         t = procedure_target(profile, row.image_key, row.procedure)

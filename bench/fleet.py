@@ -280,12 +280,12 @@ def bench_size(db: Database, hosts: int) -> dict[str, Any]:
 
     before = fleet_bytes()
     t0 = time.perf_counter()
-    rep = retain(db, 0, "day", now=time.time() + 10 * 86400)
+    report = retain(db, 0, "day", now=time.time() + 10 * 86400)
     took = time.perf_counter() - t0
     after = fleet_bytes()
     hh = hosts * EPOCHS
     print(f"size per host-hour: {before / hh / 1024:.1f} KiB with hourly epochs, {after / hh / 1024:.1f} KiB after "
-          f"merging each day ({len(rep.merged)} merge(s), {took:.1f} s for {hosts} hosts)", flush=True)
+          f"merging each day ({len(report.merged)} merge(s), {took:.1f} s for {hosts} hosts)", flush=True)
     return {"bytes_before": before, "bytes_after": after, "host_hours": hh, "retain_s": took,
             "dir_size_after": dir_size(db.root)}
 

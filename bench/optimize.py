@@ -278,15 +278,15 @@ def main() -> None:
         # Fresh recordings: the same configuration again from new training runs (the model run is
         # deterministic, the samples are not), for the spread of each sample profile's share.
         reps: dict[str, list[int]] = {c: [sim[c]["CEst"]] for c in sources if c in sim}
-        for rep in range(1, args.repeat if args.simulate else 1):
-            dr = d / f"rep{rep}"
+        for report in range(1, args.repeat if args.simulate else 1):
+            dr = d / f"rep{report}"
             dr.mkdir()
             train(dr)
             for src in sources:
                 if src.startswith("callgrind"):
                     continue  # exact counts: the same profile every time
                 reps[src].append(simulate(argv(profiled(dr, src)))["CEst"])
-                print(f"{name} under cachegrind, recording {rep + 1}: {src} CEst {reps[src][-1]:,}", flush=True)
+                print(f"{name} under cachegrind, recording {report + 1}: {src} CEst {reps[src][-1]:,}", flush=True)
         cpu: dict[str, list[float]] = {c: [] for c, _ in cons}
         for rnd in range(args.runs):
             k = rnd % len(cons)

@@ -117,10 +117,10 @@ def stacks_db(base: Path, out: Path, distinct: int = 100_000, seed: int = 1) -> 
     from cyclescope.db.stacks import _link, _read, _table, stack_files, stacks_dir
 
     src = Database.open(base)
-    ps = open_profile(src, Selection(epochs="all"))
+    profile_set = open_profile(src, Selection(epochs="all"))
     sym = Symbolizer(src)
     funcs: list[tuple[str, int]] = []
-    for key, info in ps.images.items():
+    for key, info in profile_set.images.items():
         t = sym.table(info)
         funcs += [(key, int(s)) for s in np.unique(t.starts)[:20000]]
     rng = random.Random(seed)
@@ -142,7 +142,7 @@ def stacks_db(base: Path, out: Path, distinct: int = 100_000, seed: int = 1) -> 
     meta0, _ = _read(stack_files(src, ep0, host)[0].path)
     shutil.copytree(src.root, out)
     db = Database.open(out)
-    ev = next(iter(ps.events))
+    ev = next(iter(profile_set.events))
     table = _table([ev] * len(stacks), ["synthetic"] * len(stacks), counts,
                    [[funcs[f][0] for f in reversed(s)] for s in stacks],
                    [[funcs[f][1] for f in reversed(s)] for s in stacks])
@@ -231,14 +231,14 @@ def main() -> int:
                          check=True, capture_output=True, text=True, env=ENV).stdout
     import json
 
-    rep = json.loads(top)
-    user = [r for r in rep["rows"]
+    report = json.loads(top)
+    user = [r for r in report["rows"]
             if r["image"] and not r["image"].startswith("[") and not r["procedure"].startswith("[")]
     # The hottest user procedure is the recorder's own interpreter loop (10,000 instructions, about as
     # large as procedures come); the compiler's hottest is a more usual size.
     hot = user[0]["procedure"]
     cc1 = next((r["procedure"] for r in user if r["image"].endswith("/cc1")), hot)
-    total = sum(rep["totals"].values())
+    total = sum(report["totals"].values())
     print(f"hour database: {total:,} samples; hot user procedure {hot}; cc1's {cc1}", file=sys.stderr)
     results: dict[str, Any] = {"machine": machine(), "hour_samples": total, "rounds": args.rounds,
                                "procedures": {"hot": hot, "cc1": cc1}}

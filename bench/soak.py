@@ -79,8 +79,8 @@ def main() -> None:
     print(err.strip())
     prof = subprocess.run(cyclescope_cmd("prof", "--db", str(db), "--json", "--epoch", "all"), capture_output=True,
                           text=True, check=True)
-    rep = json.loads(prof.stdout)
-    summ = rep["summary"]
+    report = json.loads(prof.stdout)
+    summ = report["summary"]
     images = subprocess.run(cyclescope_cmd("prof", "--db", str(db), "--images", "--epoch", "all", "--limit", "8"),
                             capture_output=True, text=True).stdout
     print(images)

@@ -91,8 +91,8 @@ def main() -> None:
     if rest:
         from suite import programs
 
-        ps, inp = programs(rest)
-        progs += [(p.name, p.exe, [x.replace("{input}", str(inp)) for x in p.args]) for p in ps]
+        profile_set, inp = programs(rest)
+        progs += [(p.name, p.exe, [x.replace("{input}", str(inp)) for x in p.args]) for p in profile_set]
     results: dict[str, Any] = {"machine": machine(), "rate": RATE, "programs": {}}
     for name, exe, args in progs:
         plain0, plan = tmp / f"{name}-plain0", tmp / f"{name}-plan.json"

@@ -39,8 +39,8 @@ def prof_json(db: Path, *args: str) -> dict[str, Any]:
     return result
 
 
-def samples_of(rep: dict[str, Any], procedure: str, event: str = "cpu-clock") -> int:
-    return sum(r["samples"].get(event, 0) for r in rep["rows"] if r["procedure"] == procedure)
+def samples_of(report: dict[str, Any], procedure: str, event: str = "cpu-clock") -> int:
+    return sum(r["samples"].get(event, 0) for r in report["rows"] if r["procedure"] == procedure)
 
 
 def folded(text: str) -> Counter[str]:

@@ -78,9 +78,9 @@ def test_kill_9_leaves_a_readable_database(spinner: int, tmp_path: Path) -> None
         if d.poll() is None:
             d.kill()
             d.communicate()
-    rep = prof_json(db)
-    assert samples_of(rep, "spin_here") > 100
-    assert not rep["summary"]["warnings"]
+    report = prof_json(db)
+    assert samples_of(report, "spin_here") > 100
+    assert not report["summary"]["warnings"]
 
 
 def test_a_drain_on_the_timer_is_not_followed_by_one_for_a_sliver(compile_c: Callable[..., Path], tmp_path: Path,

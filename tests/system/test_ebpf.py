@@ -52,16 +52,16 @@ def test_the_kernel_side_counts_what_the_rings_count(callgraph: Path, tmp_path: 
         p = cs("record", "--db", str(db), "--collector", path, "--no-loop-counts", "-g", "fp", "--",
                str(callgraph), "600000", timeout=300)
         assert "lost 0;" in p.stderr
-        rep = prof_json(db)
-        total = sum(r["samples"]["cpu-clock"] for r in rep["rows"])
+        report = prof_json(db)
+        total = sum(r["samples"]["cpu-clock"] for r in report["rows"])
         assert total > 1000
         st = folded(cs("export", "collapsed", "--db", str(db), "--process", "callgraph").stdout)
         assert sum(st.values()) >= 0.95 * total  # every sample has its stack
-        shares[path] = (samples_of(rep, "leaf") / total, under(st, "outer"), under(st, "main"))
+        shares[path] = (samples_of(report, "leaf") / total, under(st, "outer"), under(st, "main"))
         # The timeline holds the same samples, per 100 ms window, and their CPU time: never more
         # than the one CPU a single thread can use (less on a busy machine).
         tl = json.loads(cs("timeline", "--db", str(db), "--json", "--process", "callgraph", "--step", "100").stdout)
-        own = sum(samples_of(rep, r["procedure"]) for r in prof_json(db, "--process", "callgraph")["rows"])
+        own = sum(samples_of(report, r["procedure"]) for r in prof_json(db, "--process", "callgraph")["rows"])
         assert abs(sum(tl["total"]["samples"]) - own) <= 0.02 * own
         busy = sorted(tl["total"]["cpus"])
         assert busy[len(busy) // 2] > 0.1 and busy[-1] < 1.3
@@ -77,8 +77,8 @@ def test_system_wide_through_the_kernel_side_and_the_daemons_status(callgraph: P
     p = cs("record", "--db", str(db), "-a", "--collector", "bpf", "--no-loop-counts", "--", str(callgraph),
            "400000", timeout=300)
     assert "lost 0;" in p.stderr
-    rep = prof_json(db, "--process", "callgraph")
-    assert samples_of(rep, "leaf") > 500
+    report = prof_json(db, "--process", "callgraph")
+    assert samples_of(report, "leaf") > 500
     # System-wide, the default is the kernel side (loop counts are off there); per task, with loop
     # counts on (the default), --collector bpf is refused in one line.
     p = cs("daemon", "--db", str(tmp_path / "d"), "-d", "1")

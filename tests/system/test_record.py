@@ -23,9 +23,9 @@ def test_record_a_command_attributes_samples_to_the_hot_function(compile_c: Call
     db = tmp_path / "db"
     p = cs("record", "--db", str(db), "-F", "2000", "--", str(exe), "400000000")
     assert "samples" in p.stderr and "lost 0" in p.stderr
-    rep = prof_json(db)
-    s = rep["summary"]
-    hot, cold = samples_of(rep, "hot"), samples_of(rep, "cold")
+    report = prof_json(db)
+    s = report["summary"]
+    hot, cold = samples_of(report, "hot"), samples_of(report, "cold")
     assert hot + cold > 0.9 * s["samples"]["cpu-clock"]
     assert 0.85 < hot / (hot + cold) < 0.95  # the program does 9:1
     assert s["lost_records"] == 0 and s["lost_samples"] == 0
@@ -36,7 +36,7 @@ def test_record_a_command_attributes_samples_to_the_hot_function(compile_c: Call
     top = 500_000 / (1 - 1 / 32)
     assert top * 15 / 16 < s["mean_period"]["cpu-clock"] < top
     assert abs(s["mean_period"]["cpu-clock"] - 500_000) < 0.04 * 500_000
-    row = next(r for r in rep["rows"] if r["procedure"] == "hot")
+    row = next(r for r in report["rows"] if r["procedure"] == "hot")
     assert row["image"] == str(exe) and len(row["image_key"]) == 40  # named by build-id
 
 
@@ -49,9 +49,9 @@ def test_children_are_followed_across_fork_and_exec(compile_c: Callable[..., Pat
     exe = compile_c("forker")
     db = tmp_path / "db"
     cs("record", "--db", str(db), "-F", "2000", "--", str(exe), "20", "20000000")
-    rep = prof_json(db)
-    assert samples_of(rep, "child_work") > 0.6 * rep["summary"]["samples"]["cpu-clock"]
-    assert rep["summary"]["unknown_share"] < 0.01
+    report = prof_json(db)
+    assert samples_of(report, "child_work") > 0.6 * report["summary"]["samples"]["cpu-clock"]
+    assert report["summary"]["unknown_share"] < 0.01
 
 
 def test_shared_libraries_and_pie_map_to_their_symbols(compile_c: Callable[..., Path], build_dir: Path,
@@ -65,8 +65,8 @@ def test_shared_libraries_and_pie_map_to_their_symbols(compile_c: Callable[..., 
                             'int main(){printf("%ld\\n", burn_in_lib(300000000));return 0;}\n')
     db = tmp_path / "db"
     cs("record", "--db", str(db), "-F", "2000", "--", "env", f"LD_LIBRARY_PATH={build_dir}", str(main))
-    rep = prof_json(db)
-    row = max(rep["rows"], key=lambda r: r["samples"]["cpu-clock"])
+    report = prof_json(db)
+    row = max(report["rows"], key=lambda r: r["samples"]["cpu-clock"])
     assert row["procedure"] == "burn_in_lib" and row["image"].endswith("libburn.so")
 
 
@@ -91,8 +91,8 @@ def test_attach_to_a_running_process(compile_c: Callable[..., Path], tmp_path: P
         pid = int(proc.stdout.readline())
         db = tmp_path / "db"
         cs("record", "--db", str(db), "-F", "2000", "-p", str(pid), "-d", "1")
-        rep = prof_json(db)
-        assert samples_of(rep, "spin_here") > 0.9 * rep["summary"]["samples"]["cpu-clock"] > 1000
+        report = prof_json(db)
+        assert samples_of(report, "spin_here") > 0.9 * report["summary"]["samples"]["cpu-clock"] > 1000
     finally:
         proc.kill()
         proc.wait()
@@ -124,9 +124,9 @@ def test_system_wide_sees_every_process_and_the_kernel(compile_c: Callable[..., 
         jit_seen = _jit_running()
         cs("record", "--db", str(db), "-F", "1000", "-a", "-d", "1.5")
         jit_seen = jit_seen or _jit_running()
-        rep = prof_json(db)
-        s = rep["summary"]
-        assert samples_of(rep, "spin_here") > 800
+        report = prof_json(db)
+        s = report["summary"]
+        assert samples_of(report, "spin_here") > 800
         # Code generated at run time without a perf map (valgrind's translations, say, when a
         # benchmark runs beside the tests) is rightly unknown, as anonymous memory; nothing else is.
         anon = s["unknown_reasons"].get("anon", 0)
@@ -156,8 +156,8 @@ def test_jit_code_is_named_from_the_perf_map(compile_c: Callable[..., Path], tmp
     db = tmp_path / "db"
     try:
         cs("record", "--db", str(db), "-F", "2000", "--", str(exe), "1500000000")
-        rep = prof_json(db)
-        top = rep["rows"][0]
+        report = prof_json(db)
+        top = report["rows"][0]
         assert top["procedure"] == "jitted_spin_loop" and top["image"].startswith("/tmp/perf-")
     finally:
         for f in Path("/tmp").glob("perf-*.map"):
@@ -173,9 +173,9 @@ def test_a_deleted_binary_is_explained_or_served_from_the_archive(compile_c: Cal
     cs("record", "--db", str(db_plain), "-q", "-F", "1000", "--no-archive", "--", str(exe), "100000000")
     exe.unlink()
     assert samples_of(prof_json(db_archived), "hot") > 0  # symbols from the archived copy
-    rep = prof_json(db_plain)
-    assert samples_of(rep, "hot") == 0
-    assert any("binary not found" in p for p in rep["problems"].values())
+    report = prof_json(db_plain)
+    assert samples_of(report, "hot") == 0
+    assert any("binary not found" in p for p in report["problems"].values())
     text = cs("prof", "--db", str(db_plain)).stdout
     assert "note:" in text and "doomed: binary not found (deleted or moved since it was profiled)" in text
 
@@ -187,8 +187,8 @@ def test_a_rebuilt_binary_is_not_used_for_symbols(compile_c: Callable[..., Path]
     cs("record", "--db", str(db), "-q", "-F", "1000", "--no-archive", "--", str(exe), "100000000")
     subprocess.run(["gcc", "-O1", "-o", str(exe), str(Path(__file__).parents[1] / "programs" / "hotcold.c")],
                    check=True)
-    rep = prof_json(db)
-    assert any("changed since it was profiled" in p for p in rep["problems"].values())
+    report = prof_json(db)
+    assert any("changed since it was profiled" in p for p in report["problems"].values())
 
 
 def test_hardware_events_without_a_pmu_fall_back_with_a_message(compile_c: Callable[..., Path],
@@ -304,6 +304,6 @@ def test_randomized_periods_leave_shares_unbiased(compile_c: Callable[..., Path]
     db = tmp_path / "db"
     p = cs("record", "--db", str(db), "-q", "-F", "1000", "--band", "0.5", "--", str(exe), "4")
     truth = 100 * float(p.stdout.split()[0])
-    rep = prof_json(db)
-    a, b = samples_of(rep, "phase_a"), samples_of(rep, "phase_b")
+    report = prof_json(db)
+    a, b = samples_of(report, "phase_a"), samples_of(report, "phase_b")
     assert 100 * a / (a + b) == pytest.approx(truth, abs=1.0)

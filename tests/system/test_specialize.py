@@ -36,8 +36,8 @@ def test_the_goal_finds_the_planted_invariants_and_profiles_only_the_kept_candid
     first, second, plan = tmp_path / "plain", tmp_path / "goal", tmp_path / "plan.json"
     cs("record", "--db", str(first), "-q", "-F", "2000", "--", str(program), "1500000", timeout=300)
     p = cs("specialize", "--db", str(first), "--plan", str(plan), "--json", timeout=300)
-    rep = json.loads(p.stdout)
-    counts = rep["counts"]
+    report = json.loads(p.stdout)
+    counts = report["counts"]
     # Static elimination keeps a small share of the candidates (the paper: under 1% on SPEC).
     assert 0 < counts["kept"] <= 0.05 * counts["candidates"], counts
     doc = json.loads(plan.read_text())
@@ -52,8 +52,8 @@ def test_the_goal_finds_the_planted_invariants_and_profiles_only_the_kept_candid
     # enough, at every execution by a probe (exact:). Which, moves with the plain recording's counts:
     # under load one recording in several planned a probe.
     assert kinds and all(k.startswith(("goal:", "exact:")) for k in kinds), kinds
-    rep = json.loads(cs("specialize", "--db", str(second), "--json", timeout=300).stdout)
-    found = {(o["procedure"], o["what"]): o for o in rep["opportunities"]}
+    report = json.loads(cs("specialize", "--db", str(second), "--json", timeout=300).stdout)
+    found = {(o["procedure"], o["what"]): o for o in report["opportunities"]}
     div = found.get(("bucket_sum", "rdx"))
     mode = found.get(("scaled", "rdx"))
     assert div is not None and mode is not None, list(found)
@@ -120,8 +120,8 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
     assert div["vtot"] == rounds and mode["vtot"] == rounds
     top = {h["value"]: h["count"] for h in div["hotlist"]}
     assert top["16"] == div16 and {h["value"]: h["count"] for h in mode["hotlist"]}["2"] == mode2
-    rep = json.loads(cs("specialize", "--db", str(second), "--json", timeout=300).stdout)
-    found = {(o["procedure"], o["what"]): o for o in rep["opportunities"]}
+    report = json.loads(cs("specialize", "--db", str(second), "--json", timeout=300).stdout)
+    found = {(o["procedure"], o["what"]): o for o in report["opportunities"]}
     assert found[("bucket_sum", "rdx")]["exact"] and found[("bucket_sum", "rdx")]["prob"] == round(div16 / rounds, 6)
     assert found[("scaled", "rdx")]["value"] == 2 and found[("scaled", "rdx")]["observed"] == rounds
 
@@ -219,8 +219,8 @@ def test_a_difference_of_two_registers_is_captured_together(tmp_path: Path) -> N
     assert len(exact) == 1 and exact[0]["where"] == "mix" and exact[0]["vtot"] == rounds, (diff.get("probe"), summary)
     counts = {h["value"]: h["count"] for h in exact[0]["hotlist"]}
     assert counts["0"] == _difference_truth(rounds, n)
-    rep = json.loads(cs("specialize", "--db", str(tmp_path / "exact"), "mix", "--json", timeout=300).stdout)
-    found = {o["what"]: o for o in rep["opportunities"]}
+    report = json.loads(cs("specialize", "--db", str(tmp_path / "exact"), "mix", "--json", timeout=300).stdout)
+    found = {o["what"]: o for o in report["opportunities"]}
     assert found["rdx-rcx"]["value"] == 0 and found["rdx-rcx"]["exact"], found
     assert found["rdx-rcx"]["source"] == "difference.c:21"
 
@@ -242,8 +242,8 @@ def test_a_load_that_reads_what_the_store_before_it_wrote_is_found(tmp_path: Pat
     assert [m[0] for m in loads[0]["mems"]] == ["rdi", "rsi"]  # the store's address, the load's
     cs("record", "--db", str(tmp_path / "goal"), "-q", "-F", "2000", "--goal", str(plan), "--", *args,
        timeout=300)
-    rep = json.loads(cs("specialize", "--db", str(tmp_path / "goal"), "accumulate", "--json", timeout=300).stdout)
-    found = {o["what"]: o for o in rep["opportunities"]}
+    report = json.loads(cs("specialize", "--db", str(tmp_path / "goal"), "accumulate", "--json", timeout=300).stdout)
+    found = {o["what"]: o for o in report["opportunities"]}
     load = found.get(loads[0]["what"])
     assert load is not None and load["kind"] == "load", found
     assert load["value"] == 0 and load["prob"] > 0.8 and load["source"] == "loads.c:22"

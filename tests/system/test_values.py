@@ -139,7 +139,7 @@ def _load_as(uid: int, db: Path) -> dict[str, int]:
             os.setuid(uid)
             d = Database.open(db)
             vs = load_values(d, d.epochs())
-            out = {"files": vs.files, "unreadable": vs.unreadable, "hotlists": len(vs.hotlists.hl)}
+            out = {"files": vs.files, "unreadable": vs.unreadable, "hotlists": len(vs.hotlists.lists)}
             os.write(w, json.dumps(out).encode())
         except BaseException as e:
             os.write(w, json.dumps({"error": repr(e)}).encode())

@@ -23,8 +23,8 @@ def test_stats_follow_dcpistats_definitions() -> None:
     smooth = [38155, 88075, 52468, 52468, 52468, 52468, 52468, 52470]
     other = [9000, 9100, 8900, 9050, 8950, 9000, 9020, 8980]
     per_set = [{("smooth_", "wave5"): s, ("fftb_", "wave5"): o} for s, o in zip(smooth, other, strict=True)]
-    rep = build_stats("cycles", [f"set {i}" for i in range(1, 9)], per_set)
-    top = rep.rows[0]
+    report = build_stats("cycles", [f"set {i}" for i in range(1, 9)], per_set)
+    top = report.rows[0]
     assert top.key == ("smooth_", "wave5")
     assert round(100 * top.range_share, 2) == 11.32  # (88075 - 38155) / 441040, as in the paper
     assert top.total == 441040 and top.n == 8 and top.mean == 55130
@@ -32,8 +32,8 @@ def test_stats_follow_dcpistats_definitions() -> None:
     assert (top.lo, top.hi) == (38155, 88075)
     assert top.share == pytest.approx(441040 / (441040 + sum(other)))
     assert top.dispersion == pytest.approx(top.std / (top.mean ** 0.5)) and top.dispersion > 50
-    assert rep.rows[1].dispersion < 2  # fftb_-like counts: sampling noise
-    assert rep.rows[1].range_share == pytest.approx((9100 - 8900) / sum(other))
+    assert report.rows[1].dispersion < 2  # fftb_-like counts: sampling noise
+    assert report.rows[1].range_share == pytest.approx((9100 - 8900) / sum(other))
 
 
 def test_stats_normalization_compares_shares() -> None:
@@ -76,8 +76,8 @@ def test_diff_flags_real_changes_and_not_noise() -> None:
     moved[0] *= 1.5
     moved /= moved.sum()
     b = dict(zip([(p, "img") for p in procs], rng.multinomial(200000, moved).tolist(), strict=True))
-    rep = build_diff("cycles", "A", "B", a, b)
-    flagged = {r.key[0] for r in rep.flagged}
+    report = build_diff("cycles", "A", "B", a, b)
+    flagged = {r.key[0] for r in report.flagged}
     assert "p0" in flagged
     assert len(flagged) <= 3  # the renormalization moves the others a little; noise must not flood the report
     # Two samples of the same distribution: nothing is flagged.

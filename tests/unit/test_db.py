@@ -101,10 +101,10 @@ def test_queries_sum_over_segments_and_filter(tmp_path: Path) -> None:
     put(db, e, [(1, 0x10, 0, 1, 5), (1, 0x20, 0, 1, 1), (2, 0x30, 1, 2, 7)])
     put(db, e, [(1, 0x10, 0, 1, 2), (2, 0x30, 0, 2, 4), (0, 1, 0, 1, 3)])
     put(db, e, [(1, 0x10, 0, 1, 100)], host="h2")
-    ps = open_profile(db, Selection())
-    assert ps.hosts == ["h1", "h2"]
-    assert ps.events["cpu-clock"].samples == 6 + 9 + 100 and ps.events["cycles"].samples == 7
-    got = {(r["image"], r["event"], r["offset"]): r["count"] for r in query_counts(ps).to_pylist()}
+    profile_set = open_profile(db, Selection())
+    assert profile_set.hosts == ["h1", "h2"]
+    assert profile_set.events["cpu-clock"].samples == 6 + 9 + 100 and profile_set.events["cycles"].samples == 7
+    got = {(r["image"], r["event"], r["offset"]): r["count"] for r in query_counts(profile_set).to_pylist()}
     assert got == {
         ("aaaa1111bbbb2222", "cpu-clock", 0x10): 107, ("aaaa1111bbbb2222", "cpu-clock", 0x20): 1,
         ("cccc3333dddd4444", "cycles", 0x30): 7, ("cccc3333dddd4444", "cpu-clock", 0x30): 4,
@@ -176,8 +176,8 @@ def test_a_crash_after_linking_a_compaction_counts_nothing_twice(tmp_path: Path)
     compact(db, e, "h1")
     for p, data in zip(paths, saved, strict=True):  # as if the crash came before the deletes
         p.write_bytes(data)
-    ps = open_profile(db, Selection())
-    assert [r["count"] for r in query_counts(ps).to_pylist()] == [3]
+    profile_set = open_profile(db, Selection())
+    assert [r["count"] for r in query_counts(profile_set).to_pylist()] == [3]
     compact(db, e, "h1")  # the leftovers are cleaned up
     assert len(db.segments(e, "h1", live_only=False)) == 1
 
@@ -189,9 +189,9 @@ def test_corrupt_segments_are_skipped_with_a_warning_and_kept(tmp_path: Path) ->
     bad = put(db, e, [(1, 0x10, 0, 1, 5)])
     put(db, e, [(1, 0x10, 0, 1, 2)])
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
-    ps = open_profile(db, Selection())
-    assert len(ps.warnings) == 1 and "corrupt segment" in ps.warnings[0]
-    assert [r["count"] for r in query_counts(ps).to_pylist()] == [3]
+    profile_set = open_profile(db, Selection())
+    assert len(profile_set.warnings) == 1 and "corrupt segment" in profile_set.warnings[0]
+    assert [r["count"] for r in query_counts(profile_set).to_pylist()] == [3]
     r = compact(db, e, "h1")
     assert r is None or bad.name in r.skipped_corrupt
     assert bad.exists()  # compaction never destroys data it could not read
@@ -234,9 +234,9 @@ def test_kill_9_in_the_middle_of_writing_never_corrupts_what_is_on_disk(tmp_path
     segs = db.segments(1, "h")
     for s in segs:
         read_meta(s.path)  # every visible segment is whole
-    ps = open_profile(db, Selection())
-    assert not ps.warnings
-    total = sum(r["count"] for r in query_counts(ps).to_pylist())
+    profile_set = open_profile(db, Selection())
+    assert not profile_set.warnings
+    total = sum(r["count"] for r in query_counts(profile_set).to_pylist())
     # Each reported flush is there; a flush killed after linking but before printing may add one more.
     assert completed * 200000 <= total <= (completed + 6) * 200000
     assert total == len(segs) * 200000

@@ -101,8 +101,8 @@ def test_a_hosts_compaction_supersedes_the_flushes_it_shipped(tmp_path: Path) ->
     compact(a, ep, "alpha")
     compact_stacks(a, ep, "alpha")
     put(a, ep, [(1, 4, 0, 1, 5)], host="alpha")
-    rep = ship(a, dest)
-    assert rep.stored == 3  # the merged segment, the merged stack file, the new flush
+    report = ship(a, dest)
+    assert report.stored == 3  # the merged segment, the merged stack file, the new flush
     central = dest.central.db
     cep = central.epochs()[0]
     names = sorted(s.name for s in central.segments(cep, "alpha", live_only=False))
@@ -124,9 +124,9 @@ def test_malformed_files_are_refused_and_the_rest_kept(tmp_path: Path) -> None:
     bad = a.host_dir(ep, "alpha") / "seg-00000009-00000009.parquet"
     bad.write_bytes(b"PAR1 this is not a segment")
     dest = PathDestination(str(tmp_path / "central"))
-    rep = ship(a, dest)
-    assert len(rep.rejected) == 1 and "seg-00000009-00000009.parquet: rejected" in rep.rejected[0]
-    assert rep.stored == 6
+    report = ship(a, dest)
+    assert len(report.rejected) == 1 and "seg-00000009-00000009.parquet: rejected" in report.rejected[0]
+    assert report.stored == 6
     assert ship(a, dest).rejected == []  # said once, not again at every pass
     central = dest.central.db
     assert not any(".tmp-" in p.name for p in central.host_dir(central.epochs()[0], "alpha").iterdir())
@@ -162,11 +162,11 @@ class _Flaky:
 def test_a_host_that_was_offline_catches_up_without_loss_or_duplicates(tmp_path: Path) -> None:
     a = host_db(tmp_path / "a", "alpha", 4, 5)
     dest = PathDestination(str(tmp_path / "central"))
-    rep = ship(a, _Flaky(dest, 2))
-    assert rep.offline == "unplugged" and rep.stored == 2
+    report = ship(a, _Flaky(dest, 2))
+    assert report.offline == "unplugged" and report.stored == 2
     assert counts(dest.central.db) != counts(a)
-    rep = ship(a, dest)
-    assert rep.offline is None and rep.stored == 10
+    report = ship(a, dest)
+    assert report.offline is None and report.stored == 10
     assert counts(dest.central.db) == counts(a)
 
 
@@ -199,16 +199,16 @@ def test_retention_merges_a_days_epochs_by_addition(tmp_path: Path) -> None:
             put(db, ep, [(1, 4 * i, 0, 1, 1)], host=h)
     before = counts(db)
     assert plan(db, DAY, "day", now) == [[1, 2, 3, 4]]
-    rep = retain(db, DAY, "day", now=now)
-    assert [m.epochs for m in rep.merged] == [[1, 2, 3, 4]]
+    report = retain(db, DAY, "day", now=now)
+    assert [m.epochs for m in report.merged] == [[1, 2, 3, 4]]
     assert db.epochs() == [1, 5] and db.epochs(hidden=True) == [1, 5]
     assert counts(db) == before
     assert [len(db.segments(1, h)) for h in ("h1", "h2")] == [1, 1]
     assert db.epoch_info(1)["grain"] == "day"
     assert plan(db, DAY, "day", now) == []
     # A week of merged days, then the budget: the oldest epoch goes, never the live one.
-    rep = retain(db, DAY, "week", max_bytes=1, now=now)
-    assert rep.dropped == [1] and db.epochs() == [5]
+    report = retain(db, DAY, "week", max_bytes=1, now=now)
+    assert report.dropped == [1] and db.epochs() == [5]
 
 
 def test_a_merge_interrupted_after_its_commit_is_read_right_and_finished(tmp_path: Path) -> None:
@@ -293,12 +293,12 @@ def test_shipping_over_http_with_the_ingest_token_only(tmp_path: Path, ingest: t
     assert ship(a, HttpDestination(url, "i" * 24)).duplicate == 6
     bad = a.host_dir(a.epochs()[0], "alpha") / "seg-00000007-00000007.parquet"
     bad.write_bytes(b"garbage")
-    rep = ship(a, HttpDestination(url, "i" * 24))
-    assert len(rep.rejected) == 1 and "rejected" in rep.rejected[0]
+    report = ship(a, HttpDestination(url, "i" * 24))
+    assert len(report.rejected) == 1 and "rejected" in report.rejected[0]
     assert counts(central) == merged_counts(a, b)
     os.unlink(bad)
-    rep = ship(a, HttpDestination("http://127.0.0.1:9", "i" * 24))  # nobody listens there
-    assert rep.offline is not None
+    report = ship(a, HttpDestination("http://127.0.0.1:9", "i" * 24))  # nobody listens there
+    assert report.offline is not None
 
 
 @pytest.fixture(scope="module")
@@ -356,8 +356,8 @@ def test_retention_merges_value_hotlists_and_keeps_them_their_owners(tmp_path: P
     assert files[0].path.stat().st_uid == uid
     vs = load_values(db, [1])
     assert vs.meta is not None and vs.meta.samples == 5
-    hl = vs.hotlists.hl
-    assert {int(v[0]): n for v, n in hl.hotlist(0).counts.items()} == {1: 3, 2: 1, 5: 1}
+    lists = vs.hotlists.lists
+    assert {int(v[0]): n for v, n in lists.hotlist(0).counts.items()} == {1: 3, 2: 1, 5: 1}
 
 
 def test_a_host_follows_the_shared_databases_epochs(tmp_path: Path) -> None:
@@ -367,8 +367,8 @@ def test_a_host_follows_the_shared_databases_epochs(tmp_path: Path) -> None:
     central = dest.central.db
     time.sleep(0.01)
     fleet_epoch = central.new_epoch(name="hour 2")
-    rep = ship(a, dest, follow=True)
-    assert rep.new_epoch == 2 and a.newest_shared_epoch() == 2  # a daemon here switches at its next flush
+    report = ship(a, dest, follow=True)
+    assert report.new_epoch == 2 and a.newest_shared_epoch() == 2  # a daemon here switches at its next flush
     put(a, 2, [(1, 4, 0, 1, 9)], host="alpha")
     ship(a, dest, follow=True)
     assert counts(central, "all") == counts(a)

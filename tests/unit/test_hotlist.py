@@ -144,15 +144,15 @@ def test_reduction_in_one_pass_matches_the_papers_rounds_in_distribution() -> No
     rng = np.random.default_rng(5)
     res: dict[str, tuple[list[float], list[float]]] = {}
     for name, limit in (("one pass", 1 << 30), ("rounds", 0)):
-        ps, est = [], []
+        profile_set, est = [], []
         for _ in range(3000):
             r = reduce_set(s, 16, rng, per_instance_limit=limit)
             assert np.bincount(r.hot, minlength=2).max() <= 16
             assert r.p[1] == 1.0 and r.counts[r.hot == 1].tolist() == [3] * 10
-            ps.append(float(np.log(r.p[0])))
+            profile_set.append(float(np.log(r.p[0])))
             heavy = r.counts[(r.hot == 0) & (r.values["v0"] == 0)]
             est.append(float(heavy.sum()) / float(r.p[0]))
-        res[name] = (ps, est)
+        res[name] = (profile_set, est)
     a, b = res["one pass"], res["rounds"]
     assert abs(np.mean(a[0]) - np.mean(b[0])) < 0.02 * abs(np.mean(b[0]))
     assert abs(np.std(a[0]) - np.std(b[0])) < 0.15 * np.std(b[0])
@@ -183,14 +183,14 @@ def test_call_site_kinds_get_a_larger_hotlist_and_stay_unbiased() -> None:
     per = np.bincount(r.hot, minlength=2)
     assert per[0] <= N_DEFAULT and r.p[0] < 1.0
     assert per[1] == 40 and r.p[1] == 1.0
-    est, ps = [], []
+    est, profile_set = [], []
     for _ in range(2000):
         r = reduce_set(HotlistSet.exact(*observations(200)), sizes, rng)
         assert np.bincount(r.hot, minlength=2)[1] <= N_PER_CALL_SITE
         heavy = r.counts[(r.hot == 1) & (r.values["v0"] == 0)]
         est.append(float(heavy.sum()) / float(r.p[1]))
-        ps.append(float(r.p[1]))
-    assert max(ps) < 1.0
+        profile_set.append(float(r.p[1]))
+    assert max(profile_set) < 1.0
     assert abs(np.mean(est) - 100) < 4 * np.std(est) / np.sqrt(len(est))
     # Merging keeps each kind's N.
     m = merge_sets([HotlistSet.exact(*observations(40)), HotlistSet.exact(*observations(20))], sizes, rng)
@@ -243,7 +243,7 @@ def test_batches_thinned_by_the_running_p_stay_unbiased_and_count_every_value() 
 
 def test_a_hotlist_thinned_to_nothing_keeps_its_total_and_a_hash_collision_thins_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import cyclescope.db.hotlist as hl
+    import cyclescope.db.hotlist as lists
 
     dt = np.dtype([("uid", "<i4"), ("k", "<i8")])
     run = RunningP(dt)
@@ -252,7 +252,7 @@ def test_a_hotlist_thinned_to_nothing_keeps_its_total_and_a_hash_collision_thins
     s = run.exact(*_obs([1, 2, 3], key=1), np.random.default_rng(0))
     assert s.keys["k"].tolist() == [1] and s.total.tolist() == [3] and s.p.tolist() == [1e-9] and not s.rows
     # Every key hashing alike: key 2 is not the known key 1, so none of its values is dropped.
-    monkeypatch.setattr(hl, "_key_hash", lambda words: np.zeros(len(words), np.uint64))
+    monkeypatch.setattr(lists, "_key_hash", lambda words: np.zeros(len(words), np.uint64))
     run = RunningP(dt)
     run.update(HotlistSet(np.array([(0, 1)], dt), np.array([1e-9]), np.array([5], np.uint64),
                           np.zeros(0, np.int64), np.zeros(0, VALUE_DTYPE), np.zeros(0, np.int64)))

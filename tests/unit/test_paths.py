@@ -89,9 +89,9 @@ def test_outcomes_come_from_the_edge_hotlists_of_one_image_scaled_by_their_p() -
     vals = np.zeros(5, VALUE_DTYPE)
     vals["v0"] = [0x200, 0x300, 0x300, 0x200, 7]
     vals["vimg"] = [0, 0, 0, 1, -1]
-    hl = HotlistSet.exact(keys, vals)
-    hl.p[:] = 0.5
-    vs = ValueSelection(NamedHotlists(hl, ["a", "b"], ["edge", "in:rdi"]), None, 1, 0, [])
+    lists = HotlistSet.exact(keys, vals)
+    lists.p[:] = 0.5
+    vs = ValueSelection(NamedHotlists(lists, ["a", "b"], ["edge", "in:rdi"]), None, 1, 0, [])
     assert edge_outcomes(vs, "a") == {0x102: {0x200: 2.0, 0x300: 4.0}}
     assert edge_outcomes(vs, "c") == {}
 

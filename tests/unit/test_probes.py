@@ -213,8 +213,8 @@ def test_exact_values_are_counted_not_thinned() -> None:
     kept = cap.add_exact(np.full(n, 77, np.int64), np.full(n, 1, np.int64), np.full(n, 0x10, np.uint64),
                          ["exact:rdx"] * n, values)
     assert kept == n
-    nh, _ = cap.take(0.0, 1.0)[1000]
-    hl = nh.hl
-    assert len(hl) == 1 and int(hl.total[0]) == n and float(hl.p[0]) == 1.0
-    counts = dict(zip(hl.values["v0"].tolist(), hl.counts.tolist(), strict=True))
+    named, _ = cap.take(0.0, 1.0)[1000]
+    lists = named.lists
+    assert len(lists) == 1 and int(lists.total[0]) == n and float(lists.p[0]) == 1.0
+    counts = dict(zip(lists.values["v0"].tolist(), lists.counts.tolist(), strict=True))
     assert counts[16] == 971 and len(counts) == 30

@@ -31,11 +31,11 @@ def test_build_groups_offsets_by_symbol_and_sorts_by_the_first_event() -> None:
               np.array(["cyc", "cyc", "cyc", "imiss", "cyc"], dtype=object), np.array([5, 5, 20, 3, 2])),
         "[unknown]": (np.array([0, 1], np.uint64), np.array(["cyc", "cyc"], dtype=object), np.array([1, 1])),
     }
-    rep = build_prof(["cyc", "imiss"], per_image, images, lambda info: table if info.key == "k" else syms())
-    assert [(r.procedure, r.counts) for r in rep.rows] == [
+    report = build_prof(["cyc", "imiss"], per_image, images, lambda info: table if info.key == "k" else syms())
+    assert [(r.procedure, r.counts) for r in report.rows] == [
         ("g", (20, 3)), ("f", (10, 0)), (NO_SYMBOL, (2, 0)), ("[unknown]", (2, 0))]
-    assert rep.totals == [34, 3]
-    assert rep.rows[0].start == 0x200
+    assert report.totals == [34, 3]
+    assert report.rows[0].start == 0x200
     by_image = build_prof(["cyc", "imiss"], per_image, images, lambda info: table, by_image=True)
     assert [(r.procedure, r.counts) for r in by_image.rows] == [("/bin/a", (32, 3)), ("[unknown]", (2, 0))]
 

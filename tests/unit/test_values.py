@@ -428,12 +428,12 @@ def _capture() -> tuple[ValueCapture, ImageTable]:
 
 
 def _rows(vc: ValueCapture) -> dict[tuple[int, str], dict[tuple[int, int, int], int]]:
-    (nh, meta), = vc.take(0.0, 1.0).values()
+    (named, meta), = vc.take(0.0, 1.0).values()
     out: dict[tuple[int, str], dict[tuple[int, int, int], int]] = {}
-    hl = nh.hl
-    for i in range(len(hl)):
-        k = hl.keys[i]
-        out[(int(k["offset"]), nh.kinds[int(k["kind"])])] = dict(hl.hotlist(i).counts)  # type: ignore[arg-type]
+    lists = named.lists
+    for i in range(len(lists)):
+        k = lists.keys[i]
+        out[(int(k["offset"]), named.kinds[int(k["kind"])])] = dict(lists.hotlist(i).counts)  # type: ignore[arg-type]
     assert meta.uid == os.getuid()
     return out
 
@@ -646,13 +646,13 @@ def test_value_files_are_private_atomic_and_compact(tmp_path: Path) -> None:
     assert p2.parent.stat().st_uid == os.geteuid() and not p2.parent.stat().st_mode & 0o022
     vs = load_values(db, [ep])
     assert vs.files == 2 and vs.meta is not None and vs.meta.samples == 4
-    nh = vs.hotlists
-    got = {int(nh.hl.keys[i]["offset"]): dict(nh.hl.hotlist(i).counts) for i in range(len(nh.hl))}
+    named = vs.hotlists
+    got = {int(named.lists.keys[i]["offset"]): dict(named.lists.hotlist(i).counts) for i in range(len(named.lists))}
     assert got == {16: {(1, 0, -1): 2, (5, 0, -1): 1}, 32: {(2, 0, -1): 1}}
     out = compact_values(db, ep, "h", uid)
     assert out is not None and [f.name for f in value_files(db, ep, "h", uid)] == ["vals-00000001-00000002.parquet"]
     again = load_values(db, [ep])
-    assert again.meta is not None and again.meta.samples == 4 and len(again.hotlists.hl) == 2
+    assert again.meta is not None and again.meta.samples == 4 and len(again.hotlists.lists) == 2
 
 
 def test_compaction_removes_what_a_crash_left_and_keeps_every_value(tmp_path: Path) -> None:
@@ -678,7 +678,7 @@ def test_compaction_removes_what_a_crash_left_and_keeps_every_value(tmp_path: Pa
     assert sorted(f.name for f in d.iterdir()) == ["vals-00000001-00000004.parquet"]
     vs = load_values(db, [ep])
     assert vs.meta is not None and vs.meta.samples == 4
-    assert dict(vs.hotlists.hl.hotlist(0).counts) == {(v, 0, -1): 1 for v in (1, 2, 3, 4)}
+    assert dict(vs.hotlists.lists.hotlist(0).counts) == {(v, 0, -1): 1 for v in (1, 2, 3, 4)}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another owner needs root")

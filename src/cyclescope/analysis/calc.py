@@ -73,9 +73,9 @@ def model_procedure(blocks: Sequence[Sequence[Insn]], cache: Cache | None, key: 
         if t is not None:
             d = t.to_pydict()
             by_block: dict[int, list[InsnModel]] = {}
-            for b, m, lat, wo, wr, rep, own in zip(d["block"], d["m"], d["latency"], d["wait_operands"],
+            for b, m, lat, wo, wr, report, own in zip(d["block"], d["m"], d["latency"], d["wait_operands"],
                                                     d["wait_resources"], d["replaced"], d["own"], strict=True):
-                by_block.setdefault(b, []).append(InsnModel(m, lat, wo, wr, rep, own))
+                by_block.setdefault(b, []).append(InsnModel(m, lat, wo, wr, report, own))
             models = [BlockModel(by_block.get(b, []), sum(i.m for i in by_block.get(b, [])))
                       for b in range(len(blocks))]
             notes = (t.schema.metadata or {}).get(b"notes", b"").decode()

@@ -55,17 +55,17 @@ def edge_outcomes(vs: Any, image_key: str) -> dict[int, dict[int, float]]:
     """Image offset of each branch -> {image offset of where control went: how often}, from the
     ``edge`` hotlists of ``image_key`` in the value selection ``vs`` (each hotlist's counts scaled
     by 1/p where the hotlist was thinned; targets in other images left out)."""
-    nh = vs.hotlists
-    if "edge" not in nh.kinds or image_key not in nh.images:
+    named = vs.hotlists
+    if "edge" not in named.kinds or image_key not in named.images:
         return {}
-    hl = nh.hl
-    img = nh.images.index(image_key)
-    key_sel = (hl.keys["kind"] == nh.kinds.index("edge")) & (hl.keys["image"] == img)
-    rows = np.flatnonzero(key_sel[hl.hot] & (hl.values["vimg"] == img))
+    lists = named.lists
+    img = named.images.index(image_key)
+    key_sel = (lists.keys["kind"] == named.kinds.index("edge")) & (lists.keys["image"] == img)
+    rows = np.flatnonzero(key_sel[lists.hot] & (lists.values["vimg"] == img))
     out: dict[int, dict[int, float]] = {}
-    hot = hl.hot[rows]
-    for src, dst, c, p in zip(hl.keys["offset"][hot].tolist(), hl.values["v0"][rows].tolist(),
-                              hl.counts[rows].tolist(), hl.p[hot].tolist(), strict=True):
+    hot = lists.hot[rows]
+    for src, dst, c, p in zip(lists.keys["offset"][hot].tolist(), lists.values["v0"][rows].tolist(),
+                              lists.counts[rows].tolist(), lists.p[hot].tolist(), strict=True):
         d = out.setdefault(int(src), {})
         d[int(dst)] = d.get(int(dst), 0.0) + c / (p if p > 0 else 1.0)
     return out

@@ -27,8 +27,8 @@ PROFILE_ESTIMATOR = "geomean"
 
 def cycles_event(p: Profile, wanted: str | None) -> str:
     """The event whose samples calc reads as cycles: ``wanted``, else cycles or a clock, else the first."""
-    ps = p.ps
-    evs = ps.event_names
+    profile_set = p.profile_set
+    evs = profile_set.event_names
     if wanted:
         if wanted not in evs:
             raise NotFoundError(f"no samples of {wanted}; recorded: {', '.join(evs)}")
@@ -43,13 +43,13 @@ def cycles_event(p: Profile, wanted: str | None) -> str:
 
 def period_cycles(p: Profile, ev: str) -> float | None:
     """P in cycles. For a clock event: (mean period - what a sample cost) * measured clock."""
-    ps = p.ps
-    meta = ps.events[ev]
+    profile_set = p.profile_set
+    meta = profile_set.events[ev]
     if not meta.time_based:
         return meta.mean_period
-    if not ps.clock_ghz:
+    if not profile_set.clock_ghz:
         return None
-    return max(1.0, meta.mean_period - meta.overhead_ns) * ps.clock_ghz
+    return max(1.0, meta.mean_period - meta.overhead_ns) * profile_set.clock_ghz
 
 
 def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
@@ -70,13 +70,13 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
     from cyclescope.report.listing import counts_at
     from cyclescope.report.prof import counts_by_image
 
-    ps, sym = p.ps, p.sym
+    profile_set, sym = p.profile_set, p.sym
     info = target.info
     b = sym.binary(info)
     if b.path is None:
         raise NotFoundError(b.problem or f"{info.path}: no code available for {target.name}")
-    events = ps.event_names
-    per_image = counts_by_image(query_counts(ps, images=[info.key]))
+    events = profile_set.event_names
+    per_image = counts_by_image(query_counts(profile_set, images=[info.key]))
     off, ev, cnt = per_image.get(info.key, (np.zeros(0, np.uint64), np.zeros(0, object), np.zeros(0, np.int64)))
     counts = counts_at(events, sym.offsets_to_vaddr(info, off), ev, cnt)
     elf = read_load_info(b.path)
@@ -107,4 +107,4 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
             outcomes = outcomes_from.branch_outcomes(same[0]) if same else None
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(p, event), name_at, read, Cache(), info.key, mcpu, estimator,
-                          stats, ps.events[event].mean_period, anchor, outcomes)
+                          stats, profile_set.events[event].mean_period, anchor, outcomes)

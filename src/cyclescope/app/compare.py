@@ -18,16 +18,16 @@ def set_counts(p: Profile, event: str | None, by_image: bool) -> tuple[str, dict
     """One set's samples of ``event`` (default: its first) per procedure or image."""
     from cyclescope.app.prof import prof_report
 
-    ps = p.ps
-    if not ps.segments:
+    profile_set = p.profile_set
+    if not profile_set.segments:
         return event or "", {}
-    ev = event or ps.event_names[0]
-    if ev not in ps.events:
-        raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
-                            f"recorded: {', '.join(ps.events)}")
-    rep = prof_report(p.with_event(ev), by_image)
-    i = rep.events.index(ev)
-    return ev, {(r.procedure, r.image): r.counts[i] for r in rep.rows if r.counts[i]}
+    ev = event or profile_set.event_names[0]
+    if ev not in profile_set.events:
+        raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, profile_set.epochs))}; "
+                            f"recorded: {', '.join(profile_set.events)}")
+    report = prof_report(p.with_event(ev), by_image)
+    i = report.events.index(ev)
+    return ev, {(r.procedure, r.image): r.counts[i] for r in report.rows if r.counts[i]}
 
 
 def insn_counts(p: Profile, proc: str, event: str | None, images: list[str]) -> tuple[str, dict[Key, int]]:
@@ -35,13 +35,13 @@ def insn_counts(p: Profile, proc: str, event: str | None, images: list[str]) -> 
     from cyclescope.app.procedures import make_listing, resolve_target
 
     target, _ = resolve_target(p, proc, images)
-    ps = p.ps
-    if not ps.event_names:
+    profile_set = p.profile_set
+    if not profile_set.event_names:
         raise NotFoundError("no samples in the selection")
-    ev = event or ps.event_names[0]
-    if ev not in ps.events:
-        raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, ps.epochs))}; "
-                            f"recorded: {', '.join(ps.events)}")
+    ev = event or profile_set.event_names[0]
+    if ev not in profile_set.events:
+        raise NotFoundError(f"no samples of event {ev} in {','.join(map(str, profile_set.epochs))}; "
+                            f"recorded: {', '.join(profile_set.events)}")
     lst = make_listing(p.with_event(ev), target, [], False, [])
     i = lst.events.index(ev)
     key_img = f"{target.info.path} ({(target.info.build_id or target.info.key)[:12]})"

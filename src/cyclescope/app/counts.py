@@ -17,25 +17,26 @@ if TYPE_CHECKING:
     from cyclescope.report.prof import ProfReport
 
 
-def one_binary(p: Profile, rep: ProfReport, image_patterns: list[str], what: str
+def one_binary(p: Profile, report: ProfReport, image_patterns: list[str], what: str
                ) -> tuple[str, ImageInfo, BinaryLookup]:
     """The one ELF image a per-binary profile describes (``what``: for the messages): the one
     ``image_patterns`` match, or the one with the most samples; its key, ImageInfo and the binary
     found on disk or in the archive."""
     from cyclescope.db.query import match_images
 
-    ps, sym = p.ps, p.sym
+    profile_set, sym = p.profile_set, p.sym
     if image_patterns:
-        keys = set(match_images(ps, image_patterns))
+        keys = set(match_images(profile_set, image_patterns))
     else:
-        elf_rows = [r for r in rep.rows if r.image_key in ps.images and ps.images[r.image_key].kind == "elf"]
+        images = profile_set.images
+        elf_rows = [r for r in report.rows if r.image_key in images and images[r.image_key].kind == "elf"]
         keys = {elf_rows[0].image_key} if elf_rows else set()
     if not keys:
         raise NotFoundError("no executable image with samples in the selection (give --image)")
     if len(keys) > 1:
         raise UsageError(f"{what} describes one binary: --image matches " + ", ".join(sorted(keys)))
     (key,) = keys
-    info = ps.images[key]
+    info = profile_set.images[key]
     b = sym.binary(info)
     if b.path is None:
         raise NotFoundError(b.problem or f"{info.path}: the binary is not available")
@@ -46,7 +47,7 @@ def event_counts(p: Profile, key: str, ev: str) -> tuple[np.ndarray, np.ndarray]
     """Offsets and sample counts of event ``ev`` in the image ``key``, over the selection."""
     from cyclescope.db.query import query_counts
 
-    t = query_counts(p.ps, images=[key])
+    t = query_counts(p.profile_set, images=[key])
     sel = np.array(t.column("event").to_pylist(), dtype=object) == ev
     return (np.array(t.column("offset").to_pylist(), np.uint64)[sel],
             np.array(t.column("count").to_pylist(), np.int64)[sel])
@@ -78,7 +79,7 @@ def branch_outcomes(p: Profile, info: ImageInfo, edges_from: str | None = None) 
     return p.outcomes_at_addresses(info, obs)
 
 
-def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator: str = "dcpi",
+def calc_counts(p: Profile, info: ImageInfo, ev: str, report: ProfReport, estimator: str = "dcpi",
                  edges: dict[int, dict[int, float]] | None = None, kept: list[tuple[str, int, int]] | None = None
                  ) -> tuple[dict[int, dict[int, int]], dict[int, int], list[str]]:
     """calc's execution estimates per instruction, for each function with samples (shaped by the
@@ -90,11 +91,11 @@ def calc_counts(p: Profile, info: ImageInfo, ev: str, rep: ProfReport, estimator
     from cyclescope.app.procedures import procedure_target
     from cyclescope.errors import CycleScopeError
 
-    col = rep.events.index(ev)
+    col = report.events.index(ev)
     per_fn: dict[int, dict[int, int]] = {}
     heads: dict[int, int] = {}
     skipped: list[str] = []
-    for r in rep.rows:
+    for r in report.rows:
         if r.image_key != info.key or r.start is None or r.counts[col] <= 0:
             continue
         target = procedure_target(p, info.key, r.procedure)

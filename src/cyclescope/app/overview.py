@@ -68,7 +68,7 @@ def overview(p: Profile) -> Overview:
     from cyclescope.db.stacks import stack_files
 
     tl = sorted((Period(s.epoch, s.host, s.meta.start_time, s.meta.end_time, s.meta.total_samples)
-                 for s in p.ps.segments), key=lambda t: (t.start, t.epoch, t.host))
-    ps = p.ps
-    has = any(stack_files(p.db, e, h) for e in ps.epochs for h in (ps.hosts or []))
-    return Overview(epochs_of(p.db), tl, prof_report(p), prof_report(p, by_image=True), has, list(ps.warnings))
+                 for s in p.profile_set.segments), key=lambda t: (t.start, t.epoch, t.host))
+    profile_set = p.profile_set
+    has = any(stack_files(p.db, e, h) for e in profile_set.epochs for h in (profile_set.hosts or []))
+    return Overview(epochs_of(p.db), tl, prof_report(p), prof_report(p, by_image=True), has, list(profile_set.warnings))

@@ -23,11 +23,11 @@ _RANGE_RE = re.compile(r"^(0x[0-9a-fA-F]+)\s*(?:-\s*(0x[0-9a-fA-F]+)|\+\s*(0x[0-
 
 
 
-def _candidate_images(ps: ProfileSet, image_patterns: list[str], totals: dict[str, int]) -> list[str]:
+def _candidate_images(profile_set: ProfileSet, image_patterns: list[str], totals: dict[str, int]) -> list[str]:
     from cyclescope.db.query import match_images
 
-    keys = match_images(ps, image_patterns) if image_patterns else list(totals)
-    return sorted((k for k in keys if k in ps.images and ps.images[k].kind != "unknown"),
+    keys = match_images(profile_set, image_patterns) if image_patterns else list(totals)
+    return sorted((k for k in keys if k in profile_set.images and profile_set.images[k].kind != "unknown"),
                   key=lambda k: -totals.get(k, 0))
 
 
@@ -50,20 +50,20 @@ def procedures_with_samples(p: Profile, event: str) -> tuple[list[ProfRow], list
     saying why, when there is nothing to analyze."""
     from cyclescope.app.prof import prof_report
 
-    ps, sym = p.ps, p.sym
-    rep = prof_report(p)
-    i = rep.events.index(event)
-    rows = [r for r in rep.rows if r.start is not None and r.counts[i] > 0]
-    no_code = [r for r in rows if ps.images[r.image_key].kind not in ("elf", "vdso")]
-    rows = [r for r in rows if ps.images[r.image_key].kind in ("elf", "vdso")]
+    profile_set, sym = p.profile_set, p.sym
+    report = prof_report(p)
+    i = report.events.index(event)
+    rows = [r for r in report.rows if r.start is not None and r.counts[i] > 0]
+    no_code = [r for r in rows if profile_set.images[r.image_key].kind not in ("elf", "vdso")]
+    rows = [r for r in rows if profile_set.images[r.image_key].kind in ("elf", "vdso")]
     if not rows:
-        problems = sorted({sym.problems[k] for k in ps.images if k in sym.problems})
-        nosym = [r.image for r in rep.rows if r.start is None and r.counts[i] > 0]
+        problems = sorted({sym.problems[k] for k in profile_set.images if k in sym.problems})
+        nosym = [r.image for r in report.rows if r.start is None and r.counts[i] > 0]
         raise NotFoundError("no procedure with samples to analyze"
                             + (f": {problems[0]}" if problems else
                                f": {nosym[0]} has no symbol table (stripped?); give an address range "
                                "0xSTART-0xEND instead of a procedure" if nosym else ""))
-    return rows, no_code, int(rep.totals[i])
+    return rows, no_code, int(report.totals[i])
 
 
 def resolve_target(p: Profile, spec: str, image_patterns: list[str]) -> tuple[Target, list[str]]:
@@ -71,24 +71,24 @@ def resolve_target(p: Profile, spec: str, image_patterns: list[str]) -> tuple[Ta
     holding the name; notes name the others)."""
     from cyclescope.report.listing import Target
 
-    ps, sym = p.ps, p.sym
+    profile_set, sym = p.profile_set, p.sym
     totals = p.image_totals()
-    keys = _candidate_images(ps, image_patterns, totals)
+    keys = _candidate_images(profile_set, image_patterns, totals)
     m = _RANGE_RE.match(spec.strip())
     if m:
         start = int(m.group(1), 16)
         end = int(m.group(2), 16) if m.group(2) else start + int(m.group(3), 0)
         if end <= start:
             raise UsageError(f"empty address range {spec}")
-        elf = [k for k in keys if ps.images[k].kind in ("elf", "vdso")]
+        elf = [k for k in keys if profile_set.images[k].kind in ("elf", "vdso")]
         if len(elf) != 1 and not image_patterns:
             raise UsageError("an address range needs --image (the selection has samples in several images)")
         if not keys:
             raise NotFoundError("no image with samples matches")
-        return Target(ps.images[keys[0]], spec, start, end), []
+        return Target(profile_set.images[keys[0]], spec, start, end), []
     matches: list[tuple[int, ImageInfo, int, int, str]] = []
     for k in keys:
-        info = ps.images[k]
+        info = profile_set.images[k]
         table = sym.table(info)
         for i, n in enumerate(table.names):
             if n == spec or (n.startswith(spec + "(") and "(" not in spec):
@@ -97,7 +97,7 @@ def resolve_target(p: Profile, spec: str, image_patterns: list[str]) -> tuple[Ta
         names_seen: dict[str, int] = {}
         for k in keys:
             if len(names_seen) < 200000:
-                names_seen.update(dict.fromkeys(sym.table(ps.images[k]).names, 0))
+                names_seen.update(dict.fromkeys(sym.table(profile_set.images[k]).names, 0))
         close = difflib.get_close_matches(spec, list(names_seen), n=5, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         where = f" in {', '.join(image_patterns)}" if image_patterns else " in the images with samples"
@@ -120,15 +120,15 @@ def make_listing(p: Profile, target: Target, source_dirs: list[str], with_source
     from cyclescope.report.prof import counts_by_image
     from cyclescope.report.summary import summarize
 
-    ps, sym = p.ps, p.sym
+    profile_set, sym = p.profile_set, p.sym
     info = target.info
-    events = ps.event_names
-    all_counts = query_counts(ps)
+    events = profile_set.event_names
+    all_counts = query_counts(profile_set)
     sel_totals = [0] * len(events)
     for e, c in zip(all_counts.column("event").to_pylist(), all_counts.column("count").to_pylist(), strict=True):
         if e in events:
             sel_totals[events.index(e)] += int(c)
-    per_image = counts_by_image(query_counts(ps, images=[info.key]))
+    per_image = counts_by_image(query_counts(profile_set, images=[info.key]))
     off, ev, cnt = per_image.get(info.key, (np.zeros(0, np.uint64), np.zeros(0, object), np.zeros(0, np.int64)))
     off = sym.offsets_to_vaddr(info, off)
     counts = counts_at(events, off, ev, cnt)
@@ -174,7 +174,7 @@ def make_listing(p: Profile, target: Target, source_dirs: list[str], with_source
     lst.problems = problems + lst.problems
     for f in sorted(files.missing):
         lst.problems.append(f"source {f} not found (--source-dir DIR to look there)")
-    lst.summary = summarize(ps, dict(zip(events, sel_totals, strict=True)))
+    lst.summary = summarize(profile_set, dict(zip(events, sel_totals, strict=True)))
     return lst
 
 
@@ -211,9 +211,9 @@ def make_source_listing(p: Profile, pattern: str, source_dirs: list[str]) -> Sou
     from cyclescope.report.prof import counts_by_image
     from cyclescope.report.summary import summarize
 
-    ps, sym = p.ps, p.sym
-    events = ps.event_names
-    per_image = counts_by_image(query_counts(ps))
+    profile_set, sym = p.profile_set, p.sym
+    events = profile_set.event_names
+    per_image = counts_by_image(query_counts(profile_set))
     by_file: dict[str, dict[int, np.ndarray]] = {}
     images_of: dict[str, set[str]] = {}
     sel_totals = dict.fromkeys(events, 0)
@@ -221,7 +221,7 @@ def make_source_listing(p: Profile, pattern: str, source_dirs: list[str]) -> Sou
         for e, c in zip(ev.tolist(), cnt.tolist(), strict=True):
             if e in sel_totals:
                 sel_totals[e] += int(c)
-        info = ps.images.get(key)
+        info = profile_set.images.get(key)
         if info is None or info.kind not in ("elf", "vdso"):
             continue
         b = sym.binary(info)
@@ -250,7 +250,7 @@ def make_source_listing(p: Profile, pattern: str, source_dirs: list[str]) -> Sou
     files = SourceFiles(source_dirs)
     sl = build_source_listing(chosen, events, by_file[chosen], files.lines(chosen), sorted(images_of[chosen]))
     sl.others = ranked[1:]
-    sl.summary = summarize(ps, sel_totals)
+    sl.summary = summarize(profile_set, sel_totals)
     return sl
 
 

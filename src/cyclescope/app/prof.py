@@ -16,10 +16,11 @@ def prof_report(p: Profile, by_image: bool = False) -> ProfReport:
     from cyclescope.report.prof import build_prof, counts_by_image
     from cyclescope.report.summary import summarize
 
-    ps, sym = p.ps, p.sym
-    counts = query_counts(ps)
+    profile_set, sym = p.profile_set, p.sym
+    counts = query_counts(profile_set)
     per_image = counts_by_image(counts)
-    rep = build_prof(ps.event_names, per_image, ps.images, sym.table, sym.offsets_to_vaddr, by_image=by_image)
-    rep.summary = summarize(ps, dict(zip(rep.events, rep.totals, strict=True)))
-    rep.problems = {k: v for k, v in sym.problems.items()}
-    return rep
+    report = build_prof(profile_set.event_names, per_image, profile_set.images, sym.table, sym.offsets_to_vaddr,
+                        by_image=by_image)
+    report.summary = summarize(profile_set, dict(zip(report.events, report.totals, strict=True)))
+    report.problems = {k: v for k, v in sym.problems.items()}
+    return report

@@ -31,7 +31,7 @@ def _ignore(_: str) -> None:
 
 @dataclass
 class Profile:
-    ps: ProfileSet
+    profile_set: ProfileSet
     sym: Symbolizer
     warn: Callable[[str], None] = _ignore  # what goes wrong on the way without stopping it, one line each
     _values: dict[int | None, ValueSelection] = field(default_factory=dict, repr=False)
@@ -40,22 +40,23 @@ class Profile:
 
     @property
     def db(self) -> Database:
-        return self.ps.db
+        return self.profile_set.db
 
     @property
     def images(self) -> dict[str, ImageInfo]:
-        return self.ps.images
+        return self.profile_set.images
 
     @property
     def event_names(self) -> list[str]:
-        return self.ps.event_names
+        return self.profile_set.event_names
 
     def with_event(self, event: str) -> Profile:
         """The same selection narrowed to one event (its counts are queried again)."""
         from cyclescope.db.query import ProfileSet
 
-        ps = ProfileSet(**{**vars(self.ps), "selection": replace(self.ps.selection, events=(event,)), "memo": {}})
-        return Profile(ps, self.sym, self.warn)
+        selection = replace(self.profile_set.selection, events=(event,))
+        profile_set = ProfileSet(**{**vars(self.profile_set), "selection": selection, "memo": {}})
+        return Profile(profile_set, self.sym, self.warn)
 
     def image_totals(self) -> dict[str, int]:
         """Samples per image key, every event together."""
@@ -69,7 +70,7 @@ class Profile:
         if self._sums is None:
             from cyclescope.db.query import query_counts
 
-            t = query_counts(self.ps)
+            t = query_counts(self.profile_set)
             images: dict[str, int] = {}
             events: dict[str, int] = {}
             for img, ev, c in zip(t.column("image").to_pylist(), t.column("event").to_pylist(),
@@ -84,16 +85,16 @@ class Profile:
         are left out with a warning that ``what`` from them is missing."""
         from cyclescope.db.tallies import load_tally
 
-        ps = self.ps
+        profile_set = self.profile_set
         key = (False, (kind.name, image_key))
-        memo = ps.memo.get(key)
+        memo = profile_set.memo.get(key)
         if memo is None:
-            sel = load_tally(ps.db, kind, ps.epochs, ps.hosts or None, {image_key})
+            sel = load_tally(profile_set.db, kind, profile_set.epochs, profile_set.hosts or None, {image_key})
             for c in sel.corrupt:
-                if f"skipping {c}" not in ps.warnings:
-                    ps.warnings.append(f"skipping {c}")
+                if f"skipping {c}" not in profile_set.warnings:
+                    profile_set.warnings.append(f"skipping {c}")
                     self.warn(f"skipping {c} ({what} from it are left out)")
-            memo = ps.memo[key] = sel.table
+            memo = profile_set.memo[key] = sel.table
         return memo
 
     def loop_stats(self, image_key: str, start: int, end: int) -> dict[int, LoopStats]:
@@ -154,9 +155,10 @@ class Profile:
 
             from cyclescope.db.values import load_values
 
-            hosts = list(self.ps.selection.hosts) or None
+            hosts = list(self.profile_set.selection.hosts) or None
             # Merging thins at random: the same seed gives the same hotlists every time.
-            vs = self._values[uid] = load_values(self.db, self.ps.epochs, hosts, uid=uid, rng=np.random.default_rng(0))
+            vs = self._values[uid] = load_values(self.db, self.profile_set.epochs, hosts, uid=uid,
+                                                 rng=np.random.default_rng(0))
         return vs
 
 
@@ -170,11 +172,12 @@ class Profile:
         left out (``corrupt``); DataError when every file is."""
         from cyclescope.db.stacks import load_stack_arrays, stack_paths
 
-        sel = self.ps.selection
+        sel = self.profile_set.selection
         hosts, processes = list(sel.hosts) or None, set(sel.processes) or None
-        if self.ps.engine is None:
-            return load_stack_arrays(self.db, self.ps.epochs, hosts, images, processes)
-        out = self.ps.engine.stack_arrays(stack_paths(self.db, self.ps.epochs, hosts), images, processes)
+        if self.profile_set.engine is None:
+            return load_stack_arrays(self.db, self.profile_set.epochs, hosts, images, processes)
+        paths = stack_paths(self.db, self.profile_set.epochs, hosts)
+        out = self.profile_set.engine.stack_arrays(paths, images, processes)
         if not out.files and out.corrupt:
             raise DataError(f"every stack file is corrupt: {out.corrupt[0]}")
         return out
@@ -189,10 +192,10 @@ def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ig
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.query import open_profile as open_set
 
-    ps = open_set(db, sel, engine)
-    for w in ps.warnings:
+    profile_set = open_set(db, sel, engine)
+    for w in profile_set.warnings:
         warn(w)
-    if not ps.segments and any(w.startswith("skipping") for w in ps.warnings):
+    if not profile_set.segments and any(w.startswith("skipping") for w in profile_set.warnings):
         raise DataError(f"no readable segment in the selection "
-                        f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
-    return Profile(ps, sym if sym is not None else Symbolizer(db), warn)
+                        f"({sum(w.startswith('skipping') for w in profile_set.warnings)} unreadable)")
+    return Profile(profile_set, sym if sym is not None else Symbolizer(db), warn)

@@ -70,41 +70,41 @@ def procedure_goal(c: Calc, target: Target, phi: float, path: str, offsets: dict
 class _Hotlists:
     """The register hotlists (in:REG, out:REG) of one image by (ELF address, 64-bit register)."""
 
-    def __init__(self, p: Profile, nh: NamedHotlists, image_key: str) -> None:
+    def __init__(self, p: Profile, named: NamedHotlists, image_key: str) -> None:
         from cyclescope.values.goal import SAME, operands
 
-        self.nh = nh
+        self.named = named
         self.at: dict[tuple[int, str, str], int] = {}
-        hl = nh.hl
-        if image_key not in nh.images or not len(hl):
+        lists = named.lists
+        if image_key not in named.images or not len(lists):
             return
         info = p.images[image_key]
-        mine = np.flatnonzero(hl.keys["image"] == nh.images.index(image_key))
-        addrs = p.sym.offsets_to_vaddr(info, hl.keys["offset"][mine].astype(np.uint64))
+        mine = np.flatnonzero(lists.keys["image"] == named.images.index(image_key))
+        addrs = p.sym.offsets_to_vaddr(info, lists.keys["offset"][mine].astype(np.uint64))
         for i, a in zip(mine.tolist(), addrs.tolist(), strict=True):
-            kind = nh.kinds[int(hl.keys["kind"][i])]
+            kind = named.kinds[int(lists.keys["kind"][i])]
             io, _, reg = kind.partition(":")
             if io not in ("in", "out", "goal", "exact") or "@" in reg or (operands(reg) is None
                                                                            and not reg.startswith(SAME)):
                 continue
             io = "in" if io == "goal" else io  # goal:REG: the value live at the instruction, as in:REG
             key = (int(a), kind_of(reg), io)
-            if key not in self.at or hl.total[i] > hl.total[self.at[key]]:
+            if key not in self.at or lists.total[i] > lists.total[self.at[key]]:
                 self.at[key] = i
 
     def top(self, found: list[int]) -> tuple[int, float, float, int]:
         """(top value, share, standard error, values seen) over the hotlists ``found``: the same
         value read at several instructions, merged (estimated counts added)."""
-        hl = self.nh.hl
+        lists = self.named.lists
         est: dict[int, float] = {}
         total = 0
         for i in found:
-            rows = np.flatnonzero(hl.hot == i)
-            p = float(hl.p[i]) or 1.0
-            total += int(hl.total[i])
+            rows = np.flatnonzero(lists.hot == i)
+            p = float(lists.p[i]) or 1.0
+            total += int(lists.total[i])
             for r in rows.tolist():
-                v = int(hl.values[r]["v0"])
-                est[v] = est.get(v, 0.0) + float(hl.counts[r]) / p
+                v = int(lists.values[r]["v0"])
+                est[v] = est.get(v, 0.0) + float(lists.counts[r]) / p
         if not est or not total:
             return 0, 0.0, 1.0, total
         value = max(est, key=est.__getitem__)
@@ -113,7 +113,7 @@ class _Hotlists:
 
 
 def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, GoalModel], phi: float, total: float,
-                  nh: NamedHotlists | None, min_values: int = MIN_VALUES) -> tuple[list[Opportunity], int]:
+                  named: NamedHotlists | None, min_values: int = MIN_VALUES) -> tuple[list[Opportunity], int]:
     """Rule (1) on every kept candidate whose value was observed: the opportunities, most valuable
     first, and how many kept candidates had no values."""
     from cyclescope.images.dwarf import DwarfIndex, dwarf_source
@@ -124,7 +124,7 @@ def opportunities(p: Profile, goals: list[ProcedureGoal], models: dict[str, Goal
     dwarf: dict[str, DwarfIndex | None] = {}
     for g in goals:
         if g.image not in hots:  # once per image: several procedures of one binary share both
-            hots[g.image] = _Hotlists(p, nh, g.image) if nh is not None else None
+            hots[g.image] = _Hotlists(p, named, g.image) if named is not None else None
             src = dwarf_source(g.path, g.image)
             dwarf[g.image] = DwarfIndex(src, g.image) if src else None
         hot, dwarf_index = hots[g.image], dwarf[g.image]
@@ -183,7 +183,7 @@ def specialize_targets(p: Profile, event: str, procedure: str | None, image_patt
 
     if procedure:
         return [resolve_target(p, procedure, image_patterns)[0]]
-    rows = [r for r in procedures_with_samples(p, event)[0] if p.ps.images[r.image_key].kind == "elf"]
+    rows = [r for r in procedures_with_samples(p, event)[0] if p.profile_set.images[r.image_key].kind == "elf"]
     if limit:
         rows = rows[:limit]
     targets = [t for r in rows if (t := procedure_target(p, r.image_key, r.procedure)) is not None]
@@ -217,12 +217,12 @@ def specialize(p: Profile, targets: list[Target], event: str, mcpu: str | None =
         goals.append(g)
         models[f"{g.image}:{g.start}"] = m
     vs = p.values()
-    nh = vs.hotlists if vs.files else None
-    if nh is None:
+    named = vs.hotlists if vs.files else None
+    if named is None:
         notes.append("no value samples in this selection: record with --values (or --goal PLAN) to see which "
                      "kept candidates pay")
-    opps, unobserved = opportunities(p, goals, models, phi, total, nh, min_values)
-    clock = p.ps.clock_ghz
+    opps, unobserved = opportunities(p, goals, models, phi, total, named, min_values)
+    clock = p.profile_set.clock_ghz
     rate_scale = clock * 1e9 / total if clock and total else None
     return SpecializeReport(opps, goals, unobserved, phi, total, period_cycles(p, event), notes, models, rate_scale)
 
@@ -241,7 +241,7 @@ def _vaddr_to_offsets(p: Profile, t: Target, path: str, addrs: np.ndarray) -> np
 # --- the plan `record --goal` follows ---------------------------------------------------------
 
 
-def write_plan(rep: SpecializeReport, path: str | Path) -> int:
+def write_plan(report: SpecializeReport, path: str | Path) -> int:
     """The kept candidates and every instruction where each one's value is live, as a JSON plan for
     `record --goal` (values/goal.py reads it), with rule (3)'s probability for dynamic elimination.
     A difference's two registers are taken together, as its ``cmp`` reads them ("edi-esi").
@@ -252,8 +252,8 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
 
     points = []
     elves: dict[str, ElfInfo | None] = {}
-    for g in rep.procedures:
-        m = rep.models.get(f"{g.image}:{g.start}")
+    for g in report.procedures:
+        m = report.models.get(f"{g.image}:{g.start}")
         for c in g.kept:
             if m is None:
                 continue
@@ -262,7 +262,7 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
                 continue
             point: dict[str, object] = {
                 "image": g.image, "procedure": g.name, "what": c.reg, "kind": c.kind,
-                "min_prob": round(min(c.min_prob(rep.phi), 2.0), 6),
+                "min_prob": round(min(c.min_prob(report.phi), 2.0), 6),
                 "at": [[g.offsets.get(g.addresses[k], g.addresses[k]), r] for k, r in at]}
             if c.kind == "load":  # the two addresses, formed from the registers where a sample lands
                 mems = [m.infos[c.pair].mem, m.infos[c.point].mem]
@@ -281,10 +281,10 @@ def write_plan(rep: SpecializeReport, path: str | Path) -> int:
                 if file_offset is not None:
                     point["probe"] = {"at": g.offsets.get(vaddr, vaddr), "reg": probe_reg, "path": g.path,
                                       "file_offset": file_offset, "build_id": g.build_id,
-                                      "rate": round(rate * (rep.rate_scale or 0.0), 3),
+                                      "rate": round(rate * (report.rate_scale or 0.0), 3),
                                       "rate_confidence": m.confidence[probe_at]}
             points.append(point)
-    doc = {"version": PLAN_VERSION, "counts": rep.counts, "points": points}
+    doc = {"version": PLAN_VERSION, "counts": report.counts, "points": points}
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, path)

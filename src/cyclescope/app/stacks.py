@@ -44,18 +44,18 @@ def select_stacks(p: Profile, image_patterns: list[str] | None = None, events: l
     from cyclescope.db.query import match_images, query_counts
     from cyclescope.images.registry import ImageInfo
 
-    ps = p.ps
-    images = set(match_images(ps, list(image_patterns))) if image_patterns else None
+    profile_set = p.profile_set
+    images = set(match_images(profile_set, list(image_patterns))) if image_patterns else None
     if image_patterns and not images:
         raise NotFoundError(f"no image matching {', '.join(image_patterns)} in the selection")
     sel = p.stacks(images)
-    infos = dict(ps.images)
+    infos = dict(profile_set.images)
     for k, d in sel.images.items():
         infos.setdefault(k, ImageInfo.from_json(d))
     stacks: Stacks = sel.counts
     flat = not stacks
     if flat:
-        t = query_counts(ps, images=sorted(images) if images else None)
+        t = query_counts(profile_set, images=sorted(images) if images else None)
         stacks = Counter()
         for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
                                    t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
@@ -114,7 +114,7 @@ def export_stacks(p: Profile, fmt: str, sel: SelectedStacks, offsets: bool = Fal
         return collapsed(named_stacks(sel.stacks, name, events[0] if len(events) > 1 else None)).encode()
     if fmt == "speedscope":
         per = {ev: named_stacks(sel.stacks, name, ev) for ev in events}
-        title = f"cyclescope epoch {','.join(map(str, p.ps.epochs))}"
+        title = f"cyclescope epoch {','.join(map(str, p.profile_set.epochs))}"
         return (json.dumps(speedscope(per, title), separators=(",", ":")) + "\n").encode()
     raise ValueError(f"unknown stack format {fmt}")
 
@@ -127,7 +127,7 @@ def _pprof(p: Profile, sel: SelectedStacks, events: list[str], name: Callable[[F
     from cyclescope.images.dwarf import DwarfIndex, dwarf_source
     from cyclescope.report.export import pprof
 
-    ps, sym, infos, stacks = p.ps, p.sym, sel.infos, sel.stacks
+    profile_set, sym, infos, stacks = p.profile_set, p.sym, sel.infos, sel.stacks
     frames = sorted({f for _, st in stacks for f in st})
     where: dict[Frame, tuple[str | None, int | None]] = {}
     by_image: dict[str, list[int]] = {}
@@ -153,12 +153,12 @@ def _pprof(p: Profile, sel: SelectedStacks, events: list[str], name: Callable[[F
     meta = {k: {"path": i.path, "build_id": i.build_id or "", "size": getattr(i, "size", 0)}
             for k, i in infos.items()}
     period = None
-    if events and events[0] in ps.events and ps.events[events[0]].time_based:
-        em = ps.events[events[0]]
+    if events and events[0] in profile_set.events and profile_set.events[events[0]].time_based:
+        em = profile_set.events[events[0]]
         if em.samples:
             period = (events[0], int(em.period_sum / em.samples))
-    time_ns = int(ps.start_time * 1e9)
-    duration = int(max(0.0, ps.end_time - ps.start_time) * 1e9)
+    time_ns = int(profile_set.start_time * 1e9)
+    duration = int(max(0.0, profile_set.end_time - profile_set.start_time) * 1e9)
     return pprof(stacks, events, meta, lambda f: (name(f), *where.get(f, (None, None))), time_ns, duration,
                  period)
 
@@ -191,17 +191,17 @@ def select_stack_arrays(p: Profile, image_patterns: list[str] | None = None, eve
     from cyclescope.db.stacks import StackArrays
     from cyclescope.images.registry import ImageInfo
 
-    ps = p.ps
-    images = set(match_images(ps, list(image_patterns))) if image_patterns else None
+    profile_set = p.profile_set
+    images = set(match_images(profile_set, list(image_patterns))) if image_patterns else None
     if image_patterns and not images:
         raise NotFoundError(f"no image matching {', '.join(image_patterns)} in the selection")
     arr = p.stack_arrays(images)
-    infos = dict(ps.images)
+    infos = dict(profile_set.images)
     for k, d in arr.images.items():
         infos.setdefault(k, ImageInfo.from_json(d))
     flat = not len(arr)
     if flat:
-        t = query_counts(ps, images=sorted(images) if images else None)
+        t = query_counts(profile_set, images=sorted(images) if images else None)
         keys = sorted(set(t.column("image").to_pylist()))
         evs = sorted(set(t.column("event").to_pylist()))
         kx, ex = {k: i for i, k in enumerate(keys)}, {e: i for i, e in enumerate(evs)}

@@ -27,15 +27,16 @@ def timeline(p: Profile, by: str = "process", step_ms: int | None = None, top: i
         raise UsageError(f"the step must be a multiple of {WINDOW_MS} ms (the timeline's grain)")
     if top < 1:
         raise UsageError("--top must be at least 1")
-    ps = p.ps
-    sel = load_tally(ps.db, TIMELINE, ps.epochs, ps.hosts or None, set(ps.selection.processes) or None)
+    profile_set = p.profile_set
+    sel = load_tally(profile_set.db, TIMELINE, profile_set.epochs, profile_set.hosts or None,
+                     set(profile_set.selection.processes) or None)
     notes = [f"skipping {c}" for c in sel.corrupt]
     t = sel.table
     if not t.num_rows:
         raise NotFoundError("no timeline in this selection (it was recorded before cyclescope kept one, "
                             "or no process of it was sampled)")
     events = t.column("event").to_pylist()
-    wanted = list(ps.selection.events)
+    wanted = list(profile_set.selection.events)
     have = sorted(set(events))
     if wanted:
         event = wanted[0]

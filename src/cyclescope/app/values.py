@@ -26,7 +26,8 @@ def open_values(p: Profile, uid: int | None = None, modules: list[str] | None = 
         hint = ""
         if vs.unreadable:
             hint = f" ({vs.unreadable} value file(s) of other users are not readable by you)"
-        raise NotFoundError(f"no value samples in epoch(s) {','.join(map(str, p.ps.epochs))}{hint}; record with "
+        epochs = ",".join(map(str, p.profile_set.epochs))
+        raise NotFoundError(f"no value samples in epoch(s) {epochs}{hint}; record with "
                             "--values to capture them")
     names = modules or list(vs.meta.modules if vs.meta else DEFAULT_MODULES)
     try:
@@ -47,18 +48,18 @@ def listing_values(p: Profile, image_key: str, start: int, end: int, kinds: list
     if not vs.files:
         return [], {}, ["no value samples in this selection (record with --values)", *selection_notes(vs)]
     modules = load_modules(list(vs.meta.modules if vs.meta else DEFAULT_MODULES))
-    namer = Namer(p.ps, p.sym, vs.hotlists.images)
+    namer = Namer(p.profile_set, p.sym, vs.hotlists.images)
     cols, cells = columns(vs.hotlists, modules, namer, image_key, start, end, kinds or None)
     return cols, cells, selection_notes(vs)
 
 
-def image_filter(ps: ProfileSet, patterns: list[str]) -> set[str] | None:
+def image_filter(profile_set: ProfileSet, patterns: list[str]) -> set[str] | None:
     """The image keys matching ``patterns`` (None: no patterns, every image); NotFoundError when none."""
     from cyclescope.db.query import match_images
 
     if not patterns:
         return None
-    keys = set(match_images(ps, patterns))
+    keys = set(match_images(profile_set, patterns))
     if not keys:
         raise NotFoundError(f"no image matching {', '.join(patterns)} in the selection")
     return keys
@@ -76,22 +77,22 @@ def invariants_report(p: Profile, vs: ValueSelection, modules: list[ValueModule]
     from cyclescope.report.summary import summarize
     from cyclescope.report.values import InvariantsReport, Namer, find_invariants, selection_notes
 
-    ps, sym = p.ps, p.sym
-    nh = vs.hotlists
-    allowed = image_filter(ps, image_patterns)
+    profile_set, sym = p.profile_set, p.sym
+    named = vs.hotlists
+    allowed = image_filter(profile_set, image_patterns)
     if allowed is not None:
-        hl = nh.hl
-        keep = np.array([k in allowed for k in nh.images], bool)[hl.keys["image"]]
+        lists = named.lists
+        keep = np.array([k in allowed for k in named.images], bool)[lists.keys["image"]]
         idx = np.flatnonzero(keep)
-        remap = np.full(len(hl), -1, np.int64)
+        remap = np.full(len(lists), -1, np.int64)
         remap[idx] = np.arange(len(idx))
-        rows = remap[hl.hot] >= 0
+        rows = remap[lists.hot] >= 0
         # A copy: the profile's hotlists stay whole for its other reports.
-        nh = replace(nh, hl=HotlistSet(hl.keys[idx], hl.p[idx], hl.total[idx], remap[hl.hot[rows]], hl.values[rows],
-                                       hl.counts[rows]))
-    namer = Namer(ps, sym, nh.images)
-    items = find_invariants(nh, modules, namer, ps, min_prob, min_vtot, min_share, limit)
-    totals = {e: int(m.samples) for e, m in ps.events.items()}
+        named = replace(named, lists=HotlistSet(lists.keys[idx], lists.p[idx], lists.total[idx], remap[lists.hot[rows]],
+                                                lists.values[rows], lists.counts[rows]))
+    namer = Namer(profile_set, sym, named.images)
+    items = find_invariants(named, modules, namer, profile_set, min_prob, min_vtot, min_share, limit)
+    totals = {e: int(m.samples) for e, m in profile_set.events.items()}
     crit = (f"procedures with >= {100 * min_share:g}% of the samples, hotlists of >= {min_vtot} values, "
             f"top value >= {100 * min_prob:.0f}%")
-    return InvariantsReport(items, vs.meta, summarize(ps, totals), crit, selection_notes(vs))
+    return InvariantsReport(items, vs.meta, summarize(profile_set, totals), crit, selection_notes(vs))

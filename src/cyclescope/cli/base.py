@@ -104,14 +104,14 @@ def open_selection(args: argparse.Namespace, db: Database | None = None, sel: Se
     from cyclescope.db.query import open_profile
 
     db = db or open_db(args)
-    ps = open_profile(db, sel or selection(args), engine(args))
+    profile_set = open_profile(db, sel or selection(args), engine(args))
     name = getattr(args, "_command", None) or "cyclescope"
-    for w in ps.warnings:
+    for w in profile_set.warnings:
         eprint(f"cyclescope {name}: {what + ': ' if what else ''}{w}")
-    if not ps.segments and any(w.startswith("skipping") for w in ps.warnings):
+    if not profile_set.segments and any(w.startswith("skipping") for w in profile_set.warnings):
         raise DataError(f"{what + ': ' if what else ''}no readable segment in the selection "
-                        f"({sum(w.startswith('skipping') for w in ps.warnings)} unreadable)")
-    return ps
+                        f"({sum(w.startswith('skipping') for w in profile_set.warnings)} unreadable)")
+    return profile_set
 
 
 _ENGINES: dict[tuple[str, str | None], DaskEngine] = {}
@@ -146,9 +146,10 @@ def open_profile(args: argparse.Namespace, db: Database | None = None, sel: Sele
     from cyclescope.binaries.symbolize import Symbolizer
 
     db = db or open_db(args)
-    ps = open_selection(args, db, sel, what)
+    profile_set = open_selection(args, db, sel, what)
     name = getattr(args, "_command", None) or "cyclescope"
-    return Profile(ps, Symbolizer(db), lambda w: eprint(f"cyclescope {name}: {what + ': ' if what else ''}{w}"))
+    return Profile(profile_set, Symbolizer(db),
+                   lambda w: eprint(f"cyclescope {name}: {what + ': ' if what else ''}{w}"))
 
 
 def add_output_options(p: argparse.ArgumentParser) -> None:

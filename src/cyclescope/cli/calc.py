@@ -81,12 +81,13 @@ class CalcCommand(Command):
         from cyclescope.errors import CycleScopeError
         from cyclescope.report.calc import calc_to_json, image_table, summarize
 
-        ps = p.ps
+        profile_set = p.profile_set
         rows, no_code, total = procedures_with_samples(p, ev)
         if args.limit is not None and args.limit < 0:
             raise UsageError("--limit must be 0 (every procedure) or more")
         # Over an image, every procedure in a pipe; over everything, the 20 hottest unless asked.
-        limit = args.limit if args.limit is not None else (20 if is_tty(sys.stdout) or not ps.selection.images else 0)
+        default_limit = 20 if is_tty(sys.stdout) or not profile_set.selection.images else 0
+        limit = args.limit if args.limit is not None else default_limit
         hidden = len(rows) - limit if limit and len(rows) > limit else 0
         if limit:
             rows = rows[:limit]

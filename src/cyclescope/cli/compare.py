@@ -85,12 +85,12 @@ class Stats(Command):
             names.append(name)
         if len(per_set) < 2:
             raise DataError(f"stats needs at least two readable sample sets; {len(per_set)} left")
-        rep = build_stats(event or "?", names, per_set, normalize=args.normalize)
+        report = build_stats(event or "?", names, per_set, normalize=args.normalize)
         if args.json:
-            write_json(rep.to_json())
+            write_json(report.to_json())
             return 0
         limit = args.limit if args.limit is not None else (40 if is_tty(sys.stdout) else 0)
-        write_table(stats_table(rep, limit or None, args.min_percent / 100))
+        write_table(stats_table(report, limit or None, args.min_percent / 100))
         return 0
 
 
@@ -160,10 +160,10 @@ class Diff(Command):
             event, a = set_counts(sides[0][1], event, args.images)
             _, b = set_counts(sides[1][1], event, args.images)
             unit = "image" if args.images else "procedure"
-        rep = build_diff(event or "?", sides[0][0], sides[1][0], a, b, args.alpha, args.min_change / 100, unit)
+        report = build_diff(event or "?", sides[0][0], sides[1][0], a, b, args.alpha, args.min_change / 100, unit)
         if args.json:
-            write_json(rep.to_json())
+            write_json(report.to_json())
             return 0
         limit = args.limit if args.limit is not None else (40 if is_tty(sys.stdout) else 0)
-        write_table(diff_table(rep, limit or None, all_rows=args.all))
+        write_table(diff_table(report, limit or None, all_rows=args.all))
         return 0

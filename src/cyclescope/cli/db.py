@@ -111,19 +111,20 @@ class Db(Command):
                 print("nothing to merge")
             return 0
         quiet = args.json or not stderr_tty()
-        rep = retain(db, older, args.by, budget, None if quiet else eprint)
+        report = retain(db, older, args.by, budget, None if quiet else eprint)
         if args.json:
-            write_json({"merged": [vars(m) for m in rep.merged], "dropped": rep.dropped, "cleaned": rep.cleaned,
-                        "bytes_before": rep.size_before, "bytes_after": rep.size_after})
+            write_json({"merged": [vars(m) for m in report.merged], "dropped": report.dropped,
+                        "cleaned": report.cleaned, "bytes_before": report.size_before,
+                        "bytes_after": report.size_after})
             return 0
-        for m in rep.merged:
+        for m in report.merged:
             print(f"epochs {','.join(map(str, m.epochs))} -> epoch {m.epochs[0]}: "
                   f"{_size(m.bytes_before)} -> {_size(m.bytes_after)}")
-        for e in rep.dropped:
+        for e in report.dropped:
             print(f"dropped epoch {e} (over --max-size)")
-        if rep.cleaned:
-            print(f"removed {rep.cleaned} leftover(s) of an interrupted run")
-        print(f"database: {_size(rep.size_before)} -> {_size(rep.size_after)}")
+        if report.cleaned:
+            print(f"removed {report.cleaned} leftover(s) of an interrupted run")
+        print(f"database: {_size(report.size_before)} -> {_size(report.size_after)}")
         return 0
 
     def _inspect(self, db: Database, epochs: list[int], args: argparse.Namespace) -> int:

@@ -134,8 +134,8 @@ class Export(Command):
         from cyclescope.report.llvm_sample import render
 
         ev = cycles_event(prof, getattr(args, "event", None) and args.event[0])
-        rep = prof_report(prof)
-        _, info, b = one_binary(prof, rep, list(args.image), args.format)
+        report = prof_report(prof)
+        _, info, b = one_binary(prof, report, list(args.image), args.format)
         assert b.path is not None
         dpath = dwarf_source(b.path, info.key)
         if dpath is None:
@@ -152,7 +152,7 @@ class Export(Command):
         else:
             edges = None if args.no_edges else branch_outcomes(prof, info, args.edges_from)
             kept: list[tuple[str, int, int]] = []
-            per_fn, heads, skipped = calc_counts(prof, info, ev, rep, args.estimator, edges, kept)
+            per_fn, heads, skipped = calc_counts(prof, info, ev, report, args.estimator, edges, kept)
             for msg in skipped:
                 eprint(f"cyclescope export: skipped {msg}")
             source = f"execution counts estimated by calc from {ev} samples, {args.estimator} estimator"

@@ -40,12 +40,12 @@ class Prof(Command):
             raise UsageError("--limit must be 0 or more")
         from cyclescope.report.prof import prof_table
 
-        rep = prof_report(open_profile(args), args.images)
+        report = prof_report(open_profile(args), args.images)
         if args.json:
-            write_json(rep.to_json())
+            write_json(report.to_json())
             return 0
         limit = args.limit
         if limit is None:
             limit = TERMINAL_LIMIT if is_tty(sys.stdout) else 0
-        write_table(prof_table(rep, limit or None))
+        write_table(prof_table(report, limit or None))
         return 0

@@ -61,24 +61,25 @@ class Ship(Command):
                 if tty and n % 25 == 0:
                     print(f"\rshipping: {n} files ({rel})\033[K", end="", file=sys.stderr, flush=True)
 
-            rep = ship(local, dest, follow=args.follow_epochs, progress=progress)
+            report = ship(local, dest, follow=args.follow_epochs, progress=progress)
             if tty:
                 print("\r\033[K", end="", file=sys.stderr, flush=True)
-            for r in rep.rejected:
+            for r in report.rejected:
                 eprint(f"cyclescope ship: rejected by {dest.name}: {r}")
-            if rep.offline:
-                eprint(f"cyclescope ship: stopped: {rep.offline} (the rest goes at the next pass)")
+            if report.offline:
+                eprint(f"cyclescope ship: stopped: {report.offline} (the rest goes at the next pass)")
             if args.json:
-                write_json({"destination": dest.name, "stored": rep.stored, "duplicate": rep.duplicate,
-                            "superseded": rep.superseded, "side_files": rep.side, "bytes": rep.bytes,
-                            "rejected": rep.rejected, "offline": rep.offline, "new_epoch": rep.new_epoch,
-                            "seconds": round(rep.seconds, 3)})
+                write_json({"destination": dest.name, "stored": report.stored, "duplicate": report.duplicate,
+                            "superseded": report.superseded, "side_files": report.side, "bytes": report.bytes,
+                            "rejected": report.rejected, "offline": report.offline, "new_epoch": report.new_epoch,
+                            "seconds": round(report.seconds, 3)})
             elif not args.quiet:
-                print(f"{dest.name}: {rep.stored} file(s) and {rep.side} symbol table(s) or binaries stored "
-                      f"({rep.bytes / 1e6:.1f} MB), {rep.duplicate} already there, {rep.superseded} superseded, "
-                      f"{len(rep.rejected)} rejected in {rep.seconds:.2f} s"
-                      + (f"; began epoch {rep.new_epoch} to follow the destination" if rep.new_epoch else ""))
-            status = 1 if rep.rejected or rep.offline else 0
+                print(f"{dest.name}: {report.stored} file(s) and {report.side} symbol table(s) or binaries stored "
+                      f"({report.bytes / 1e6:.1f} MB), {report.duplicate} already there, "
+                      f"{report.superseded} superseded, "
+                      f"{len(report.rejected)} rejected in {report.seconds:.2f} s"
+                      + (f"; began epoch {report.new_epoch} to follow the destination" if report.new_epoch else ""))
+            status = 1 if report.rejected or report.offline else 0
             if args.every is None:
                 return status
             sys.stdout.flush()

@@ -72,30 +72,31 @@ class Values(Command):
         if args.top < 1:
             raise UsageError("--top must be at least 1")
         p, vs, modules = load_selection(args)
-        ps, sym = p.ps, p.sym
-        nh = vs.hotlists
-        hl = nh.hl
-        namer = Namer(ps, sym, nh.images)
-        keep = hl.total >= args.min_vtot
-        kind_ok = np.array([kind_matches(k, args.kind or None, args.call_sites) for k in nh.kinds], bool)
-        keep &= kind_ok[hl.keys["kind"]]
+        profile_set, sym = p.profile_set, p.sym
+        named = vs.hotlists
+        lists = named.lists
+        namer = Namer(profile_set, sym, named.images)
+        keep = lists.total >= args.min_vtot
+        kind_ok = np.array([kind_matches(k, args.kind or None, args.call_sites) for k in named.kinds], bool)
+        keep &= kind_ok[lists.keys["kind"]]
         from cyclescope.app.values import image_filter
 
-        allowed = image_filter(ps, list(args.image))
+        allowed = image_filter(profile_set, list(args.image))
         if allowed is not None:
-            img_ok = np.array([k in allowed for k in nh.images], bool)
-            keep &= img_ok[hl.keys["image"]]
+            img_ok = np.array([k in allowed for k in named.images], bool)
+            keep &= img_ok[lists.keys["image"]]
         title = "cyclescope values: "
         if args.procedure:
             from cyclescope.app.procedures import resolve_target
 
             target, _ = resolve_target(p, args.procedure, list(args.image))
-            img = nh.images.index(target.info.key) if target.info.key in nh.images else -1
-            keep &= (hl.keys["image"] == img) & (hl.keys["offset"] >= target.start) & (hl.keys["offset"] < target.end)
+            img = named.images.index(target.info.key) if target.info.key in named.images else -1
+            off = lists.keys["offset"]
+            keep &= (lists.keys["image"] == img) & (off >= target.start) & (off < target.end)
             title += f"{target.name} in {target.info.path}"
         else:
             title += "the hotlists whose top value was seen most"
-        rows = hot_rows(nh, modules, namer, args.top, keep)
+        rows = hot_rows(named, modules, namer, args.top, keep)
         for r in rows:
             r.where = namer.where(r.image, r.offset)
             d = namer.insn(r.image, r.offset)
@@ -109,14 +110,14 @@ class Values(Command):
                 rows = rows[: args.limit]
         if not rows:
             raise NotFoundError("no hotlist matches (try --kind, --min-vtot, or a procedure with samples)")
-        totals = {e: int(m.samples) for e, m in ps.events.items()}
-        rep = ValuesReport(rows, vs.meta, summarize(ps, totals), title, selection_notes(vs), args.top)
+        totals = {e: int(m.samples) for e, m in profile_set.events.items()}
+        report = ValuesReport(rows, vs.meta, summarize(profile_set, totals), title, selection_notes(vs), args.top)
         if args.json:
-            write_json(rep.to_json())
+            write_json(report.to_json())
         else:
             from cyclescope.report.values import values_table
 
-            write_table(values_table(rep))
+            write_table(values_table(report))
         return 0
 
 
@@ -157,10 +158,10 @@ class Invariants(Command):
         if not 0 <= args.min_share <= 100:
             raise UsageError("--min-share is a percentage")
         p, vs, modules = load_selection(args)
-        rep = invariants_report(p, vs, modules, list(args.image), args.min_prob, args.min_vtot, args.min_share / 100,
+        report = invariants_report(p, vs, modules, list(args.image), args.min_prob, args.min_vtot, args.min_share / 100,
                                 args.limit)
         if args.json:
-            write_json(rep.to_json())
+            write_json(report.to_json())
         else:
-            write_table(invariants_table(rep))
+            write_table(invariants_table(report))
         return 0

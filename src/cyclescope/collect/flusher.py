@@ -170,17 +170,17 @@ class Flusher:
         try:
             if self._dest is None:
                 self._dest = destination(dest, token)
-            rep = ship(self.db, self._dest, follow=True)
+            report = ship(self.db, self._dest, follow=True)
         except (Offline, CycleScopeError, OSError) as e:
             print(f"cyclescope daemon: shipping to {dest}: {e}", file=sys.stderr, flush=True)
             return
-        for r in rep.rejected:
+        for r in report.rejected:
             print(f"cyclescope daemon: rejected by {dest}: {r}", file=sys.stderr, flush=True)
-        if rep.offline and rep.offline != self.offline:
-            print(f"cyclescope daemon: shipping stopped: {rep.offline} (retried at the next flush)", file=sys.stderr,
+        if report.offline and report.offline != self.offline:
+            print(f"cyclescope daemon: shipping stopped: {report.offline} (retried at the next flush)", file=sys.stderr,
                   flush=True)
-        self.offline = rep.offline
-        self.shipped += rep.stored
+        self.offline = report.offline
+        self.shipped += report.stored
 
     @staticmethod
     def return_large_frees() -> None:

@@ -233,51 +233,51 @@ def open_profile(db: Database, sel: Selection, engine: Engine | None = None) -> 
         missing = set(sel.hosts) - hosts_seen
         if missing:
             raise NotFoundError(f"no samples from host(s) {', '.join(sorted(missing))} in the selected epoch(s)")
-    ps = ProfileSet(db, sel, epochs, segs, warnings=warnings, hosts=sorted(hosts_seen), engine=engine)
+    profile_set = ProfileSet(db, sel, epochs, segs, warnings=warnings, hosts=sorted(hosts_seen), engine=engine)
     if engine is not None:
-        ps.images = {k: ImageInfo.from_json(v) for k, v in images.items()}
+        profile_set.images = {k: ImageInfo.from_json(v) for k, v in images.items()}
     from cyclescope.db.segment import merge_clock
 
     weight = 0
     for s in segs:
         m = s.meta
-        ps.clock_ghz = merge_clock(ps.clock_ghz, weight, m.clock_ghz, m.total_samples)
+        profile_set.clock_ghz = merge_clock(profile_set.clock_ghz, weight, m.clock_ghz, m.total_samples)
         weight += m.total_samples
         for k, v in m.images.items():
-            if k not in ps.images:
-                ps.images[k] = ImageInfo.from_json(v)
+            if k not in profile_set.images:
+                profile_set.images[k] = ImageInfo.from_json(v)
         for k, ev in m.events.items():
-            if k in ps.events:
-                ps.events[k].merge(ev)
+            if k in profile_set.events:
+                profile_set.events[k].merge(ev)
             else:
-                ps.events[k] = EventMeta(**vars(ev))
-        ps.lost_records += m.lost_records
-        ps.lost_samples += m.lost_samples
+                profile_set.events[k] = EventMeta(**vars(ev))
+        profile_set.lost_records += m.lost_records
+        profile_set.lost_samples += m.lost_samples
         for k, n in m.unknown.items():
-            ps.unknown[k] = ps.unknown.get(k, 0) + n
-        if m.start_time and (not ps.start_time or m.start_time < ps.start_time):
-            ps.start_time = m.start_time
-        ps.end_time = max(ps.end_time, m.end_time)
+            profile_set.unknown[k] = profile_set.unknown.get(k, 0) + n
+        if m.start_time and (not profile_set.start_time or m.start_time < profile_set.start_time):
+            profile_set.start_time = m.start_time
+        profile_set.end_time = max(profile_set.end_time, m.end_time)
         for t in m.targets:
-            if t not in ps.targets:
-                ps.targets.append(t)
+            if t not in profile_set.targets:
+                profile_set.targets.append(t)
     if sel.events:
-        unknown_ev = [e for e in sel.events if e not in ps.events]
+        unknown_ev = [e for e in sel.events if e not in profile_set.events]
         if unknown_ev and segs:
             raise NotFoundError(
-                f"no samples of event(s) {', '.join(unknown_ev)}; recorded: {', '.join(ps.events) or 'none'}"
+                f"no samples of event(s) {', '.join(unknown_ev)}; recorded: {', '.join(profile_set.events) or 'none'}"
             )
-    return ps
+    return profile_set
 
 
-def match_images(ps: ProfileSet, patterns: Iterable[str]) -> list[str]:
+def match_images(profile_set: ProfileSet, patterns: Iterable[str]) -> list[str]:
     """Image keys whose key, path or file name equals a pattern (or whose path ends with it); a
     relative path naming an existing file (``./prog``) also matches that file's absolute path."""
     keys: list[str] = []
     for pat in patterns:
         full = os.path.abspath(pat) if "/" in pat and not pat.startswith("/") and os.path.exists(pat) else pat
         found = [
-            k for k, info in ps.images.items()
+            k for k, info in profile_set.images.items()
             if pat in (k, info.path, Path(info.path).name) or full == info.path
             or info.path.endswith("/" + pat.lstrip("/"))
             or (info.build_id and info.build_id.startswith(pat) and len(pat) >= 8)
@@ -302,14 +302,14 @@ def _connect() -> Any:
     return _CON
 
 
-def query_counts(ps: ProfileSet, by_process: bool = False, images: list[str] | None = None) -> pa.Table:
+def query_counts(profile_set: ProfileSet, by_process: bool = False, images: list[str] | None = None) -> pa.Table:
     """Summed counts per (image, event, offset[, process]) over the selection.
 
     The unfiltered result is computed once per ProfileSet; asking for some
     images then filters it instead of querying again.
     """
     if images is not None and not by_process:
-        full = query_counts(ps)
+        full = query_counts(profile_set)
         if full.num_rows == 0:
             return full
         import numpy as np
@@ -317,10 +317,10 @@ def query_counts(ps: ProfileSet, by_process: bool = False, images: list[str] | N
         col = np.asarray(full.column("image").to_numpy(zero_copy_only=False), dtype=object)
         return full.filter(pa.array(np.isin(col, np.array(images, dtype=object))))
     memo_key = (by_process, None)
-    if memo_key in ps.memo:
-        return ps.memo[memo_key]
-    result = _query_counts(ps, by_process, images)
-    ps.memo[memo_key] = result
+    if memo_key in profile_set.memo:
+        return profile_set.memo[memo_key]
+    result = _query_counts(profile_set, by_process, images)
+    profile_set.memo[memo_key] = result
     return result
 
 
@@ -351,29 +351,29 @@ def counts_sql(files: list[str], processes: list[str] | None, images: list[str] 
     return sql, params
 
 
-def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) -> pa.Table:
-    if not ps.segments:
+def _query_counts(profile_set: ProfileSet, by_process: bool, images: list[str] | None) -> pa.Table:
+    if not profile_set.segments:
         return _empty_counts(by_process)
-    sel = ps.selection
-    keys = images if images is not None else (match_images(ps, sel.images) if sel.images else None)
+    sel = profile_set.selection
+    keys = images if images is not None else (match_images(profile_set, sel.images) if sel.images else None)
     processes, events = list(sel.processes) or None, list(sel.events) or None
-    files = ps.files
+    files = profile_set.files
     last: Exception | None = None
     for attempt in range(4):
         try:
-            if ps.engine is not None:
-                t = ps.engine.counts(files, processes, keys, events, by_process)
+            if profile_set.engine is not None:
+                t = profile_set.engine.counts(files, processes, keys, events, by_process)
             else:
                 sql, params = counts_sql(files, processes, keys, events, by_process)
                 t = _connect().sql(sql, params=params).to_arrow_table()
-            return _weigh(ps, t)
+            return _weigh(profile_set, t)
         except Exception as e:  # duckdb raises its own IOException when compaction removed a file
             last = e
             text = str(e)
             if attempt < 3 and ("IO Error" in text or "No files found" in text or "No such file" in text):
                 # A compaction replaced files since the selection was listed: list it again.
                 time.sleep(0.05 * (attempt + 1))
-                files = open_profile(ps.db, ps.selection, ps.engine).files
+                files = open_profile(profile_set.db, profile_set.selection, profile_set.engine).files
                 if not files:
                     return _empty_counts(by_process)
                 continue
@@ -381,12 +381,12 @@ def _query_counts(ps: ProfileSet, by_process: bool, images: list[str] | None) ->
     raise DataError(f"query failed: {str(last).splitlines()[0] if last else 'unknown error'}") from None
 
 
-def _weigh(ps: ProfileSet, t: pa.Table) -> pa.Table:
+def _weigh(profile_set: ProfileSet, t: pa.Table) -> pa.Table:
     """Weighted counts: (sum of periods + plain samples * mean period) / mean period, per event."""
     import numpy as np
 
     events = t.column("event").to_pylist()
-    mean = {e: (m.mean_period or 1.0) for e, m in ps.events.items()}
+    mean = {e: (m.mean_period or 1.0) for e, m in profile_set.events.items()}
     p = np.array([mean.get(e, 1.0) for e in events], np.float64)
     w = np.nan_to_num(t.column("w").to_numpy(zero_copy_only=False).astype(np.float64))
     un = t.column("unweighted").to_numpy(zero_copy_only=False).astype(np.float64)

@@ -105,7 +105,7 @@ class ValuesMeta:
 class NamedHotlists:
     """A HotlistSet whose image and kind columns index the name lists."""
 
-    hl: HotlistSet
+    lists: HotlistSet
     images: list[str]
     kinds: list[str]
 
@@ -165,29 +165,29 @@ def uids(db: Database, epoch: int, host: str) -> list[int]:
     return sorted(out)
 
 
-def to_table(nh: NamedHotlists) -> pa.Table:
-    hl = nh.hl
-    k = hl.keys[hl.hot]
-    order = np.lexsort((-hl.counts, k["kind"], k["offset"], k["image"]))
+def to_table(named: NamedHotlists) -> pa.Table:
+    lists = named.lists
+    k = lists.keys[lists.hot]
+    order = np.lexsort((-lists.counts, k["kind"], k["offset"], k["image"]))
     k = k[order]
-    vals = hl.values[order]
+    vals = lists.values[order]
     vimg = vals["vimg"]
     # vimage: one dictionary shared with the images (index into nh.images), "" for none.
-    vnames = ["", *nh.images]
+    vnames = ["", *named.images]
 
     def dict_array(names: list[str], idx: np.ndarray) -> pa.DictionaryArray:
         return pa.DictionaryArray.from_arrays(pa.array(idx.astype(np.int32)), pa.array(names, pa.string()))
 
     return pa.table({
-        "image": dict_array(nh.images, k["image"]),
+        "image": dict_array(named.images, k["image"]),
         "offset": pa.array(k["offset"], pa.uint64()),
-        "kind": dict_array(nh.kinds, k["kind"]),
+        "kind": dict_array(named.kinds, k["kind"]),
         "v0": pa.array(vals["v0"], pa.uint64()),
         "v1": pa.array(vals["v1"], pa.uint64()),
         "vimage": dict_array(vnames, np.where(vimg >= 0, vimg + 1, 0)),
-        "count": pa.array(hl.counts[order].astype(np.uint64), pa.uint64()),
-        "p": pa.array(hl.p[hl.hot][order], pa.float64()),
-        "total": pa.array(hl.total[hl.hot][order], pa.uint64()),
+        "count": pa.array(lists.counts[order].astype(np.uint64), pa.uint64()),
+        "p": pa.array(lists.p[lists.hot][order], pa.float64()),
+        "total": pa.array(lists.total[lists.hot][order], pa.uint64()),
     }, schema=SCHEMA)
 
 
@@ -206,7 +206,7 @@ def _write_at(dirfd: int, name: str, table: pa.Table, meta: ValuesMeta) -> None:
         os.fsync(fd)
 
 
-def write_values(db: Database, epoch: int, host: str, nh: NamedHotlists, meta: ValuesMeta) -> Path:
+def write_values(db: Database, epoch: int, host: str, named: NamedHotlists, meta: ValuesMeta) -> Path:
     """One flush of one owner's hotlists, atomically."""
     with db.host_lock(epoch, host):
         d = values_dir(db, epoch, host, meta.uid)
@@ -215,7 +215,7 @@ def write_values(db: Database, epoch: int, host: str, nh: NamedHotlists, meta: V
         seq = max((s.last for s in existing), default=0) + 1
         meta.first = meta.last = seq
         meta.epoch = epoch
-        return _link(db, d, to_table(nh), meta, seq, seq)
+        return _link(db, d, to_table(named), meta, seq, seq)
 
 
 def _link(db: Database, d: Path, table: pa.Table, meta: ValuesMeta, first: int, last: int) -> Path:

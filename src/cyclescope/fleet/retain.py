@@ -234,14 +234,14 @@ def clean(db: Database, older_than_s: float = 600) -> int:
 
 def retain(db: Database, older_than_s: float, grain: str, max_bytes: int | None = None,
            progress: Callable[[str], None] | None = None, now: float | None = None) -> RetainReport:
-    rep = RetainReport()
-    rep.cleaned = clean(db)
-    rep.size_before = dir_size(db.root)
+    report = RetainReport()
+    report.cleaned = clean(db)
+    report.size_before = dir_size(db.root)
     for group in plan(db, older_than_s, grain, now):
         if progress is not None:
             progress(f"merging epochs {group[0]}-{group[-1]} ({len(group)}) into one {grain}")
         try:
-            rep.merged.append(merge_group(db, group, grain))
+            report.merged.append(merge_group(db, group, grain))
         except OSError as e:
             raise DataError(f"merging epochs {group}: {e}") from None
     if max_bytes is not None:
@@ -254,9 +254,9 @@ def retain(db: Database, older_than_s: float, grain: str, max_bytes: int | None 
             if progress is not None:
                 progress(f"dropping epoch {ep} (over the size budget)")
             _remove(db, db.epoch_dir(ep))
-            rep.dropped.append(ep)
-    rep.size_after = dir_size(db.root)
-    return rep
+            report.dropped.append(ep)
+    report.size_after = dir_size(db.root)
+    return report
 
 
 def parse_duration(text: str) -> float:

@@ -203,7 +203,7 @@ def ship(local: Database, dest: Destination, follow: bool = False,
     newer than this database's newest shared one, begin one here too, so that a daemon writing
     here files what it records next under the fleet's new epoch."""
     t0 = time.monotonic()
-    rep = ShipReport()
+    report = ShipReport()
     lpath = _ledger_path(local, dest)
     try:
         done: dict[str, str] = json.loads(lpath.read_text()).get("files", {})
@@ -227,35 +227,35 @@ def ship(local: Database, dest: Destination, follow: bool = False,
                 if src is None:
                     private = not st.st_mode & 0o004
                     result = dest.send_side(rel, path, private)
-                    rep.side += result == "stored"
+                    report.side += result == "stored"
                 else:
                     result = dest.send(src, rel, path)
                     result = result if result in ("duplicate", "superseded") else "stored"
-                    setattr(rep, result, getattr(rep, result) + 1)
-                rep.bytes += size if result == "stored" else 0
+                    setattr(report, result, getattr(report, result) + 1)
+                report.bytes += size if result == "stored" else 0
                 done[key] = result
             except FileNotFoundError:
-                rep.vanished += 1
+                report.vanished += 1
                 continue
             except DataError as e:
-                rep.rejected.append(str(e))
+                report.rejected.append(str(e))
                 done[key] = "rejected"
             dirty += 1
             if progress is not None:
-                progress(rep.sent + rep.side + len(rep.rejected), rel)
+                progress(report.sent + report.side + len(report.rejected), rel)
             if dirty >= 64:
                 save()
                 dirty = 0
         if follow:
-            rep.new_epoch = _follow(local, dest)
+            report.new_epoch = _follow(local, dest)
         # Forget what is gone here (compacted away): the ledger stays as large as the database.
         # Only after a whole listing: a pass cut short has not seen every file.
         done = {k: v for k, v in done.items() if k in present}
     except Offline as e:
-        rep.offline = str(e)
+        report.offline = str(e)
     save()
-    rep.seconds = time.monotonic() - t0
-    return rep
+    report.seconds = time.monotonic() - t0
+    return report
 
 
 def _follow(local: Database, dest: Destination) -> int | None:

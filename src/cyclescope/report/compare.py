@@ -90,29 +90,29 @@ def build_stats(event: str, sets: list[str], per_set: list[dict[Key, int]], norm
     return StatsReport(event, sets, totals, rows, normalize)
 
 
-def stats_table(rep: StatsReport, limit: int | None = None, min_share: float = 0.0) -> Table:
-    pre = [f"cyclescope stats: {rep.event} samples in {len(rep.sets)} sets"
-           + (" (normalized to equal totals)" if rep.normalized else "")]
-    pre.append("  ".join(f"{s} = {fmt_count(t)}" for s, t in zip(rep.sets, rep.set_totals, strict=True))
-               + f"  TOTAL {fmt_count(sum(rep.set_totals))}")
+def stats_table(report: StatsReport, limit: int | None = None, min_share: float = 0.0) -> Table:
+    pre = [f"cyclescope stats: {report.event} samples in {len(report.sets)} sets"
+           + (" (normalized to equal totals)" if report.normalized else "")]
+    pre.append("  ".join(f"{s} = {fmt_count(t)}" for s, t in zip(report.sets, report.set_totals, strict=True))
+               + f"  TOTAL {fmt_count(sum(report.set_totals))}")
     cols = [Col("range%"), Col("sum"), Col("sum%"), Col("N"), Col("mean"), Col("std-dev"), Col("min"), Col("max"),
             Col("disp"), Col("procedure", "left", style="cyan", wrap=True), Col("image", "left", wrap=True)]
     rows = []
     styles: list[str | None] = []
-    big = [r for r in rep.rows if r.share >= min_share]
+    big = [r for r in report.rows if r.share >= min_share]
     shown = big if limit is None else big[:limit]
     for r in shown:
         rows.append([fmt_pct(100 * r.range_share), f"{r.total:,.0f}", fmt_pct(100 * r.share), str(r.n),
                      f"{r.mean:,.2f}", f"{r.std:,.2f}", f"{r.lo:,.0f}", f"{r.hi:,.0f}", f"{r.dispersion:.1f}",
                      r.key[0], r.key[1]])
-        styles.append("bold red" if not rep.normalized and r.dispersion > 3 else None)
+        styles.append("bold red" if not report.normalized and r.dispersion > 3 else None)
     footer = []
     if len(shown) < len(big):
         footer.append(f"... {len(big) - len(shown)} more procedures (--limit 0 shows all)")
-    if len(big) < len(rep.rows):
-        footer.append(f"{len(rep.rows) - len(big)} procedures under {100 * min_share:g}% of the samples are not "
+    if len(big) < len(report.rows):
+        footer.append(f"{len(report.rows) - len(big)} procedures under {100 * min_share:g}% of the samples are not "
                       "shown (--min-percent 0 shows them)")
-    if not rep.normalized:
+    if not report.normalized:
         footer.append("disp = std-dev / sqrt(mean): about 1 when the differences are sampling noise; "
                       "above 3, the procedure's time really varies between sets")
     return Table(cols, rows, preamble=pre, footer=footer, row_styles=styles)
@@ -238,16 +238,17 @@ def build_diff(event: str, a_name: str, b_name: str, a: dict[Key, int], b: dict[
     return DiffReport(event, a_name, b_name, na, nb, alpha, min_change, rows, unit)
 
 
-def diff_table(rep: DiffReport, limit: int | None = None, all_rows: bool = False) -> Table:
-    pre = [f"cyclescope diff: {rep.event} samples, A = {rep.a_name} ({fmt_count(rep.a_total)}), "
-           f"B = {rep.b_name} ({fmt_count(rep.b_total)})",
-           f"flagged: {len(rep.flagged)} {rep.unit}s whose share changed by >= {100 * rep.min_change:.2g} points "
-           f"with FDR q < {rep.alpha:g} (two-proportion z-test, Benjamini-Hochberg)"]
+def diff_table(report: DiffReport, limit: int | None = None, all_rows: bool = False) -> Table:
+    pre = [f"cyclescope diff: {report.event} samples, A = {report.a_name} ({fmt_count(report.a_total)}), "
+           f"B = {report.b_name} ({fmt_count(report.b_total)})",
+           f"flagged: {len(report.flagged)} {report.unit}s whose share changed by >= "
+           f"{100 * report.min_change:.2g} points "
+           f"with FDR q < {report.alpha:g} (two-proportion z-test, Benjamini-Hochberg)"]
     cols = [Col("", "left"), Col("A"), Col("A%"), Col("B"), Col("B%"), Col("change", style="bold"), Col("ratio"),
-            Col("q"), Col(rep.unit, "left", style="cyan", wrap=True), Col("image", "left", wrap=True)]
+            Col("q"), Col(report.unit, "left", style="cyan", wrap=True), Col("image", "left", wrap=True)]
     rows: list[list[str]] = []
     styles: list[str | None] = []
-    src = rep.rows if all_rows else [r for r in rep.rows if r.significant]
+    src = report.rows if all_rows else [r for r in report.rows if r.significant]
     shown = src if limit is None else src[:limit]
     for r in shown:
         mark = ("+" if r.delta > 0 else "-") if r.significant else ""
@@ -259,5 +260,6 @@ def diff_table(rep: DiffReport, limit: int | None = None, all_rows: bool = False
     if len(shown) < len(src):
         footer.append(f"... {len(src) - len(shown)} more (--limit 0 shows all)")
     if not all_rows:
-        footer.append(f"{len(rep.rows) - len(rep.flagged)} {rep.unit}s did not change significantly (--all shows them)")
+        unchanged = len(report.rows) - len(report.flagged)
+        footer.append(f"{unchanged} {report.unit}s did not change significantly (--all shows them)")
     return Table(cols, rows, preamble=pre, footer=footer, row_styles=styles)

@@ -122,42 +122,42 @@ def build_prof(
     return ProfReport(events, [int(t) for t in totals], rows, by_image)
 
 
-def prof_table(rep: ProfReport, limit: int | None = None) -> Table:
+def prof_table(report: ProfReport, limit: int | None = None) -> Table:
     cols: list[Col] = []
-    for i, e in enumerate(rep.events):
+    for i, e in enumerate(report.events):
         cols.append(Col(e, style="bold" if i == 0 else None))
         cols.append(Col("%"))
         if i == 0:
             cols.append(Col("cum%", style="dim"))
-    if not rep.by_image:
+    if not report.by_image:
         cols.append(Col("procedure", align="left", style="cyan", wrap=True))
     cols.append(Col("image", align="left", wrap=True))
     rows: list[list[str]] = []
     cum = 0
-    shown = rep.rows if limit is None else rep.rows[:limit]
+    shown = report.rows if limit is None else report.rows[:limit]
     for r in shown:
         cells: list[str] = []
-        for i, (c, t) in enumerate(zip(r.counts, rep.totals, strict=True)):
+        for i, (c, t) in enumerate(zip(r.counts, report.totals, strict=True)):
             cells.append(fmt_count(c))
             cells.append(fmt_pct(100.0 * c / t) if t else "-")
             if i == 0:
                 cum += c
                 cells.append(fmt_pct(100.0 * cum / t) if t else "-")
-        if not rep.by_image:
+        if not report.by_image:
             cells.append(r.procedure)
         cells.append(r.image)
         rows.append(cells)
     footer = []
-    hidden = rep.rows[len(shown):]
+    hidden = report.rows[len(shown):]
     if hidden:
         share = sum(r.counts[0] for r in hidden)
-        t0 = rep.totals[0] if rep.totals else 0
-        what = "images" if rep.by_image else "procedures"
+        t0 = report.totals[0] if report.totals else 0
+        what = "images" if report.by_image else "procedures"
         footer.append(
-            f"... {len(hidden)} more {what} with {fmt_pct(100.0 * share / t0) if t0 else '0%'} of {rep.events[0]}"
+            f"... {len(hidden)} more {what} with {fmt_pct(100.0 * share / t0) if t0 else '0%'} of {report.events[0]}"
             " samples (--limit 0 shows all)"
         )
-    for _key, problem in sorted((rep.problems or {}).items()):
+    for _key, problem in sorted((report.problems or {}).items()):
         footer.append(f"note: {problem}")
-    pre = rep.summary.lines("prof --images" if rep.by_image else "prof") if rep.summary else []
+    pre = report.summary.lines("prof --images" if report.by_image else "prof") if report.summary else []
     return Table(cols, rows, preamble=pre, footer=footer)

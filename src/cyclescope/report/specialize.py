@@ -79,45 +79,45 @@ class SpecializeReport:
                                 "candidates": len(p.candidates), "kept": len(p.kept)} for p in self.procedures]}
 
 
-def counts_line(rep: SpecializeReport) -> str:
-    c = rep.counts
+def counts_line(report: SpecializeReport) -> str:
+    c = report.counts
     kept = 100.0 * c["kept"] / c["candidates"] if c["candidates"] else 0.0
-    return (f"{len(rep.procedures)} procedure(s), {fmt_count(c['instructions'])} instructions: "
+    return (f"{len(report.procedures)} procedure(s), {fmt_count(c['instructions'])} instructions: "
             f"{fmt_count(c['candidates'])} candidates (registers at their definitions and at entry, differences, "
             f"trip counts), {fmt_count(c['kept'])} kept by static elimination ({fmt_pct(kept, 1)}); "
             f"profiling every load's result would take {fmt_count(c['loads'])}")
 
 
-def specialize_table(rep: SpecializeReport) -> Table:
+def specialize_table(report: SpecializeReport) -> Table:
     cols = [Col("saves", style="bold"), Col("net", style="bold"), Col("benefit"), Col("address", style="dim"),
             Col("where", align="left"), Col("what", align="left", style="cyan"), Col("value", align="left",
                                                                                    style="magenta"),
             Col("prob"), Col("n"), Col("folds"), Col("source", align="left", style="green")]
-    p = rep.period_cycles
+    p = report.period_cycles
 
     def unit(x: float) -> str:
         return fmt_count(x * p) if p else fmt_count(x)
 
     rows = []
-    for o in rep.opportunities:
+    for o in report.opportunities:
         rows.append([fmt_pct(100 * o.share, 2), unit(o.net), unit(o.benefit), f"{o.address:x}", o.where,
                      f"{o.what} ({o.kind})", fmt_int(o.value),
                      f"{fmt_pct(100 * o.prob, 0)} (>={fmt_pct(100 * max(0.0, o.prob - 2 * o.se), 0)})",
                      fmt_count(o.observed) + ("*" if o.exact else ""), str(o.folded), o.source])
     pre = ["cyclescope specialize: where knowing a value pays for its test (goal-directed value profiling)",
-           counts_line(rep)]
-    if rep.unobserved:
-        pre.append(f"{rep.unobserved} kept candidate(s) had no values in this selection")
+           counts_line(report)]
+    if report.unobserved:
+        pre.append(f"{report.unobserved} kept candidate(s) had no values in this selection")
     cyc = "cycles" if p else "cycles/P (the clock was not measured)"
-    phi = fmt_pct(100 * rep.phi / rep.total, 2) if rep.total else "0"
+    phi = fmt_pct(100 * report.phi / report.total, 2) if report.total else "0"
     footer = [f"saves: net as a share of the selection's cycles; net: benefit x prob - test ({TEST_COST_ZERO:g} cycle "
               f"a compare and branch, 2 for a value beyond 32 bits) x executions of the point, in {cyc}; "
               f"benefit: what the value known on every execution would save (the instructions it folds, times "
               f"calc's counts of them, times their latency)",
               f"kept: rule (2), benefit >= test x executions + phi (phi: {phi} of the selection's cycles)"]
-    if any(o.exact for o in rep.opportunities):
+    if any(o.exact for o in report.opportunities):
         footer.append("n*: every execution of the point, captured by a probe (record --goal), not sampled")
-    footer += [f"note: {n}" for n in rep.notes]
-    if not rep.opportunities:
+    footer += [f"note: {n}" for n in report.notes]
+    if not report.opportunities:
         footer.insert(0, "no opportunity passes rule (1)")
     return Table(cols, rows, preamble=pre, footer=footer)

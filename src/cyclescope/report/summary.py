@@ -96,16 +96,18 @@ class Summary:
         }
 
 
-def summarize(ps: ProfileSet, totals: dict[str, int]) -> Summary:
-    evs = ps.event_names
+def summarize(profile_set: ProfileSet, totals: dict[str, int]) -> Summary:
+    evs = profile_set.event_names
     return Summary(
-        epochs=ps.epochs, hosts=ps.hosts, start_time=ps.start_time, end_time=ps.end_time, targets=ps.targets,
+        epochs=profile_set.epochs, hosts=profile_set.hosts, start_time=profile_set.start_time,
+        end_time=profile_set.end_time, targets=profile_set.targets,
         totals=totals,
-        recorded={e: ps.events[e].samples for e in evs},
-        mean_period={e: ps.events[e].mean_period for e in evs},
-        time_based={e: ps.events[e].time_based for e in evs},
-        running_fraction={e: ps.events[e].running_fraction for e in evs},
-        lost_records=ps.lost_records, lost_samples=ps.lost_samples,
-        throttles=sum(ps.events[e].throttles for e in evs),
-        unknown=sum(ps.unknown.values()), unknown_reasons=dict(ps.unknown), warnings=list(ps.warnings),
+        recorded={e: profile_set.events[e].samples for e in evs},
+        mean_period={e: profile_set.events[e].mean_period for e in evs},
+        time_based={e: profile_set.events[e].time_based for e in evs},
+        running_fraction={e: profile_set.events[e].running_fraction for e in evs},
+        lost_records=profile_set.lost_records, lost_samples=profile_set.lost_samples,
+        throttles=sum(profile_set.events[e].throttles for e in evs),
+        unknown=sum(profile_set.unknown.values()), unknown_reasons=dict(profile_set.unknown),
+        warnings=list(profile_set.warnings),
     )

@@ -54,14 +54,14 @@ class HotRow:
 class Namer:
     """'procedure+0x12' for (image key, offset), and instruction text from the binaries."""
 
-    def __init__(self, ps: ProfileSet, sym: Symbolizer, images: list[str]) -> None:
-        self.ps = ps
+    def __init__(self, profile_set: ProfileSet, sym: Symbolizer, images: list[str]) -> None:
+        self.profile_set = profile_set
         self.sym = sym
         self.images = images
         self._code: dict[str, tuple[str, Any] | None] = {}
 
     def info(self, key: str) -> ImageInfo | None:
-        return self.ps.images.get(key)
+        return self.profile_set.images.get(key)
 
     def where(self, key: str, off: int) -> str:
         info = self.info(key)
@@ -107,38 +107,38 @@ class Namer:
         return FormatContext(self.by_index)
 
 
-def hot_rows(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, top: int,
+def hot_rows(named: NamedHotlists, modules: list[ValueModule], namer: Namer, top: int,
              keep: np.ndarray | None = None) -> list[HotRow]:
     """A row per hotlist (those ``keep`` selects), values most frequent first."""
-    hl = nh.hl
-    if not len(hl):
+    lists = named.lists
+    if not len(lists):
         return []
     fctx = namer.fmt()
-    idx = np.flatnonzero(keep) if keep is not None else np.arange(len(hl))
-    order = np.argsort(hl.hot, kind="stable")
-    starts = np.searchsorted(hl.hot[order], idx, side="left")
-    ends = np.searchsorted(hl.hot[order], idx, side="right")
+    idx = np.flatnonzero(keep) if keep is not None else np.arange(len(lists))
+    order = np.argsort(lists.hot, kind="stable")
+    starts = np.searchsorted(lists.hot[order], idx, side="left")
+    ends = np.searchsorted(lists.hot[order], idx, side="right")
     out = []
     for i, a, b in zip(idx.tolist(), starts.tolist(), ends.tolist(), strict=True):
         rows = order[a:b]
-        k = hl.keys[i]
-        kind = nh.kinds[int(k["kind"])]
-        p = float(hl.p[i])
-        total = int(hl.total[i])
-        cnt = hl.counts[rows]
+        k = lists.keys[i]
+        kind = named.kinds[int(k["kind"])]
+        p = float(lists.p[i])
+        total = int(lists.total[i])
+        cnt = lists.counts[rows]
         rank = rows[np.argsort(-cnt, kind="stable")]
         vals = []
         for r in rank[:top].tolist():
-            v = hl.values[r]
+            v = lists.values[r]
             val = Value(int(v["v0"]), int(v["v1"]), int(v["vimg"]))
-            c = float(hl.counts[r])
+            c = float(lists.counts[r])
             est = c / p
             share = est / total if total else 0.0
             # A thinned hotlist's estimate can exceed the values seen (share > 1): its binomial term is 0,
             # not the square root of a negative number.
             se = ((c * (1 - p)) ** 0.5 / p / total + (max(0.0, share * (1 - share)) / total) ** 0.5) if total else 0.0
             vals.append(HotValue(format_value(modules, kind, val, fctx), share, est, val, se))
-        key = nh.images[int(k["image"])]
+        key = named.images[int(k["image"])]
         out.append(HotRow(key, int(k["offset"]), kind, total, p, len(rows), vals))
     return out
 
@@ -188,40 +188,40 @@ def capture_line(meta: ValuesMeta | None) -> str:
     return s + " · modules " + ",".join(meta.modules)
 
 
-def values_table(rep: ValuesReport) -> Table:
+def values_table(report: ValuesReport) -> Table:
     cols = [Col("address", style="dim"), Col("where", align="left"), Col("instruction", align="left"),
             Col("kind", align="left", style="cyan"), Col("vtot"), Col("thld"), Col("nv"),
             Col("hotlist", align="left", wrap=True, style="magenta")]
     rows = []
-    for r in rep.rows:
+    for r in report.rows:
         hot = "  ".join(f"{v.text} {fmt_pct(100 * v.share, 1)}" for v in r.values)
         if r.nv > len(r.values):
             hot += f"  (+{r.nv - len(r.values)})"
         rows.append([f"{r.offset:x}", r.where, r.insn, r.kind, fmt_count(r.vtot), f"{r.p:.3g}", str(r.nv), hot])
-    pre = [rep.title]
-    if rep.summary:
-        pre += rep.summary.lines("values")[1:]
-    pre.append(capture_line(rep.meta))
+    pre = [report.title]
+    if report.summary:
+        pre += report.summary.lines("values")[1:]
+    pre.append(capture_line(report.meta))
     footer = ["vtot: values seen · thld: probability a value entered the hotlist (Gibbons-Matias p) · nv: values "
-              "kept; shares are count/p/vtot"] + [f"note: {n}" for n in rep.notes]
+              "kept; shares are count/p/vtot"] + [f"note: {n}" for n in report.notes]
     return Table(cols, rows, preamble=pre, footer=footer)
 
 
 # --- value columns for list ------------------------------------------------------------------
 
 
-def listing_values(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, image_key: str, start: int,
+def listing_values(named: NamedHotlists, modules: list[ValueModule], namer: Namer, image_key: str, start: int,
                    end: int, kinds: list[str] | None) -> tuple[list[str], dict[int, list[str]]]:
     """Per instruction of [start, end) in ``image_key``: its most informative hotlist's top values."""
-    hl = nh.hl
-    if not len(hl) or image_key not in nh.images:
+    lists = named.lists
+    if not len(lists) or image_key not in named.images:
         return [], {}
-    img = nh.images.index(image_key)
-    k = hl.keys
+    img = named.images.index(image_key)
+    k = lists.keys
     sel = (k["image"] == img) & (k["offset"] >= start) & (k["offset"] < end)
-    kind_ok = np.array([kind_matches(n, kinds, False) and not n.startswith("ctx") for n in nh.kinds], bool)
+    kind_ok = np.array([kind_matches(n, kinds, False) and not n.startswith("ctx") for n in named.kinds], bool)
     sel &= kind_ok[k["kind"]] if len(kind_ok) else sel
-    rows = hot_rows(nh, modules, namer, 2, sel)
+    rows = hot_rows(named, modules, namer, 2, sel)
     best: dict[int, HotRow] = {}
     for r in rows:
         cur = best.get(r.offset)
@@ -303,34 +303,35 @@ def _slice_samples(insns: list[InsnDetail], counts: dict[int, int], at: int, reg
     return sum(counts.get(a, 0) for a in hit)
 
 
-def ctx_shares(nh: NamedHotlists, image_key: str, entry: int) -> dict[tuple[int, int], float]:
+def ctx_shares(named: NamedHotlists, image_key: str, entry: int) -> dict[tuple[int, int], float]:
     """P(call site) from the ctx hotlist at a procedure's entry: {(image index, offset): share}."""
-    hl = nh.hl
-    if "ctx" not in nh.kinds or image_key not in nh.images or not len(hl):
+    lists = named.lists
+    if "ctx" not in named.kinds or image_key not in named.images or not len(lists):
         return {}
-    k = hl.keys
-    hit = np.flatnonzero((k["image"] == nh.images.index(image_key)) & (k["offset"] == entry)
-                         & (k["kind"] == nh.kinds.index("ctx")))
+    k = lists.keys
+    hit = np.flatnonzero((k["image"] == named.images.index(image_key)) & (k["offset"] == entry)
+                         & (k["kind"] == named.kinds.index("ctx")))
     if not len(hit):
         return {}
     i = int(hit[0])
-    rows = np.flatnonzero(hl.hot == i)
-    total = float(hl.total[i]) or 1.0
-    return {(int(hl.values[r]["vimg"]), int(hl.values[r]["v0"])): float(hl.counts[r]) / float(hl.p[i]) / total
+    rows = np.flatnonzero(lists.hot == i)
+    total = float(lists.total[i]) or 1.0
+    values = lists.values
+    return {(int(values[r]["vimg"]), int(values[r]["v0"])): float(lists.counts[r]) / float(lists.p[i]) / total
             for r in rows.tolist()}
 
 
-def find_invariants(nh: NamedHotlists, modules: list[ValueModule], namer: Namer, ps: ProfileSet,
+def find_invariants(named: NamedHotlists, modules: list[ValueModule], namer: Namer, profile_set: ProfileSet,
                     min_prob: float, min_vtot: int, min_proc_share: float, limit: int) -> list[Invariant]:
     from cyclescope.images.disasm import read_code
     from cyclescope.images.dwarf import DwarfIndex, dwarf_source
 
-    hl = nh.hl
-    if not len(hl):
+    lists = named.lists
+    if not len(lists):
         return []
     # Flat samples (first event) per (image, offset) and per procedure.
-    t = query_counts(ps)
-    events = ps.event_names
+    t = query_counts(profile_set)
+    events = profile_set.event_names
     ev0 = events[0] if events else None
     per: dict[str, dict[int, int]] = {}
     grand = 0
@@ -343,10 +344,10 @@ def find_invariants(nh: NamedHotlists, modules: list[ValueModule], namer: Namer,
         d[int(off)] = d.get(int(off), 0) + int(c)
     if not grand:
         return []
-    kinds = nh.kinds
-    cand = np.array([not k.startswith(NOT_INVARIANT_KINDS) for k in kinds], bool)[hl.keys["kind"]]
-    cand &= hl.total >= min_vtot
-    rows = hot_rows(nh, modules, namer, 16, cand)
+    kinds = named.kinds
+    cand = np.array([not k.startswith(NOT_INVARIANT_KINDS) for k in kinds], bool)[lists.keys["kind"]]
+    cand &= lists.total >= min_vtot
+    rows = hot_rows(named, modules, namer, 16, cand)
     proc_cache: dict[tuple[str, int], tuple[float, list[InsnDetail], dict[int, int]]] = {}
     dwarf: dict[str, DwarfIndex | None] = {}
     out: list[Invariant] = []
@@ -388,7 +389,7 @@ def find_invariants(nh: NamedHotlists, modules: list[ValueModule], namer: Namer,
         if r.kind.endswith(PER_CALL_SITE):
             # Per call site: P(value | site) = est(value, site) / (vtot * P(site)), P(site) from the
             # procedure's ctx hotlist (the pairs kept in this hotlist alone would overstate it).
-            site_p = ctx_shares(nh, r.image, start)
+            site_p = ctx_shares(named, r.image, start)
             by_site: dict[tuple[int, int], list[HotValue]] = {}
             for v in r.values:
                 by_site.setdefault((v.value.image, v.value.v1), []).append(v)
@@ -449,28 +450,28 @@ def find_invariants(nh: NamedHotlists, modules: list[ValueModule], namer: Namer,
     return uniq[:limit] if limit else uniq
 
 
-def invariants_table(rep: InvariantsReport) -> Table:
+def invariants_table(report: InvariantsReport) -> Table:
     cols = [Col("save<=", style="bold"), Col("proc%"), Col("address", style="dim"), Col("where", align="left"),
             Col("kind", align="left", style="cyan"), Col("value", align="left", style="magenta"), Col("prob"),
             Col("vtot"), Col("call site", align="left"), Col("source", align="left", style="green"),
             Col("instruction", align="left", wrap=True)]
     rows = []
-    for x in rep.items:
+    for x in report.items:
         rows.append([fmt_pct(100 * x.save, 2), fmt_pct(100 * x.proc_share, 1), f"{x.offset:x}", x.where, x.kind,
                      x.value, f"{fmt_pct(100 * x.prob, 0)} (>={fmt_pct(100 * x.prob_low, 0)})", fmt_count(x.vtot),
                      x.call_site or "any", x.source, x.insn])
-    pre = ["cyclescope invariants: " + rep.criteria]
-    if rep.summary:
-        pre += rep.summary.lines("invariants")[1:]
-    pre.append(capture_line(rep.meta))
+    pre = ["cyclescope invariants: " + report.criteria]
+    if report.summary:
+        pre += report.summary.lines("invariants")[1:]
+    pre.append(capture_line(report.meta))
     footer = ["save<=: the top value's probability times the samples of the instructions that depend on it "
               "(a register slice of the procedure), as a share of all samples: what specializing for that value "
               "could remove at most",
               "prob: estimated probability of the top value (>= two standard errors below)",
               "`cyclescope specialize` weighs such values under an optimizer's cost model (what they fold, "
               "against the test) and can profile only the candidates that could pay (`record --goal`)"]
-    footer += [f"note: {n}" for n in rep.notes]
-    if not rep.items:
+    footer += [f"note: {n}" for n in report.notes]
+    if not report.items:
         footer.insert(0, "no instruction meets the criteria")
     return Table(cols, rows, preamble=pre, footer=footer)
 

@@ -206,13 +206,13 @@ class StepBatch:
             vres.append(vec or None)
         insns, group = _groups([s.insn for _, s in steps])
         e, he = _column([s.ea for _, s in steps])
-        ld, hl = _column([s.loaded for _, s in steps])
+        ld, lists = _column([s.loaded for _, s in steps])
         st, hs = _column([s.stored for _, s in steps])
         nx, hn = _column([s.next_pc for _, s in steps])
         cv0, cimg = _contexts([s.context for _, s in steps])
         return cls(np.array([r for r, _ in steps], np.int64), np.array([s.sampled for _, s in steps], bool),
                    np.array([s.pc for _, s in steps], _U64), group, insns, rin, rout, kin, kout,
-                   e, he, ld, hl, st, hs, nx, hn, cv0, cimg, vres)
+                   e, he, ld, lists, st, hs, nx, hn, cv0, cimg, vres)
 
     @classmethod
     def empty(cls) -> StepBatch:

@@ -200,24 +200,24 @@ class GoalModule(BaseModule):
 
         return fmt_int(value.v0)
 
-    def observe(self, nh: NamedHotlists) -> list[int]:
+    def observe(self, named: NamedHotlists) -> list[int]:
         """Adds a flush's ``goal:`` hotlists to the running tallies, then applies rule (3)."""
-        hl = nh.hl
-        for i in range(len(hl)):
-            kind = nh.kinds[int(hl.keys["kind"][i])]
+        lists = named.lists
+        for i in range(len(lists)):
+            kind = named.kinds[int(lists.keys["kind"][i])]
             if not kind.startswith((KIND, EXACT_KIND)):
                 continue
-            key = (nh.images[int(hl.keys["image"][i])], int(hl.keys["offset"][i]), kind.partition(":")[2])
+            key = (named.images[int(lists.keys["image"][i])], int(lists.keys["offset"][i]), kind.partition(":")[2])
             vals = self._values.setdefault(key, {})
-            rows = np.flatnonzero(hl.hot == i)
-            p = float(hl.p[i]) or 1.0
+            rows = np.flatnonzero(lists.hot == i)
+            p = float(lists.p[i]) or 1.0
             for r in rows.tolist():
-                v = int(hl.values[r]["v0"])
-                vals[v] = vals.get(v, 0.0) + float(hl.counts[r]) / p
+                v = int(lists.values[r]["v0"])
+                vals[v] = vals.get(v, 0.0) + float(lists.counts[r]) / p
             if len(vals) > 4 * MIN_VALUES:  # the running tally stays small: the rare values go to "other"
                 for v in sorted(vals, key=vals.__getitem__)[: len(vals) - MIN_VALUES]:
                     del vals[v]
-            self._n[key] = self._n.get(key, 0.0) + float(hl.total[i])
+            self._n[key] = self._n.get(key, 0.0) + float(lists.total[i])
         tops = {k: (max(v.values(), default=0.0), self._n[k]) for k, v in self._values.items()}
         return self.prune(tops)
 

@@ -113,7 +113,7 @@ class ValueProcessor:
                 self.capture.replan()  # candidates switched off: their captures stop
                 if self.probes is not None:
                     self.probes.drop(off, "closed: switched off by rule (3)")
-            if len(hotlists.hl) or vmeta.samples:
+            if len(hotlists.lists) or vmeta.samples:
                 out.append(write_values(db, epoch, host, hotlists, vmeta))
         self._since = now
         self.written += len(out)

@@ -377,10 +377,10 @@ def invariants_route(site: Site, request: Request) -> Any:
     sel = selection(q)
     p = site.profile(sel)
     vs, modules = open_values(p)
-    rep = invariants_report(p, vs, modules, list(sel.images), _float(q, "min_prob", 0.6, 0.01, 1),
+    report = invariants_report(p, vs, modules, list(sel.images), _float(q, "min_prob", 0.6, 0.01, 1),
                             _int(q, "min_vtot", 30, 1), _float(q, "min_share", 1.0, 0, 100) / 100,
                             _int(q, "limit", 50, 0))
-    return rep.to_json()
+    return report.to_json()
 
 
 def specialize_route(site: Site, request: Request) -> Any:
@@ -439,7 +439,7 @@ def download_route(site: Site, request: Request) -> Any:
     st = select_stacks(p, list(sel.images), list(sel.events))
     data = export_stacks(p, fmt, st)
     kind, ext = STACK_FORMATS[fmt]
-    eps = "-".join(map(str, p.ps.epochs[:1] + p.ps.epochs[-1:])) if p.ps.epochs else "none"
+    eps = "-".join(map(str, p.profile_set.epochs[:1] + p.profile_set.epochs[-1:])) if p.profile_set.epochs else "none"
     return Response(data, media_type=kind,
                     headers={"Content-Disposition": f'attachment; filename="cyclescope-{eps}.{ext}"'})
 
