@@ -120,7 +120,12 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
     assert div["vtot"] == rounds and mode["vtot"] == rounds
     top = {h["value"]: h["count"] for h in div["hotlist"]}
     assert top["16"] == div16 and {h["value"]: h["count"] for h in mode["hotlist"]}["2"] == mode2
-    report = json.loads(cs("specialize", "--db", str(second), "--json", timeout=300).stdout)
+    # --phi 0: whether an opportunity clears phi (0.1% of the run's cycles) rests on calc's count of the
+    # loop the value folds, and scaled's loop, 196.6M trips, was counted from 347K to 52M in 1-s
+    # recordings on a Xeon (the repair outvoted its one estimate from 383 samples with two of 0 from
+    # blocks the samples skid past): 1 recording in 20 left it under phi. What is tested here is that
+    # the report carries the probes' exact counts.
+    report = json.loads(cs("specialize", "--db", str(second), "--json", "--phi", "0", timeout=300).stdout)
     found = {(o["procedure"], o["what"]): o for o in report["opportunities"]}
     assert found[("bucket_sum", "rdx")]["exact"] and found[("bucket_sum", "rdx")]["prob"] == round(div16 / rounds, 6)
     assert found[("scaled", "rdx")]["value"] == 2 and found[("scaled", "rdx")]["observed"] == rounds
@@ -150,15 +155,13 @@ def test_probes_capture_every_execution_of_the_cheap_candidates(program: Path, t
     daemon = {(r["where"], r["kind"]): r for r in rows if r["kind"].startswith("exact:")}
     # Every hit is counted, or said lost (a ring that overflowed: a hot site whose rate the plan did
     # not know is probed at a whole CPU's budget, floods the rings until the police closes it at
-    # the next drain, and takes some of the cheap sites' hits with it). 8,917 of the 9,000 calls
-    # were counted once in seven runs of this file by hand, and 8,948 once in three fresh-clone CI
-    # runs; whether the daemon said it lost hits, the truncated message did not show. 27 other runs
-    # counted them all (the daemon's part alone 21 times, 13 of them beside busy loops). Until the
-    # cause is known, 1% more is let through, and the message says what the daemon saw.
+    # the next drain, and takes some of the cheap sites' hits with it). The probes' rings wake the
+    # daemon when half full: drained once a second, they overflowed here with the cheap sites
+    # alone (8,040-8,140 of the 9,000 calls counted, the loss only partly reported).
     exact_line = next((x for x in err.split("; ") if "exact:" in x), err)
     lost = int(m.group(1).replace(",", "")) if (m := re.search(r"([\d,]+) lost", exact_line)) else 0
     got = daemon[("bucket_sum", "exact:rdx")]["vtot"]
-    assert longer - lost - longer // 100 <= got <= longer, (got, exact_line)
+    assert longer - lost <= got <= longer, (got, exact_line)
     count16 = {h["value"]: h["count"] for h in daemon[("bucket_sum", "exact:rdx")]["hotlist"]}["16"]
     assert div16_longer - (longer - got) <= count16 <= div16_longer, (count16, div16_longer, got)
 

@@ -94,3 +94,32 @@ def test_an_exit_reaches_the_processors_after_the_samples_it_follows(tmp_path: P
     # the exec (before any sample of the new program), the samples, then the thread's exit
     assert log.events == [("forget", 5, 5), ("samples", (5, 6)), ("forget", 5, 6)]
     assert c.step() == 0 and log.events[-1] == ("forget", 5, 6)  # once
+
+
+def test_a_processors_own_ring_wakes_the_drain_loop(tmp_path: Path) -> None:
+    """Goal probes write every execution's hit to rings of their own: their wake-ups (a pipe here,
+    readable like a half-full ring) call for a drain, and one whose task is gone is polled once."""
+    import os
+    import time
+
+    session = _Session(b"")
+    session.fds = []  # type: ignore[attr-defined]
+    c = Collector(session, Database(tmp_path / "db"), CollectorConfig("h", processors=[_Log()]))  # type: ignore[arg-type]
+    r, w = os.pipe()
+    try:
+        t0 = time.monotonic()
+        assert not c._wait(0.05, (), (r,))  # nothing written: the timeout
+        assert time.monotonic() - t0 >= 0.04
+        os.write(w, b"x")
+        t0 = time.monotonic()
+        assert c._wait(5.0, (), (r,)) and time.monotonic() - t0 < 1.0
+        os.read(r, 1)
+        os.close(w)
+        w = -1
+        assert c._wait(5.0, (), (r,))  # hung up: drained once
+        t0 = time.monotonic()
+        assert not c._wait(0.05, (), (r,)) and time.monotonic() - t0 >= 0.04  # and not polled again
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)

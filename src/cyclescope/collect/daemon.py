@@ -293,7 +293,8 @@ class Collector:
             while not self._stop:
                 now = time.monotonic()
                 wake = min(next_rand, next_drain, next_flush, next_progress, deadline or next_flush)
-                ready = self._wait(max(0.0, wake - now), hooks.fds if hooks is not None else ())
+                drain_fds = tuple(fd for p in self.processors for fd in getattr(p, "wake_fds", tuple)())
+                ready = self._wait(max(0.0, wake - now), hooks.fds if hooks is not None else (), drain_fds)
                 now = time.monotonic()
                 if hooks is not None and hooks.tick is not None:
                     hooks.tick(now)
@@ -362,25 +363,33 @@ class Collector:
             return True
         return bool(self.python.mapped_interpreters(side))
 
-    def _wait(self, timeout: float, extra: tuple[int, ...] = ()) -> bool:
+    def _wait(self, timeout: float, extra: tuple[int, ...] = (), drain_fds: tuple[int, ...] = ()) -> bool:
         """Sleep until a ring is worth draining (True), a control request was served, an
-        ``extra`` descriptor is readable, or timeout."""
+        ``extra`` descriptor is readable, or timeout. ``drain_fds``: processors' own rings (the
+        goal probes'), each worth a drain when the kernel wakes us for it (half full)."""
         p = select.poll()
         for fd in self.session.fds:
             if fd not in self._hung_up:
                 p.register(fd, select.POLLIN)
         for fd in extra:
             p.register(fd, select.POLLIN)
+        for fd in drain_fds:
+            if fd not in self._hung_up:
+                p.register(fd, select.POLLIN)
         if self.control is not None:
             p.register(self.control.fileno(), select.POLLIN)
         try:
             events = p.poll(math.ceil(timeout * 1000))  # round up: a 0 ms timeout would spin
         except InterruptedError:
             return False
-        ring = hup = False
+        ring = hup = own = False
         for fd, ev in events:
             if self.control is not None and fd == self.control.fileno():
                 self._serve()
+            elif fd in drain_fds:
+                own = True
+                if ev & (select.POLLHUP | select.POLLERR):
+                    self._hung_up.add(fd)  # its task is gone: drained once, not polled again
             elif fd not in extra:
                 ring = True
                 if ev & (select.POLLHUP | select.POLLERR):
@@ -394,7 +403,7 @@ class Collector:
         # later) takes those samples instead. A hang-up or error is drained at once, and only
         # once: the event has nothing left to sample, and poll would report it again at once on
         # every call, a busy loop of empty drains until the command's exit is reaped.
-        return ring and (hup or self.session.fullest() >= WAKE_MIN_FILL)
+        return own or (ring and (hup or self.session.fullest() >= WAKE_MIN_FILL))
 
     def close(self) -> None:
         if self.bpf is not None:

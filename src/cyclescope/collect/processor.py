@@ -80,7 +80,8 @@ class Processor(Protocol):
     name: str  # its key in the daemon's status
     needs_regs: bool  # the session must sample the user registers
     # Optional, read with getattr by Collector.run: ``first_drain_s``, how soon the first drain
-    # should come for it (anchors: 0.25 s; otherwise the drain interval).
+    # should come for it (anchors: 0.25 s; otherwise the drain interval); ``wake_fds()``, the
+    # descriptors of rings of its own whose wake-ups (half full) call for a drain (goal probes).
 
     def bind(self, ctx: Context) -> None: ...
 

@@ -87,6 +87,14 @@ class ValueProcessor:
         if self.probes.police():
             self.capture.replan()
 
+    def wake_fds(self) -> tuple[int, ...]:
+        """The probes' rings, per CPU: a drain when one is half full. Their hits come at every
+        execution of the probed instructions, faster than drains once a second empty a 1 MiB
+        ring (about 18,000 hits): tests/system/test_specialize.py's daemon counted 8,040-8,140 of
+        9,000 calls made in 1.2 s with three sites probed, and the kernel reported only part of
+        the loss (a ring's lost count is written with its next record, and the rings went quiet)."""
+        return tuple(fd for fd, _ in self.probes.rings) if self.probes is not None else ()
+
     def forget(self, pid: int, tid: int) -> None:
         if self.capture is not None and pid == tid:  # a process's owner, name and memory go with it
             self._poll()  # its probes' hits first, while its owner is known
