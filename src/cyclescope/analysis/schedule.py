@@ -9,10 +9,11 @@ waits for, and the static analog of M_i is the gap between i's retirement
 and its predecessor's in a schedule without dynamic stalls.
 
 That schedule comes from llvm-mca (LLVM's machine-code analyzer, the newest
-installed, with the scheduling model of the host CPU: :func:`host_mcpu`): one invocation per procedure, each basic
-block a region, each region run for ITERATIONS iterations; M_i is the mean
-retire-cycle gap over the steady-state iterations. As DCPI did, a block is
-scheduled on its own (code before it is ignored).
+installed, with the scheduling model of the host CPU: :func:`host_mcpu`): one
+invocation per procedure, each basic block a region, each region run for
+ITERATIONS iterations; M_i is the mean retire-cycle gap over the steady-state
+iterations. As DCPI did, a block is scheduled on its own (code before it is
+ignored).
 
 Static stall reasons come from the same timeline: an instruction whose
 operands become ready after it was dispatched waits on a dependency (on the
