@@ -73,9 +73,10 @@ def invariants_report(p: Profile, vs: ValueSelection, modules: list[ValueModule]
 
     import numpy as np
 
+    from cyclescope.app.invariants import find_invariants
     from cyclescope.db.hotlist import HotlistSet
     from cyclescope.report.summary import summarize
-    from cyclescope.report.values import InvariantsReport, Namer, find_invariants, selection_notes
+    from cyclescope.report.values import InvariantsReport, Namer, selection_notes
 
     profile_set, sym = p.profile_set, p.sym
     named = vs.hotlists

@@ -1,5 +1,5 @@
 """Value reports: hotlists per instruction (the paper's Figure 1), value columns for `list`,
-and semi-invariant candidates (`invariants`)."""
+and the table of semi-invariant candidates (`invariants`; found by app/invariants.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import numpy as np
 
 from cyclescope.binaries.symbolize import Symbolizer
 from cyclescope.db.hotlist import PER_CALL_SITE
-from cyclescope.db.query import ProfileSet, query_counts
+from cyclescope.db.query import ProfileSet
 from cyclescope.db.values import NamedHotlists, ValueSelection, ValuesMeta
 from cyclescope.images.registry import ImageInfo
 from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
 from cyclescope.report.summary import Summary
 from cyclescope.values.api import FormatContext, Value, ValueModule
-from cyclescope.values.insn import REG_VIEWS, InsnDetail, decode
+from cyclescope.values.insn import InsnDetail, decode
 from cyclescope.values.modules import format_value
 
 NOT_INVARIANT_KINDS = ("ctx", "edge", "alias")  # what a program is, not values an optimizer folds
@@ -273,181 +273,6 @@ class InvariantsReport:
         return {"criteria": self.criteria, "capture": describe(self.meta),
                 "invariants": [i.to_json() for i in self.items], "notes": self.notes,
                 "summary": self.summary.to_json() if self.summary else None}
-
-
-def _slice_samples(insns: list[InsnDetail], counts: dict[int, int], at: int, regs: set[str],
-                   include_self: bool) -> int:
-    """Samples on the instructions that depend, through registers, on ``regs`` as they are at ``at``.
-
-    A forward slice over the procedure in address order, from ``at`` to the end and around once
-    more (loops), ignoring memory: an upper-bound guide to what constant-folding the value could
-    touch, not an exact dataflow analysis.
-    """
-    pos = {d.address: i for i, d in enumerate(insns)}
-    i0 = pos.get(at)
-    if i0 is None:
-        return counts.get(at, 0)
-    tainted = set(regs)
-    hit: set[int] = set()
-    n = len(insns)
-    for step in range(2 * n):
-        d = insns[(i0 + step) % n]
-        uses = {r.full for r in d.reads}
-        if (step == 0 and include_self) or (uses & tainted):
-            hit.add(d.address)
-            tainted |= {r.full for r in d.writes}
-        elif step > 0:
-            tainted -= {r.full for r in d.writes}
-        if not tainted:
-            break
-    return sum(counts.get(a, 0) for a in hit)
-
-
-def ctx_shares(named: NamedHotlists, image_key: str, entry: int) -> dict[tuple[int, int], float]:
-    """P(call site) from the ctx hotlist at a procedure's entry: {(image index, offset): share}."""
-    lists = named.lists
-    if "ctx" not in named.kinds or image_key not in named.images or not len(lists):
-        return {}
-    k = lists.keys
-    hit = np.flatnonzero((k["image"] == named.images.index(image_key)) & (k["offset"] == entry)
-                         & (k["kind"] == named.kinds.index("ctx")))
-    if not len(hit):
-        return {}
-    i = int(hit[0])
-    rows = np.flatnonzero(lists.hot == i)
-    total = float(lists.total[i]) or 1.0
-    values = lists.values
-    return {(int(values[r]["vimg"]), int(values[r]["v0"])): float(lists.counts[r]) / float(lists.p[i]) / total
-            for r in rows.tolist()}
-
-
-def find_invariants(named: NamedHotlists, modules: list[ValueModule], namer: Namer, profile_set: ProfileSet,
-                    min_prob: float, min_vtot: int, min_proc_share: float, limit: int) -> list[Invariant]:
-    from cyclescope.images.disasm import read_code
-    from cyclescope.images.dwarf import DwarfIndex, dwarf_source
-
-    lists = named.lists
-    if not len(lists):
-        return []
-    # Flat samples (first event) per (image, offset) and per procedure.
-    t = query_counts(profile_set)
-    events = profile_set.event_names
-    ev0 = events[0] if events else None
-    per: dict[str, dict[int, int]] = {}
-    grand = 0
-    for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
-                               t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
-        if ev != ev0:
-            continue
-        grand += int(c)
-        d = per.setdefault(img, {})
-        d[int(off)] = d.get(int(off), 0) + int(c)
-    if not grand:
-        return []
-    kinds = named.kinds
-    cand = np.array([not k.startswith(NOT_INVARIANT_KINDS) for k in kinds], bool)[lists.keys["kind"]]
-    cand &= lists.total >= min_vtot
-    rows = hot_rows(named, modules, namer, 16, cand)
-    proc_cache: dict[tuple[str, int], tuple[float, list[InsnDetail], dict[int, int]]] = {}
-    dwarf: dict[str, DwarfIndex | None] = {}
-    out: list[Invariant] = []
-    for r in rows:
-        info = namer.info(r.image)
-        if info is None or not r.values:
-            continue
-        table = namer.sym.table(info)
-        i = int(table.lookup(np.array([r.offset], np.uint64))[0]) if len(table) else -1
-        if i < 0:
-            continue
-        start, end = int(table.starts[i]), int(table.ends[i])
-        counts = per.get(r.image, {})
-        pk = (r.image, start)
-        if pk not in proc_cache:
-            share = sum(c for o, c in counts.items() if start <= o < end) / grand
-            insns: list[InsnDetail] = []
-            b = namer.sym.binary(info)
-            if b.path and end - start <= 1 << 18:
-                try:
-                    code = read_code(b.path, start, end)
-                except Exception:
-                    code = b""
-                a = start
-                while a < end and code:
-                    ins = decode(code[a - start : a - start + 16], a)
-                    if ins is None:
-                        break
-                    insns.append(ins)
-                    a += ins.size
-            proc_cache[pk] = (share, insns, {o: c for o, c in counts.items() if start <= o < end})
-        share, insns, pcounts = proc_cache[pk]
-        if share < min_proc_share:
-            continue
-        me = next((d for d in insns if d.address == r.offset), None)
-        if me is not None and me.mem is None and not me.reads and r.kind.startswith("out:"):
-            continue  # an immediate move: constant by construction, nothing to learn
-        groups: list[tuple[str, list[HotValue], float, float]] = []  # (site, top, values, site share)
-        if r.kind.endswith(PER_CALL_SITE):
-            # Per call site: P(value | site) = est(value, site) / (vtot * P(site)), P(site) from the
-            # procedure's ctx hotlist (the pairs kept in this hotlist alone would overstate it).
-            site_p = ctx_shares(named, r.image, start)
-            by_site: dict[tuple[int, int], list[HotValue]] = {}
-            for v in r.values:
-                by_site.setdefault((v.value.image, v.value.v1), []).append(v)
-            for (simg, soff), vs in by_site.items():
-                ps_ = site_p.get((simg, soff))
-                site_total = r.vtot * ps_ if ps_ else sum(v.count for v in vs)
-                if site_total < min_vtot / 2:
-                    continue
-                top = max(vs, key=lambda v: v.count)
-                prob = min(1.0, top.count / site_total)
-                se = top.se * (r.vtot / site_total) if site_total else 1.0
-                groups.append((namer.by_index(simg, soff), [HotValue(top.text.split(" from ")[0], prob, top.count,
-                                                                     top.value, se)], site_total,
-                               site_total / r.vtot if r.vtot else 0.0))
-        else:
-            groups.append(("", r.values[:1], float(r.vtot), 1.0))
-        for site, vs, _n, site_share in groups:
-            top = vs[0]
-            if top.share < min_prob:
-                continue
-            base = r.kind.split(":", 1)[-1].split("@", 1)[0]
-            view = REG_VIEWS.get(base)
-            regs = {view.full} if view is not None else set()
-            if (r.kind.startswith(("load", "out:")) or r.kind == "addr") and me is not None:
-                regs = {w.full for w in me.writes}
-            save = site_share * top.share * _slice_samples(insns, pcounts, r.offset, regs, True) / grand
-            src = ""
-            if r.image not in dwarf:
-                b = namer.sym.binary(info)
-                path = dwarf_source(b.path, info.key) if b.path else None
-                dwarf[r.image] = DwarfIndex(path, info.key) if path else None
-            dwarf_index = dwarf[r.image]
-            if dwarf_index is not None:
-                pos = dwarf_index.positions(np.array([r.offset], np.uint64))[0]
-                if pos is not None:
-                    src = f"{os.path.basename(pos.file)}:{pos.line}"
-            here = namer.insn(r.image, r.offset)
-            out.append(Invariant(r.image, r.offset, namer.where(r.image, r.offset), here.text if here else "", r.kind,
-                                 top.text, top.share, max(0.0, top.share - 2 * top.se), r.vtot, share, save, src,
-                                 site))
-    for dwarf_index in dwarf.values():
-        if dwarf_index is not None:
-            dwarf_index.close()
-    # A call-site row that says no more than the row for all sites (one caller) is dropped.
-    overall = {(x.image, x.offset, x.kind.split("@")[0], x.value): x.prob for x in out if not x.call_site}
-    out = [x for x in out if not x.call_site
-           or x.prob_low > overall.get((x.image, x.offset, x.kind.split("@")[0], x.value), 0.0)]
-    out.sort(key=lambda x: (-x.save, -x.prob))
-    # The same instruction and value through several kinds (rdi in, and per call site): keep the best.
-    seen: set[tuple[str, int, str, str]] = set()
-    uniq = []
-    for x in out:
-        k = (x.image, x.offset, x.value, x.call_site)
-        if k in seen:
-            continue
-        seen.add(k)
-        uniq.append(x)
-    return uniq[:limit] if limit else uniq
 
 
 def invariants_table(report: InvariantsReport) -> Table:
