@@ -210,6 +210,24 @@ class Probes:
         self.kernel.close_fd(fd)
 
 
+@dataclass
+class _Tick:
+    """What one scheduling step's anchors share: when the first step was, the hard cap on traps,
+    what they spent so far, each anchor's part of the budget (by id), and how soon the next step is
+    needed."""
+
+    anchors: list[Anchor]
+    started: int  # the clock's time of the first tick (ns)
+    cap: float
+    spent: float
+    parts: dict[int, float]
+    wait: float = IDLE_S
+
+    def costly(self, b: Anchor) -> bool:
+        """Counted in short windows, one at a time (AnchorSet._waiting)."""
+        return b.rate is None or b.share(self.parts[id(b)]) < 1.0
+
+
 class AnchorSet:
     """Chooses anchors, opens and closes their windows (``tick``, from a thread) and matches the
     samples of each drain to the windows (``add``)."""
@@ -303,129 +321,130 @@ class AnchorSet:
         # the time since the first tick, plus ALLOWANCE. The shares below keep each anchor's windows
         # within its part when its rate holds; where it does not (system-wide, a function's rate
         # swings as processes come and go), no window opens until time has paid for the overrun.
-        cap = self.budget * (now - self.started) / 1e9 + ALLOWANCE
-        spent = sum(a.cost_s for a in anchors)
-        parts = allocate(self.budget, anchors)
-
-        def costly(b: Anchor) -> bool:  # counted in short windows, one at a time (below)
-            return b.rate is None or b.share(parts[id(b)]) < 1.0
-
-        wait = IDLE_S
+        t = _Tick(anchors, self.started, cap=self.budget * (now - self.started) / 1e9 + ALLOWANCE,
+                  spent=sum(a.cost_s for a in anchors), parts=allocate(self.budget, anchors))
         for a in sorted(anchors, key=lambda a: a.rate is not None):  # first windows first: they measure the rates
-            share = a.share(parts[id(a)])
             if a.window is not None:
-                # Read at every step, so that the cap can end a window early: where a rate swings, a
-                # window of WINDOW_S could cost many times what its share allowed.
-                hits = self._read(a)
-                now = self.clock()
-                w = a.window
-                with self.lock:
-                    w.hits += hits
-                    a.cost_s += hits * HIT_COST_S
-                spent += hits * HIT_COST_S
-                over = spent >= cap
-                span = now - w.start
-                since = (now - (w.read_at or w.start)) / 1e9
-                w.read_at = now
-                steady = a.rate is not None and hits <= 2 * a.rate * since + 10
-                if a.rate is not None and not w.probe and span >= 1e9:
-                    a.rate = w.hits / (span / 1e9)  # a long window's own rate, as it goes
-                share = a.share(parts[id(a)])
-                if a.rate is not None and not over and (
-                        (share < 1.0 and span < w.length * 1e9)  # a costly anchor's window lasts its length
-                        or (share >= 1.0 and self._tids(a, now) == w.tids)):  # a cheap one's goes on
-                    step = CHECK_S if steady else TICK_S
-                    if share < 1.0:
-                        step = min(step, w.length - span / 1e9)
-                    wait = min(wait, step)
-                    continue
-                # The time it registered and did not count comes back: the first window, which
-                # measures the rate, lasts a step but registered as a whole one (before this, an
-                # anchor of 500,000 entries a second never paid it back within a minute), and so
-                # does one the cap ends early.
-                a.credit += max(0.0, w.length - span / 1e9)
-                with self.lock:
-                    w.end = now
-                    a.window = None
-                    if not w.probe:
-                        _tally(a, w, now)
-                    if span >= 1_000_000 and (a.rate is None or span < 1e9):
-                        rate = w.hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
-                        first_rate = a.rate is None
-                        a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
-                        if first_rate:
-                            # Its share of the time since the recording began, now that the share
-                            # is known: the budget accrues from the start, as the cap's does. An
-                            # anchor placed at the first drain (then a second in) otherwise waited a
-                            # third of a second for its next window, past the end of a program of
-                            # 1.3 s (difference.c's mix: 6 entries seen, and the model's count).
-                            part = min(parts[id(a)], 1.25 * a.rate * HIT_COST_S)
-                            a.credit = min(a.credit + a.share(part) * (now - self.started) / 1e9, MAX_CREDIT_S)
-                self._retire(a)
-                wait = min(wait, TICK_S)  # the next window may open at once (a cheap anchor's)
+                self._counting(a, a.window, t)
             else:
-                # A token bucket: the anchor earns its share of the time, and a window (with the
-                # probes' close) spends what it registers; windows open once it is paid for, at a
-                # random step among the next few, so that they spread over the run (a short run gets
-                # its share too) without keeping step with a program's own period.
-                now = self.clock()
-                if a.rate is not None:  # no credit before the rate is known (it would pay for seconds of windows)
-                    a.credit = min(a.credit + share * (now - (a.last_tick or now)) / 1e9, MAX_CREDIT_S)
-                a.last_tick = now
-                # A window traps until it ends (the ticker wakes for it), then while its fds close
-                # one after another.
-                nfds = len(self._tids(a, now) or ()) if self.per_task else len(self.cpus)
-                closing = CLOSE_S * max(0, nfds - 1)
-                length = window_length(share, nfds)
-                registered = length + WINDOW_SLACK_S + closing
-                if share < 1.0 and a.credit < registered and a.total_windows <= 1:
-                    # Its first window that counts: now, as long as the credit pays for (at least
-                    # MIN_WINDOW_S), not a whole one later: a program of under a second ended
-                    # before that (difference.c's mix: placed at 0.25 s, a window of 0.2 s paid
-                    # for at 0.7 s; the count rested on the first window's 13 entries).
-                    short = a.credit - WINDOW_SLACK_S - closing
-                    if short >= max(MIN_WINDOW_S, closing):
-                        length, registered = short, a.credit
-                if spent >= cap:  # nothing opens until the time since the start has paid for the traps
-                    wait = min(wait, max(TICK_S, (spent - ALLOWANCE) / self.budget - (now - self.started) / 1e9))
-                    continue
-                if share < 1.0 and a.credit < registered:
-                    wait = min(wait, max(TICK_S, (registered - a.credit) / share))
-                    continue
-                if costly(a) and (self.closes or any(b.window is not None and costly(b) for b in anchors)):
-                    # One costly window at a time, opened once the last one's probes have closed:
-                    # closes serialize (CLOSE_S each), and a probe waiting for its close traps at
-                    # its full rate (xz's first windows, ended together: 0.41 s of traps in 18 s,
-                    # nearly all of it while their closes waited in line).
-                    wait = min(wait, TICK_S)
-                    continue
-                if share < 1.0 and self.rng.random() >= 0.5:
-                    wait = min(wait, TICK_S)
-                    continue
-                tids = self._tids(a, self.clock())
-                if tids is not None and not tids:
-                    wait = min(wait, CHECK_S)  # no thread ran it lately: new samples will name some
-                    continue
-                a.credit -= registered
-                # System-wide, an entry never counted may run millions of times a second in every
-                # process (a libc function): the first window probes its rate on one CPU only, and
-                # counts nothing (its samples on other CPUs are not matched).
-                probe = not self.per_task and a.rate is None and len(self.cpus) > 1
-                if self._open(a, tids, self.cpus[:1] if probe else self.cpus):
-                    with self.lock:
-                        a.window = Window(self.clock(), None, tids, probe, length=length)
-                        if not probe:
-                            a.windows.append(a.window)
-                            a.nwindows += 1
-                            a.total_windows += 1
-                    wait = min(wait, FIRST_WINDOW_S if a.rate is None else min(length, CHECK_S) if share < 1.0
-                               else CHECK_S)
+                self._waiting(a, t)
             with self.lock:
                 horizon = self.clock() - KEEP_NS
                 while a.windows and a.windows[0].end is not None and a.windows[0].end < horizon:
                     a.windows.popleft()
         first = any(a.window is not None and a.rate is None for a in anchors)  # one measuring its rate
-        return max(FIRST_WINDOW_S if first else TICK_S, wait)
+        return max(FIRST_WINDOW_S if first else TICK_S, t.wait)
+
+    def _counting(self, a: Anchor, w: Window, t: _Tick) -> None:
+        """A tick for an anchor whose window ``w`` is open: read it, and end it or let it go on."""
+        # Read at every step, so that the cap can end a window early: where a rate swings, a
+        # window of WINDOW_S could cost many times what its share allowed.
+        hits = self._read(a)
+        now = self.clock()
+        with self.lock:
+            w.hits += hits
+            a.cost_s += hits * HIT_COST_S
+        t.spent += hits * HIT_COST_S
+        over = t.spent >= t.cap
+        span = now - w.start
+        since = (now - (w.read_at or w.start)) / 1e9
+        w.read_at = now
+        steady = a.rate is not None and hits <= 2 * a.rate * since + 10
+        if a.rate is not None and not w.probe and span >= 1e9:
+            a.rate = w.hits / (span / 1e9)  # a long window's own rate, as it goes
+        share = a.share(t.parts[id(a)])
+        if a.rate is not None and not over and (
+                (share < 1.0 and span < w.length * 1e9)  # a costly anchor's window lasts its length
+                or (share >= 1.0 and self._tids(a, now) == w.tids)):  # a cheap one's goes on
+            step = CHECK_S if steady else TICK_S
+            if share < 1.0:
+                step = min(step, w.length - span / 1e9)
+            t.wait = min(t.wait, step)
+            return
+        # The time it registered and did not count comes back: the first window, which
+        # measures the rate, lasts a step but registered as a whole one (before this, an
+        # anchor of 500,000 entries a second never paid it back within a minute), and so
+        # does one the cap ends early.
+        a.credit += max(0.0, w.length - span / 1e9)
+        with self.lock:
+            w.end = now
+            a.window = None
+            if not w.probe:
+                _tally(a, w, now)
+            if span >= 1_000_000 and (a.rate is None or span < 1e9):
+                rate = w.hits / (span / 1e9) * (len(self.cpus) if w.probe else 1)
+                first_rate = a.rate is None
+                a.rate = rate if a.rate is None else 0.5 * (a.rate + rate)
+                if first_rate:
+                    # Its share of the time since the recording began, now that the share
+                    # is known: the budget accrues from the start, as the cap's does. An
+                    # anchor placed at the first drain (then a second in) otherwise waited a
+                    # third of a second for its next window, past the end of a program of
+                    # 1.3 s (difference.c's mix: 6 entries seen, and the model's count).
+                    part = min(t.parts[id(a)], 1.25 * a.rate * HIT_COST_S)
+                    a.credit = min(a.credit + a.share(part) * (now - t.started) / 1e9, MAX_CREDIT_S)
+        self._retire(a)
+        t.wait = min(t.wait, TICK_S)  # the next window may open at once (a cheap anchor's)
+
+    def _waiting(self, a: Anchor, t: _Tick) -> None:
+        """A tick for an anchor with no window open: earn credit, and open one when it is paid for."""
+        share = a.share(t.parts[id(a)])
+        # A token bucket: the anchor earns its share of the time, and a window (with the
+        # probes' close) spends what it registers; windows open once it is paid for, at a
+        # random step among the next few, so that they spread over the run (a short run gets
+        # its share too) without keeping step with a program's own period.
+        now = self.clock()
+        if a.rate is not None:  # no credit before the rate is known (it would pay for seconds of windows)
+            a.credit = min(a.credit + share * (now - (a.last_tick or now)) / 1e9, MAX_CREDIT_S)
+        a.last_tick = now
+        # A window traps until it ends (the ticker wakes for it), then while its fds close
+        # one after another.
+        nfds = len(self._tids(a, now) or ()) if self.per_task else len(self.cpus)
+        closing = CLOSE_S * max(0, nfds - 1)
+        length = window_length(share, nfds)
+        registered = length + WINDOW_SLACK_S + closing
+        if share < 1.0 and a.credit < registered and a.total_windows <= 1:
+            # Its first window that counts: now, as long as the credit pays for (at least
+            # MIN_WINDOW_S), not a whole one later: a program of under a second ended
+            # before that (difference.c's mix: placed at 0.25 s, a window of 0.2 s paid
+            # for at 0.7 s; the count rested on the first window's 13 entries).
+            short = a.credit - WINDOW_SLACK_S - closing
+            if short >= max(MIN_WINDOW_S, closing):
+                length, registered = short, a.credit
+        if t.spent >= t.cap:  # nothing opens until the time since the start has paid for the traps
+            t.wait = min(t.wait, max(TICK_S, (t.spent - ALLOWANCE) / self.budget - (now - t.started) / 1e9))
+            return
+        if share < 1.0 and a.credit < registered:
+            t.wait = min(t.wait, max(TICK_S, (registered - a.credit) / share))
+            return
+        if t.costly(a) and (self.closes or any(b.window is not None and t.costly(b) for b in t.anchors)):
+            # One costly window at a time, opened once the last one's probes have closed:
+            # closes serialize (CLOSE_S each), and a probe waiting for its close traps at
+            # its full rate (xz's first windows, ended together: 0.41 s of traps in 18 s,
+            # nearly all of it while their closes waited in line).
+            t.wait = min(t.wait, TICK_S)
+            return
+        if share < 1.0 and self.rng.random() >= 0.5:
+            t.wait = min(t.wait, TICK_S)
+            return
+        tids = self._tids(a, self.clock())
+        if tids is not None and not tids:
+            t.wait = min(t.wait, CHECK_S)  # no thread ran it lately: new samples will name some
+            return
+        a.credit -= registered
+        # System-wide, an entry never counted may run millions of times a second in every
+        # process (a libc function): the first window probes its rate on one CPU only, and
+        # counts nothing (its samples on other CPUs are not matched).
+        probe = not self.per_task and a.rate is None and len(self.cpus) > 1
+        if self._open(a, tids, self.cpus[:1] if probe else self.cpus):
+            with self.lock:
+                a.window = Window(self.clock(), None, tids, probe, length=length)
+                if not probe:
+                    a.windows.append(a.window)
+                    a.nwindows += 1
+                    a.total_windows += 1
+            t.wait = min(t.wait, FIRST_WINDOW_S if a.rate is None else min(length, CHECK_S) if share < 1.0
+                       else CHECK_S)
 
     def _retire(self, a: Anchor) -> None:
         fds = dict(a.fds)
