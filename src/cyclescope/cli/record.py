@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, register, stderr_tty
 from cyclescope.cli.sampling import (
@@ -26,6 +27,11 @@ from cyclescope.cli.sampling import (
     value_options,
 )
 from cyclescope.errors import CycleScopeError, UsageError
+
+if TYPE_CHECKING:
+    from cyclescope.collect.daemon import Collector, RunTotals
+    from cyclescope.collect.session import Command as CommandTarget
+    from cyclescope.collect.session import Processes, SystemWide
 
 DEFAULT_RECORD_HZ = 5000.0
 
@@ -67,9 +73,9 @@ class Record(Command):
                        help="the command to run and sample")
 
     def run(self, args: argparse.Namespace) -> int:
-        from cyclescope.collect.daemon import Collector, CollectorConfig, child_done, processes_gone
+        from cyclescope.collect.daemon import Collector, CollectorConfig, child_done
         from cyclescope.collect.session import Command as CommandTarget
-        from cyclescope.collect.session import Processes, SystemWide, online_cpus
+        from cyclescope.collect.session import SystemWide, online_cpus
 
         cmd = list(args.command)
         if cmd and cmd[0] == "--":
@@ -77,34 +83,9 @@ class Record(Command):
         if args.values == "list":
             return list_value_modules()
         value_opts = value_options(args)
-        if args.exact and (not cmd or args.pid or args.all_cpus):
-            raise UsageError("--exact needs a command (and neither -p nor -a)")
-        if args.pid and cmd:
-            raise UsageError("give either -p PID or a command, not both")
-        if not cmd and not args.pid and not args.all_cpus:
-            raise UsageError("nothing to record: give a command after --, -p PID, or -a")
-        if args.duration is not None and args.duration <= 0:
-            raise UsageError("--duration must be positive")
+        target, until = _target(args, cmd)
         events, rate = make_events(args)
         rate = rate if rate is not None or args.period is not None else DEFAULT_RECORD_HZ
-        until = None
-        target: SystemWide | Processes | CommandTarget
-        if args.all_cpus:
-            target = SystemWide(online_cpus())
-        elif args.pid:
-            try:
-                pids = tuple(int(x) for x in str(args.pid).split(",") if x.strip())
-            except ValueError:
-                raise UsageError(f"-p: not a process id list: {args.pid}") from None
-            target = Processes(pids)
-            until = processes_gone(pids)
-        else:
-            target = CommandTarget(tuple(cmd))
-        if cmd:
-            import shutil
-
-            if shutil.which(cmd[0]) is None:
-                raise CycleScopeError(f"{cmd[0]}: command not found")
         if args.exact:
             from cyclescope.cli.exact import run_exact
 
@@ -147,24 +128,61 @@ class Record(Command):
         if child_session is not None:
             child_session.release()
         totals = collector.run(duration_s=args.duration, until=until)
-        elapsed = time.monotonic() - start
-        if not totals.samples:
-            every = f"; at {rate:g} Hz a sample comes every {1 / rate:.3g} s per CPU" if rate else ""
-            eprint(f"cyclescope record: no samples were taken in {elapsed:.1f} s{every} (raise -F, run longer, "
-                   "or check that the command did any work)")
-        if show:
-            sys.stderr.write("\r\x1b[K")
-        if not args.quiet:
-            eprint(f"cyclescope record: {summary_line(totals, elapsed, collector.epoch, db_path(args))}")
-            for line in collector.summaries():
-                eprint(f"cyclescope record: {line}")
-            if totals.lost_records or totals.lost_samples:
-                eprint("cyclescope record: some samples were lost (the ring buffer filled); "
-                       "lower the rate or add CPUs to the drain")
+        _report(args, collector, totals, time.monotonic() - start, rate, show)
         status = session.exit_status
         if child_session is not None:
             status = child_session.status
         return exit_code(status)
+
+
+def _target(args: argparse.Namespace, cmd: list[str]
+            ) -> tuple[SystemWide | Processes | CommandTarget, Callable[[], bool] | None]:
+    """What to sample (every CPU, processes, or the command), checked against the other options,
+    and when sampling ends for it (None: when the command exits or on a signal)."""
+    from cyclescope.collect.daemon import processes_gone
+    from cyclescope.collect.session import Command as CommandTarget
+    from cyclescope.collect.session import Processes, SystemWide, online_cpus
+
+    if args.exact and (not cmd or args.pid or args.all_cpus):
+        raise UsageError("--exact needs a command (and neither -p nor -a)")
+    if args.pid and cmd:
+        raise UsageError("give either -p PID or a command, not both")
+    if not cmd and not args.pid and not args.all_cpus:
+        raise UsageError("nothing to record: give a command after --, -p PID, or -a")
+    if args.duration is not None and args.duration <= 0:
+        raise UsageError("--duration must be positive")
+    if cmd:
+        import shutil
+
+        if shutil.which(cmd[0]) is None:
+            raise CycleScopeError(f"{cmd[0]}: command not found")
+    if args.all_cpus:
+        return SystemWide(online_cpus()), None
+    if args.pid:
+        try:
+            pids = tuple(int(x) for x in str(args.pid).split(",") if x.strip())
+        except ValueError:
+            raise UsageError(f"-p: not a process id list: {args.pid}") from None
+        return Processes(pids), processes_gone(pids)
+    return CommandTarget(tuple(cmd)), None
+
+
+def _report(args: argparse.Namespace, collector: Collector, totals: RunTotals, elapsed: float,
+            rate: float | None, show: bool) -> None:
+    """The end of a recording on stderr: nothing sampled, the summary, the processors' lines, losses."""
+    if not totals.samples:
+        every = f"; at {rate:g} Hz a sample comes every {1 / rate:.3g} s per CPU" if rate else ""
+        eprint(f"cyclescope record: no samples were taken in {elapsed:.1f} s{every} (raise -F, run longer, "
+               "or check that the command did any work)")
+    if show:
+        sys.stderr.write("\r\x1b[K")
+    if not args.quiet:
+        eprint(f"cyclescope record: {summary_line(totals, elapsed, collector.epoch, db_path(args))}")
+        for line in collector.summaries():
+            eprint(f"cyclescope record: {line}")
+        if totals.lost_records or totals.lost_samples:
+            eprint("cyclescope record: some samples were lost (the ring buffer filled); "
+                   "lower the rate or add CPUs to the drain")
 
 
 class _Spawned:
