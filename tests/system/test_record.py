@@ -126,7 +126,9 @@ def test_system_wide_sees_every_process_and_the_kernel(compile_c: Callable[..., 
         jit_seen = jit_seen or _jit_running()
         report = prof_json(db)
         s = report["summary"]
-        assert samples_of(report, "spin_here") > 800
+        # 1,500 samples on a quiet CPU; beside other work (a CI run of the whole suite here once left
+        # it under 800) the spinner gets a share of one: a quarter of it is enough to be seen.
+        assert samples_of(report, "spin_here") > 375, samples_of(report, "spin_here")
         # Code generated at run time without a perf map (valgrind's translations, say, when a
         # benchmark runs beside the tests) is rightly unknown, as anonymous memory; nothing else is.
         anon = s["unknown_reasons"].get("anon", 0)
