@@ -119,101 +119,21 @@ class Optimize(Command):
         import tempfile
 
         cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-        if not cmd:
-            raise UsageError("give the run command after --, with {out} for the binary")
-        if "{out}" not in args.build:
-            raise UsageError("--build must contain {out} (and {flags} for the profile flags)")
-        if args.runs < 1:
-            raise UsageError("--runs must be at least 1")
-        if args.train_samples < 0:
-            raise UsageError("--train-samples must be 0 or more")
-        if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
-            cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-            raise UsageError(f"--cpu {args.cpu}: not a CPU this process may run on ({cpus})")
+        _check(args, cmd)
         work = Path(args.workdir or tempfile.mkdtemp(prefix="cyclescope-optimize-"))
         work.mkdir(parents=True, exist_ok=True)
         base, opt, prof, db = work / "base", work / "opt", work / "profile.txt", work / "train.db"
 
-        def build(out: Path, flags: str) -> None:
-            line = args.build.replace("{out}", shlex.quote(str(out))).replace("{flags}", flags)
-            eprint(f"cyclescope optimize: {line}")
-            r = subprocess.run(line, shell=True, capture_output=True, text=True)
-            if r.returncode != 0 or not out.exists():
-                tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-                raise CycleScopeError("build failed: " + " | ".join(tail))
-
         def argv(exe: Path) -> list[str]:
             return [a.replace("{out}", str(exe)) for a in cmd]
 
-        me = [sys.executable, "-m", "cyclescope"]
-
-        def under_record(db: Path, t: int, *opts: str) -> subprocess.CompletedProcess[str]:
-            """The training run of the base build under `cyclescope record` (the t-th into ``db``)."""
-            rec = [*me, "record", "--db", str(db), *(["--append"] if t else []), *opts, "--", *argv(base)]
-            stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
-            try:
-                return subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            finally:
-                if args.stdin:
-                    stdin.close()  # type: ignore[union-attr]
-
-        build(base, PROFILE_FLAGS)
-        total = runs = 0
-        for t in range(MAX_TRAIN_RUNS):
-            runs = t + 1
-            # The training run again, into the same epoch, until the profile has enough samples: a
-            # run of a fraction of a second leaves most blocks with a few samples, and calc's
-            # estimates (and clang's use of them) improve with more (docs/benchmarks.md).
-            r = under_record(db, t, "-F", str(args.freq))
-            if r.returncode != 0:
-                raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
-            m = re.search(r"record: ([\d,]+) samples", r.stderr)
-            total += int(m.group(1).replace(",", "")) if m else 0
-            eprint(f"cyclescope optimize: training run {t + 1} under cyclescope record: {total:,} samples so far")
-            if total >= args.train_samples or not m:
-                break
-        paths = work / "paths.db" if args.paths and args.counts == "calc" else None
-        if paths is not None and paths.exists():
-            shutil.rmtree(paths)  # a previous optimize's, perhaps of another build
-        for t in range(runs if paths else 0):
-            assert paths is not None
-            r = under_record(paths, t, "-F", str(PATH_HZ), "--values", "edges", "--exact", "interpret",
-                             "--interpret", str(PATH_LENGTH))
-            if r.returncode != 0:
-                why = (r.stderr.strip().splitlines() or ["?"])[-1]
-                eprint(f"cyclescope optimize: warning: no sampled paths ({why}); calc's estimates alone")
-                paths = None
-                break
-            eprint(f"cyclescope optimize: sampled paths of the training run {t + 1}/{runs}")
-        export = [*me, "export", "llvm-sample", "--db", str(db), "--image", str(base), "--counts", args.counts,
-                  "--estimator", args.estimator, "-o", str(prof)]
-        r = subprocess.run([*export, *(["--edges-from", str(paths)] if paths else [])], capture_output=True, text=True)
-        if r.returncode != 0 and paths is not None and "no branch outcomes" in r.stderr:
-            # Exact mode follows the command's own thread: a training command that runs the binary
-            # in a child (a shell script, say) leaves no paths of it.
-            eprint("cyclescope optimize: warning: the sampled paths did not reach the binary; calc's estimates alone")
-            r = subprocess.run(export, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise CycleScopeError(f"no sample profile: {r.stderr.strip()}")
-        m = re.search(r"shaped by ([\d,]+) branch outcomes", r.stderr)
-        outcomes = int(m.group(1).replace(",", "")) if m else 0
-        build(opt, f"{PROFILE_FLAGS} -fprofile-sample-use={shlex.quote(str(prof))} {INFERENCE_FLAGS[args.inference]}"
-              .rstrip())
-        times: dict[str, list[float]] = {"base": [], "opt": []}
-        outputs: dict[str, bytes] = {}
-        t0 = time.monotonic()
-        for i in range(args.runs):
-            order = [("base", base), ("opt", opt)] if i % 2 == 0 else [("opt", opt), ("base", base)]
-            for name, exe in order:
-                cpu, out = run_cpu(argv(exe), args.stdin, args.cpu)
-                times[name].append(cpu)
-                outputs.setdefault(name, out)
-            if sys.stderr.isatty():
-                sys.stderr.write(f"\rcyclescope optimize: measured {i + 1}/{args.runs} rounds "
-                                 f"({time.monotonic() - t0:.0f} s)")
-        if sys.stderr.isatty():
-            sys.stderr.write("\n")
-        same = outputs.get("base") == outputs.get("opt")
+        _build(args.build, base, PROFILE_FLAGS)
+        runs, total = _train(args, db, argv(base))
+        paths = _sample_paths(args, work, runs, argv(base))
+        outcomes = _export(args, db, base, prof, paths)
+        _build(args.build, opt, f"{PROFILE_FLAGS} -fprofile-sample-use={shlex.quote(str(prof))} "
+                                f"{INFERENCE_FLAGS[args.inference]}".rstrip())
+        times, same = _measure(args, argv(base), argv(opt))
         ratios = [b / o for b, o in zip(times["base"], times["opt"], strict=True) if o > 0]
         med, lo, hi = quartiles(ratios)
         doc = {"workdir": str(work), "profile": str(prof), "inference": args.inference, "runs": args.runs,
@@ -233,3 +153,112 @@ class Optimize(Command):
         if not same:
             eprint("cyclescope optimize: warning: the two builds wrote different output")
         return 0
+
+
+def _check(args: argparse.Namespace, cmd: list[str]) -> None:
+    if not cmd:
+        raise UsageError("give the run command after --, with {out} for the binary")
+    if "{out}" not in args.build:
+        raise UsageError("--build must contain {out} (and {flags} for the profile flags)")
+    if args.runs < 1:
+        raise UsageError("--runs must be at least 1")
+    if args.train_samples < 0:
+        raise UsageError("--train-samples must be 0 or more")
+    if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        raise UsageError(f"--cpu {args.cpu}: not a CPU this process may run on ({cpus})")
+
+
+def _build(template: str, out: Path, flags: str) -> None:
+    line = template.replace("{out}", shlex.quote(str(out))).replace("{flags}", flags)
+    eprint(f"cyclescope optimize: {line}")
+    r = subprocess.run(line, shell=True, capture_output=True, text=True)
+    if r.returncode != 0 or not out.exists():
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise CycleScopeError("build failed: " + " | ".join(tail))
+
+
+def _under_record(args: argparse.Namespace, db: Path, t: int, run: list[str], *opts: str
+                  ) -> subprocess.CompletedProcess[str]:
+    """The training run of the base build under `cyclescope record` (the t-th into ``db``)."""
+    rec = [sys.executable, "-m", "cyclescope", "record", "--db", str(db), *(["--append"] if t else []), *opts,
+           "--", *run]
+    stdin = open(args.stdin, "rb") if args.stdin else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.run(rec, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        if args.stdin:
+            stdin.close()  # type: ignore[union-attr]
+
+
+def _train(args: argparse.Namespace, db: Path, run: list[str]) -> tuple[int, int]:
+    """The training run again, into the same epoch, until the profile has enough samples: a run of
+    a fraction of a second leaves most blocks with a few samples, and calc's estimates (and clang's
+    use of them) improve with more (docs/benchmarks.md). Returns the runs and the samples."""
+    total = runs = 0
+    for t in range(MAX_TRAIN_RUNS):
+        runs = t + 1
+        r = _under_record(args, db, t, run, "-F", str(args.freq))
+        if r.returncode != 0:
+            raise CycleScopeError(f"the training run failed: {r.stderr.strip()[-300:]}")
+        m = re.search(r"record: ([\d,]+) samples", r.stderr)
+        total += int(m.group(1).replace(",", "")) if m else 0
+        eprint(f"cyclescope optimize: training run {t + 1} under cyclescope record: {total:,} samples so far")
+        if total >= args.train_samples or not m:
+            break
+    return runs, total
+
+
+def _sample_paths(args: argparse.Namespace, work: Path, runs: int, run: list[str]) -> Path | None:
+    """The training runs once more with their branch outcomes sampled (exact mode), for calc's
+    paths; None when not asked for or when they could not be taken."""
+    if not (args.paths and args.counts == "calc"):
+        return None
+    paths = work / "paths.db"
+    if paths.exists():
+        shutil.rmtree(paths)  # a previous optimize's, perhaps of another build
+    for t in range(runs):
+        r = _under_record(args, paths, t, run, "-F", str(PATH_HZ), "--values", "edges", "--exact", "interpret",
+                          "--interpret", str(PATH_LENGTH))
+        if r.returncode != 0:
+            why = (r.stderr.strip().splitlines() or ["?"])[-1]
+            eprint(f"cyclescope optimize: warning: no sampled paths ({why}); calc's estimates alone")
+            return None
+        eprint(f"cyclescope optimize: sampled paths of the training run {t + 1}/{runs}")
+    return paths
+
+
+def _export(args: argparse.Namespace, db: Path, base: Path, prof: Path, paths: Path | None) -> int:
+    """The sample profile clang reads, written to ``prof``; how many branch outcomes shaped it."""
+    export = [sys.executable, "-m", "cyclescope", "export", "llvm-sample", "--db", str(db), "--image", str(base),
+              "--counts", args.counts, "--estimator", args.estimator, "-o", str(prof)]
+    r = subprocess.run([*export, *(["--edges-from", str(paths)] if paths else [])], capture_output=True, text=True)
+    if r.returncode != 0 and paths is not None and "no branch outcomes" in r.stderr:
+        # Exact mode follows the command's own thread: a training command that runs the binary
+        # in a child (a shell script, say) leaves no paths of it.
+        eprint("cyclescope optimize: warning: the sampled paths did not reach the binary; calc's estimates alone")
+        r = subprocess.run(export, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CycleScopeError(f"no sample profile: {r.stderr.strip()}")
+    m = re.search(r"shaped by ([\d,]+) branch outcomes", r.stderr)
+    return int(m.group(1).replace(",", "")) if m else 0
+
+
+def _measure(args: argparse.Namespace, base: list[str], opt: list[str]) -> tuple[dict[str, list[float]], bool]:
+    """Both builds, alternated for ``args.runs`` rounds: their CPU times, and whether their outputs
+    were the same."""
+    times: dict[str, list[float]] = {"base": [], "opt": []}
+    outputs: dict[str, bytes] = {}
+    t0 = time.monotonic()
+    for i in range(args.runs):
+        order = [("base", base), ("opt", opt)] if i % 2 == 0 else [("opt", opt), ("base", base)]
+        for name, run in order:
+            cpu, out = run_cpu(run, args.stdin, args.cpu)
+            times[name].append(cpu)
+            outputs.setdefault(name, out)
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\rcyclescope optimize: measured {i + 1}/{args.runs} rounds "
+                             f"({time.monotonic() - t0:.0f} s)")
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    return times, outputs.get("base") == outputs.get("opt")
