@@ -14,7 +14,8 @@ import numpy as np
 from cyclescope.db.hotlist import PER_CALL_SITE
 from cyclescope.db.query import ProfileSet, query_counts
 from cyclescope.db.values import NamedHotlists
-from cyclescope.report.values import NOT_INVARIANT_KINDS, HotValue, Invariant, Namer, hot_rows
+from cyclescope.images.registry import ImageInfo
+from cyclescope.report.values import NOT_INVARIANT_KINDS, HotRow, HotValue, Invariant, Namer, hot_rows
 from cyclescope.values.api import ValueModule
 from cyclescope.values.insn import REG_VIEWS, InsnDetail, decode
 
@@ -67,25 +68,12 @@ def ctx_shares(named: NamedHotlists, image_key: str, entry: int) -> dict[tuple[i
 
 def find_invariants(named: NamedHotlists, modules: list[ValueModule], namer: Namer, profile_set: ProfileSet,
                     min_prob: float, min_vtot: int, min_proc_share: float, limit: int) -> list[Invariant]:
-    from cyclescope.images.disasm import read_code
     from cyclescope.images.dwarf import DwarfIndex, dwarf_source
 
     lists = named.lists
     if not len(lists):
         return []
-    # Flat samples (first event) per (image, offset) and per procedure.
-    t = query_counts(profile_set)
-    events = profile_set.event_names
-    ev0 = events[0] if events else None
-    per: dict[str, dict[int, int]] = {}
-    grand = 0
-    for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
-                               t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
-        if ev != ev0:
-            continue
-        grand += int(c)
-        d = per.setdefault(img, {})
-        d[int(off)] = d.get(int(off), 0) + int(c)
+    per, grand = _flat_counts(profile_set)
     if not grand:
         return []
     kinds = named.kinds
@@ -104,53 +92,18 @@ def find_invariants(named: NamedHotlists, modules: list[ValueModule], namer: Nam
         if i < 0:
             continue
         start, end = int(table.starts[i]), int(table.ends[i])
-        counts = per.get(r.image, {})
         pk = (r.image, start)
         if pk not in proc_cache:
-            share = sum(c for o, c in counts.items() if start <= o < end) / grand
-            insns: list[InsnDetail] = []
-            b = namer.sym.binary(info)
-            if b.path and end - start <= 1 << 18:
-                try:
-                    code = read_code(b.path, start, end)
-                except Exception:
-                    code = b""
-                a = start
-                while a < end and code:
-                    ins = decode(code[a - start : a - start + 16], a)
-                    if ins is None:
-                        break
-                    insns.append(ins)
-                    a += ins.size
-            proc_cache[pk] = (share, insns, {o: c for o, c in counts.items() if start <= o < end})
+            counts = per.get(r.image, {})
+            pcounts = {o: c for o, c in counts.items() if start <= o < end}
+            proc_cache[pk] = (sum(pcounts.values()) / grand, _procedure_code(namer, info, start, end), pcounts)
         share, insns, pcounts = proc_cache[pk]
         if share < min_proc_share:
             continue
         me = next((d for d in insns if d.address == r.offset), None)
         if me is not None and me.mem is None and not me.reads and r.kind.startswith("out:"):
             continue  # an immediate move: constant by construction, nothing to learn
-        groups: list[tuple[str, list[HotValue], float, float]] = []  # (site, top, values, site share)
-        if r.kind.endswith(PER_CALL_SITE):
-            # Per call site: P(value | site) = est(value, site) / (vtot * P(site)), P(site) from the
-            # procedure's ctx hotlist (the pairs kept in this hotlist alone would overstate it).
-            site_p = ctx_shares(named, r.image, start)
-            by_site: dict[tuple[int, int], list[HotValue]] = {}
-            for v in r.values:
-                by_site.setdefault((v.value.image, v.value.v1), []).append(v)
-            for (simg, soff), vs in by_site.items():
-                ps_ = site_p.get((simg, soff))
-                site_total = r.vtot * ps_ if ps_ else sum(v.count for v in vs)
-                if site_total < min_vtot / 2:
-                    continue
-                top = max(vs, key=lambda v: v.count)
-                prob = min(1.0, top.count / site_total)
-                se = top.se * (r.vtot / site_total) if site_total else 1.0
-                groups.append((namer.by_index(simg, soff), [HotValue(top.text.split(" from ")[0], prob, top.count,
-                                                                     top.value, se)], site_total,
-                               site_total / r.vtot if r.vtot else 0.0))
-        else:
-            groups.append(("", r.values[:1], float(r.vtot), 1.0))
-        for site, vs, _n, site_share in groups:
+        for site, vs, _n, site_share in _groups(named, namer, r, start, min_vtot):
             top = vs[0]
             if top.share < min_prob:
                 continue
@@ -177,12 +130,84 @@ def find_invariants(named: NamedHotlists, modules: list[ValueModule], namer: Nam
     for dwarf_index in dwarf.values():
         if dwarf_index is not None:
             dwarf_index.close()
-    # A call-site row that says no more than the row for all sites (one caller) is dropped.
+    return _pruned(out, limit)
+
+
+def _flat_counts(profile_set: ProfileSet) -> tuple[dict[str, dict[int, int]], int]:
+    """Flat samples of the first event per image and offset, and their total."""
+    t = query_counts(profile_set)
+    events = profile_set.event_names
+    ev0 = events[0] if events else None
+    per: dict[str, dict[int, int]] = {}
+    grand = 0
+    for img, off, ev, c in zip(t.column("image").to_pylist(), t.column("offset").to_pylist(),
+                               t.column("event").to_pylist(), t.column("count").to_pylist(), strict=True):
+        if ev != ev0:
+            continue
+        grand += int(c)
+        d = per.setdefault(img, {})
+        d[int(off)] = d.get(int(off), 0) + int(c)
+    return per, grand
+
+
+def _procedure_code(namer: Namer, info: ImageInfo, start: int, end: int) -> list[InsnDetail]:
+    """The procedure's instructions, decoded (none where its code cannot be read, or it is over
+    256 KiB)."""
+    from cyclescope.images.disasm import read_code
+
+    insns: list[InsnDetail] = []
+    b = namer.sym.binary(info)
+    if not b.path or end - start > 1 << 18:
+        return insns
+    try:
+        code = read_code(b.path, start, end)
+    except Exception:
+        return insns
+    a = start
+    while a < end and code:
+        ins = decode(code[a - start : a - start + 16], a)
+        if ins is None:
+            break
+        insns.append(ins)
+        a += ins.size
+    return insns
+
+
+def _groups(named: NamedHotlists, namer: Namer, r: HotRow, start: int, min_vtot: int
+            ) -> list[tuple[str, list[HotValue], float, float]]:
+    """A hotlist's top values as (call site, top, values, the site's share): one group for all
+    sites, or, for a per-call-site kind, one per site: P(value | site) = est(value, site) / (vtot x
+    P(site)), P(site) from the procedure's ctx hotlist (the pairs kept in this hotlist alone would
+    overstate it)."""
+    if not r.kind.endswith(PER_CALL_SITE):
+        return [("", r.values[:1], float(r.vtot), 1.0)]
+    groups: list[tuple[str, list[HotValue], float, float]] = []
+    site_p = ctx_shares(named, r.image, start)
+    by_site: dict[tuple[int, int], list[HotValue]] = {}
+    for v in r.values:
+        by_site.setdefault((v.value.image, v.value.v1), []).append(v)
+    for (simg, soff), vs in by_site.items():
+        p_site = site_p.get((simg, soff))
+        site_total = r.vtot * p_site if p_site else sum(v.count for v in vs)
+        if site_total < min_vtot / 2:
+            continue
+        top = max(vs, key=lambda v: v.count)
+        prob = min(1.0, top.count / site_total)
+        se = top.se * (r.vtot / site_total) if site_total else 1.0
+        groups.append((namer.by_index(simg, soff), [HotValue(top.text.split(" from ")[0], prob, top.count,
+                                                             top.value, se)], site_total,
+                       site_total / r.vtot if r.vtot else 0.0))
+    return groups
+
+
+def _pruned(out: list[Invariant], limit: int) -> list[Invariant]:
+    """Most saving first, without repeats: a call-site row that says no more than the row for all
+    sites (one caller) is dropped, and of the same instruction and value through several kinds (rdi
+    in, and per call site) the best is kept."""
     overall = {(x.image, x.offset, x.kind.split("@")[0], x.value): x.prob for x in out if not x.call_site}
     out = [x for x in out if not x.call_site
            or x.prob_low > overall.get((x.image, x.offset, x.kind.split("@")[0], x.value), 0.0)]
     out.sort(key=lambda x: (-x.save, -x.prob))
-    # The same instruction and value through several kinds (rdi in, and per call site): keep the best.
     seen: set[tuple[str, int, str, str]] = set()
     uniq = []
     for x in out:
