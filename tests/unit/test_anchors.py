@@ -431,3 +431,18 @@ def test_an_anchor_placed_late_gets_the_budget_since_the_start() -> None:
     run_by_steps(s, clock, 0.1, ran_lately)
     assert a.rate == pytest.approx(2500.0, rel=0.05) and a.total_windows >= 2
     assert a.cost_s <= 0.01 * 1.1 + ALLOWANCE  # within the budget of the time since the start
+
+
+def test_a_machine_whose_traps_cost_more_gives_anchors_less_time() -> None:
+    """The hit's cost is measured per machine (collect/clock.uprobe_hit_cost): a Xeon with AMX traps
+    in 16-17 us against Zen 3's 5.8, and a budget charged Zen 3's cost there was spent 2.5 times
+    over. Shares and parts follow the cost they are given."""
+    from cyclescope.analysis.anchors import Anchor
+
+    a = Anchor(1, 0x10, 0x20, "/bin/x", 0x10)
+    a.rate = 100_000.0
+    dear = 2.5 * HIT_COST_S
+    assert a.share(0.01, dear) == pytest.approx(a.share(0.01) / 2.5)
+    rare = Anchor(1, 0x30, 0x40, "/bin/x", 0x30)
+    rare.rate = 100.0
+    assert allocate(0.01, [rare, a], dear)[id(rare)] == pytest.approx(1.25 * 100 * dear)

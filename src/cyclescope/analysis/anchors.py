@@ -63,6 +63,19 @@ from cyclescope.errors import CycleScopeError
 # mode; ../shared/MACHINE-NOTES.md had 9.3 us on an older kernel), and about 0.5 us of the task's own
 # time disturbed after it (200,000 hits of a 3 us function: +0.09 s of user time).
 HIT_COST_S = 6.5e-6
+AFTER_TRAP_S = HIT_COST_S - 5.81e-6  # the task's time disturbed after a trap, beyond the trap itself
+
+
+def hit_cost() -> float:
+    """What a hit costs on this machine: the trap as measured once per boot (collect/clock.py's
+    uprobe_hit_cost) plus what follows it, never less than HIT_COST_S (set on Zen 3). A Xeon with
+    AMX traps in 16-17 us, 2.7 times Zen 3's: there anchors charged the constant spent about 2.5
+    times their budget (bench/out/probecost_intel1.json)."""
+    from cyclescope.collect.clock import uprobe_hit_cost
+    from cyclescope.images.cache import Cache
+
+    measured = uprobe_hit_cost(Cache().root)
+    return max(HIT_COST_S, measured + AFTER_TRAP_S) if measured else HIT_COST_S
 CLOSE_S = 0.085  # a probe's close (measured 70-100 ms); closes serialize, and the fds still open trap
 DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to anchors' traps
 ANCHOR_AFTER = 64  # samples of a procedure before it gets an anchor
@@ -127,14 +140,14 @@ class Anchor:
     cost_s: float = 0.0  # estimated trap time spent so far (status)
     total_windows: int = 0  # windows over the run (status)
 
-    def share(self, budget: float) -> float:
+    def share(self, budget: float, hit_cost_s: float = HIT_COST_S) -> float:
         """The share of the time this anchor may count for its traps to cost ``budget`` of a CPU."""
         if self.rate is None or self.rate <= 0:
             return 1.0
-        return min(1.0, budget / (self.rate * HIT_COST_S))
+        return min(1.0, budget / (self.rate * hit_cost_s))
 
 
-def allocate(budget: float, anchors: list[Anchor]) -> dict[int, float]:
+def allocate(budget: float, anchors: list[Anchor], hit_cost_s: float = HIT_COST_S) -> dict[int, float]:
     """Each anchor's part of ``budget`` (by id()): the cheap ones what counting them all the time
     costs (with a quarter in hand, so that a rate that rises a little keeps its anchor counting all
     the time), the rest split among the others in proportion to their procedures' samples
@@ -149,7 +162,7 @@ def allocate(budget: float, anchors: list[Anchor]) -> dict[int, float]:
         return float(a.seen) + 1.0
 
     def need(a: Anchor) -> float:
-        return 1.25 * a.rate * HIT_COST_S if a.rate is not None and a.rate > 0 else float("inf")
+        return 1.25 * a.rate * hit_cost_s if a.rate is not None and a.rate > 0 else float("inf")
 
     left, todo = budget, sorted(anchors, key=lambda a: need(a) / weight(a))
     total = sum(weight(a) for a in todo)
@@ -221,11 +234,15 @@ class _Tick:
     cap: float
     spent: float
     parts: dict[int, float]
+    hit_cost_s: float
     wait: float = IDLE_S
+
+    def share(self, a: Anchor) -> float:
+        return a.share(self.parts[id(a)], self.hit_cost_s)
 
     def costly(self, b: Anchor) -> bool:
         """Counted in short windows, one at a time (AnchorSet._waiting)."""
-        return b.rate is None or b.share(self.parts[id(b)]) < 1.0
+        return b.rate is None or self.share(b) < 1.0
 
 
 class AnchorSet:
@@ -234,8 +251,9 @@ class AnchorSet:
 
     def __init__(self, per_task: bool, image_key: Callable[[int], str], budget: float = DEFAULT_BUDGET,
                  probes: Any = None, cpus: tuple[int, ...] = (), clock: Callable[[], int] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, hit_cost_s: float = HIT_COST_S) -> None:
         self.per_task = per_task
+        self.hit_cost_s = hit_cost_s  # a hit's cost to the probed task (uprobe_hit_cost on this machine)
         self.image_key = image_key
         self.budget = budget
         self.probes = probes
@@ -317,12 +335,13 @@ class AnchorSet:
         now = self.clock()
         if self.started is None:
             self.started = now
-        # The hard cap: the traps counted so far (hits times HIT_COST_S) stay within the budget of
+        # The hard cap: the traps counted so far (hits times hit_cost_s) stay within the budget of
         # the time since the first tick, plus ALLOWANCE. The shares below keep each anchor's windows
         # within its part when its rate holds; where it does not (system-wide, a function's rate
         # swings as processes come and go), no window opens until time has paid for the overrun.
         t = _Tick(anchors, self.started, cap=self.budget * (now - self.started) / 1e9 + ALLOWANCE,
-                  spent=sum(a.cost_s for a in anchors), parts=allocate(self.budget, anchors))
+                  spent=sum(a.cost_s for a in anchors), parts=allocate(self.budget, anchors, self.hit_cost_s),
+                  hit_cost_s=self.hit_cost_s)
         for a in sorted(anchors, key=lambda a: a.rate is not None):  # first windows first: they measure the rates
             if a.window is not None:
                 self._counting(a, a.window, t)
@@ -343,8 +362,8 @@ class AnchorSet:
         now = self.clock()
         with self.lock:
             w.hits += hits
-            a.cost_s += hits * HIT_COST_S
-        t.spent += hits * HIT_COST_S
+            a.cost_s += hits * self.hit_cost_s
+        t.spent += hits * self.hit_cost_s
         over = t.spent >= t.cap
         span = now - w.start
         since = (now - (w.read_at or w.start)) / 1e9
@@ -352,7 +371,7 @@ class AnchorSet:
         steady = a.rate is not None and hits <= 2 * a.rate * since + 10
         if a.rate is not None and not w.probe and span >= 1e9:
             a.rate = w.hits / (span / 1e9)  # a long window's own rate, as it goes
-        share = a.share(t.parts[id(a)])
+        share = t.share(a)
         if a.rate is not None and not over and (
                 (share < 1.0 and span < w.length * 1e9)  # a costly anchor's window lasts its length
                 or (share >= 1.0 and self._tids(a, now) == w.tids)):  # a cheap one's goes on
@@ -381,14 +400,14 @@ class AnchorSet:
                     # anchor placed at the first drain (then a second in) otherwise waited a
                     # third of a second for its next window, past the end of a program of
                     # 1.3 s (difference.c's mix: 6 entries seen, and the model's count).
-                    part = min(t.parts[id(a)], 1.25 * a.rate * HIT_COST_S)
-                    a.credit = min(a.credit + a.share(part) * (now - t.started) / 1e9, MAX_CREDIT_S)
+                    part = min(t.parts[id(a)], 1.25 * a.rate * self.hit_cost_s)
+                    a.credit = min(a.credit + a.share(part, self.hit_cost_s) * (now - t.started) / 1e9, MAX_CREDIT_S)
         self._retire(a)
         t.wait = min(t.wait, TICK_S)  # the next window may open at once (a cheap anchor's)
 
     def _waiting(self, a: Anchor, t: _Tick) -> None:
         """A tick for an anchor with no window open: earn credit, and open one when it is paid for."""
-        share = a.share(t.parts[id(a)])
+        share = t.share(a)
         # A token bucket: the anchor earns its share of the time, and a window (with the
         # probes' close) spends what it registers; windows open once it is paid for, at a
         # random step among the next few, so that they spread over the run (a short run gets
@@ -469,7 +488,7 @@ class AnchorSet:
                 except OSError:
                     late = 0
                 with self.lock:
-                    a.cost_s += max(0, late) * HIT_COST_S
+                    a.cost_s += max(0, late) * self.hit_cost_s
                 self.probes.close(fd)
                 with self.lock:
                     self.closes -= 1
@@ -486,7 +505,7 @@ class AnchorSet:
                     w = a.window
                     w.end = now
                     w.hits += hits
-                    a.cost_s += hits * HIT_COST_S
+                    a.cost_s += hits * self.hit_cost_s
                     a.window = None
                     if not w.probe:
                         _tally(a, w, now)
@@ -618,7 +637,8 @@ class AnchorProcessor:
     def bind(self, ctx: Any) -> None:
         from cyclescope.collect.session import online_cpus
 
-        self.set = AnchorSet(ctx.per_task, lambda i: ctx.table[i].key, self.budget, Probes(), online_cpus())
+        self.set = AnchorSet(ctx.per_task, lambda i: ctx.table[i].key, self.budget, Probes(), online_cpus(),
+                             hit_cost_s=hit_cost())
         # The budget accrues from the recording's start, not from the first anchor's placement (at
         # the first drain): the cap's, and each anchor's share once its rate is known.
         self.set.started = self.set.clock()

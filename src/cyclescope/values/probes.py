@@ -47,6 +47,7 @@ from cyclescope.values.goal import Plan, operands
 # A sampled uprobe hit's cost to the probed task: 7.25 us on Zen 3 machines of this kind (5.8 us
 # counting only; bench/probecost.py), 9.5 us counting on the Zen 4 ones: the slower kind plus the sample.
 HIT_COST_S = 11e-6
+SAMPLE_EXTRA_S = 1.5e-6  # a sampled hit's cost beyond a counted one's (7.25 - 5.81 us on Zen 3)
 DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to the probes' traps
 ALLOWANCE_S = 0.02  # trap seconds a probe may spend ahead of its budget before it is closed
 RING_PAGES = 256  # per CPU: 1 MiB, about 18,000 hits of one register between two polls
@@ -70,10 +71,20 @@ class Site:
     opened: float = 0.0  # clock seconds
     state: str = "planned"  # planned, open, closed (why), or why it was not opened
 
-    @property
-    def cost(self) -> float:
+    def cost(self, hit_cost_s: float = HIT_COST_S) -> float:
         """Planned share of one CPU its traps take."""
-        return self.rate * HIT_COST_S
+        return self.rate * hit_cost_s
+
+
+def hit_cost() -> float:
+    """A sampled hit's cost on this machine: the trap as measured once per boot (collect/clock.py's
+    uprobe_hit_cost) plus the sample, never less than HIT_COST_S. A Xeon with AMX traps in 16-17
+    us: there the constant let probes spend 1.5 times their budget (bench/out/probecost_intel1.json)."""
+    from cyclescope.collect.clock import uprobe_hit_cost
+    from cyclescope.images.cache import Cache
+
+    measured = uprobe_hit_cost(Cache().root)
+    return max(HIT_COST_S, measured + SAMPLE_EXTRA_S) if measured else HIT_COST_S
 
 
 class Kernel:
@@ -138,13 +149,14 @@ class GoalProbes:
     every CPU), polled at each drain, policed, closed."""
 
     def __init__(self, plan: Plan, budget: float = DEFAULT_BUDGET, kernel: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hit_cost_s: float = HIT_COST_S) -> None:
         from cyclescope.perf.abi import X86_REGS_USER_MASK, Sample, regs_in_mask
         from cyclescope.perf.records import RecordDecoder, SampleLayout
         from cyclescope.values.insn import PERF_COLUMNS
 
         self.plan = plan
         self.budget = budget
+        self.hit_cost_s = hit_cost_s
         self.kernel = kernel
         self.clock = clock
         self.sites = _sites(plan)
@@ -179,15 +191,15 @@ class GoalProbes:
         """The sites to open: cheapest first while their planned traps fit the budget."""
         chosen: list[Site] = []
         spent = 0.0
-        for s in sorted(self.sites, key=lambda s: s.cost):
+        for s in sorted(self.sites, key=lambda s: s.rate):
             if not self.plan.points[s.point].on:
                 s.state = "switched off"
             elif s.rate <= 0 and self.budget < 1:
                 s.state = "rate unknown (calc had no count of the point)"
-            elif spent + s.cost > self.budget:
+            elif spent + s.cost(self.hit_cost_s) > self.budget:
                 s.state = f"too costly ({s.rate:,.0f} executions/s{', calc guessed' if s.guess else ''})"
             else:
-                spent += s.cost
+                spent += s.cost(self.hit_cost_s)
                 chosen.append(s)
         return chosen
 
@@ -315,7 +327,7 @@ class GoalProbes:
         open_sites = [s for s in self.sites if s.state == "open"]
         share = self.budget / max(1, len(open_sites))
         for s in open_sites:
-            if (s.hits + s.lost) * HIT_COST_S > share * (now - s.opened) + ALLOWANCE_S:
+            if (s.hits + s.lost) * self.hit_cost_s > share * (now - s.opened) + ALLOWANCE_S:
                 out.append(s.point)
                 rate = (s.hits + s.lost) / max(now - s.opened, 1e-9)
                 self.drop_site(s, f"closed: over budget ({rate:,.0f} hits/s)")
@@ -379,14 +391,14 @@ class GoalProbes:
         return {"probes": {f"{self.plan.points[s.point].procedure}:{s.reg}@{s.at:#x}": {"state": s.state,
                                                                                         "hits": s.hits}
                            for s in self.sites},
-                "hits": self.hits, "lost": self.lost, "trap_s": round(self.hits * HIT_COST_S, 3)}
+                "hits": self.hits, "lost": self.lost, "trap_s": round(self.hits * self.hit_cost_s, 3)}
 
     def summary(self) -> str | None:
         if not self.sites:
             return None
         probed = [s for s in self.sites if s.hits or s.state == "open" or s.state.startswith("closed")]
         line = (f"exact: {len(probed)} of {len(self.sites)} candidate(s) probed at every execution, "
-                f"{self.hits:,} hits (about {self.hits * HIT_COST_S:.2f} s of the programs' time in traps)")
+                f"{self.hits:,} hits (about {self.hits * self.hit_cost_s:.2f} s of the programs' time in traps)")
         if self.lost:
             line += f", {self.lost:,} lost"
         others = {s.state for s in self.sites if s not in probed}

@@ -42,9 +42,9 @@ class ValueProcessor:
         goal = self._goal()
         if goal is not None and self.opts.goal_budget > 0 and any(p.probe for p in goal.goal_plan.points):
             from cyclescope.collect.session import online_cpus
-            from cyclescope.values.probes import GoalProbes
+            from cyclescope.values.probes import GoalProbes, hit_cost
 
-            self.probes = GoalProbes(goal.goal_plan, self.opts.goal_budget)
+            self.probes = GoalProbes(goal.goal_plan, self.opts.goal_budget, hit_cost_s=hit_cost())
             if self.probes.open(ctx.tasks, online_cpus(), ctx.on_exec):
                 self.capture.replan()
 
