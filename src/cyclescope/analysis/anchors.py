@@ -64,18 +64,6 @@ from cyclescope.errors import CycleScopeError
 # time disturbed after it (200,000 hits of a 3 us function: +0.09 s of user time).
 HIT_COST_S = 6.5e-6
 AFTER_TRAP_S = HIT_COST_S - 5.81e-6  # the task's time disturbed after a trap, beyond the trap itself
-
-
-def hit_cost() -> float:
-    """What a hit costs on this machine: the trap as measured once per boot (collect/clock.py's
-    uprobe_hit_cost) plus what follows it, never less than HIT_COST_S (set on Zen 3). A Xeon with
-    AMX traps in 16-17 us, 2.7 times Zen 3's: there anchors charged the constant spent about 2.5
-    times their budget (bench/out/probecost_intel1.json)."""
-    from cyclescope.collect.clock import uprobe_hit_cost
-    from cyclescope.images.cache import Cache
-
-    measured = uprobe_hit_cost(Cache().root)
-    return max(HIT_COST_S, measured + AFTER_TRAP_S) if measured else HIT_COST_S
 CLOSE_S = 0.085  # a probe's close (measured 70-100 ms); closes serialize, and the fds still open trap
 DEFAULT_BUDGET = 0.01  # a share of one CPU the probed programs may lose to anchors' traps
 ANCHOR_AFTER = 64  # samples of a procedure before it gets an anchor
@@ -145,6 +133,13 @@ class Anchor:
         if self.rate is None or self.rate <= 0:
             return 1.0
         return min(1.0, budget / (self.rate * hit_cost_s))
+
+
+def hit_cost() -> float:
+    """A hit's cost on this machine, as the anchors' budget charges it (collect/clock.charged_hit_s)."""
+    from cyclescope.collect.clock import charged_hit_s
+
+    return charged_hit_s(HIT_COST_S, AFTER_TRAP_S)
 
 
 def allocate(budget: float, anchors: list[Anchor], hit_cost_s: float = HIT_COST_S) -> dict[int, float]:

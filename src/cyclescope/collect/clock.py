@@ -178,7 +178,8 @@ FLUSH_CLOCK_S = 0.004
 
 def _libc_function(name: str) -> tuple[str, int] | None:
     """The file and file offset of ``name`` in the C library this process maps."""
-    from elftools.elf.elffile import ELFFile
+    from cyclescope.errors import CycleScopeError
+    from cyclescope.images.elf import read_load_info, read_symbols
 
     path = None
     with contextlib.suppress(OSError), open("/proc/self/maps") as f:
@@ -190,19 +191,11 @@ def _libc_function(name: str) -> tuple[str, int] | None:
     if path is None:
         return None
     try:
-        with open(path, "rb") as fh:
-            elf = ELFFile(fh)
-            dynsym = elf.get_section_by_name(".dynsym")
-            syms = dynsym.get_symbol_by_name(name) if dynsym is not None else None  # type: ignore[attr-defined]
-            if not syms:
-                return None
-            vaddr = int(syms[0]["st_value"])
-            for seg in elf.iter_segments():
-                if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
-                    return path, vaddr - int(seg["p_vaddr"]) + int(seg["p_offset"])
-    except (OSError, ValueError, KeyError):
+        symbols = read_symbols(path, demangle=False)
+        offset = read_load_info(path).file_offset(int(symbols.starts[symbols.names.index(name)]))
+    except (OSError, CycleScopeError, ValueError):
         return None
-    return None
+    return (path, offset) if offset is not None else None
 
 
 def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
@@ -247,3 +240,15 @@ def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
 def uprobe_hit_cost(cache_dir: Path | None) -> float | None:
     """measure_uprobe_hit_s, once per boot (about 0.05-0.15 s the first time)."""
     return _per_boot(cache_dir, "uprobe-hit", measure_uprobe_hit_s)
+
+
+def charged_hit_s(at_least_s: float, extra_s: float) -> float:
+    """What a budget charges a uprobe hit on this machine: the trap as measured once per boot
+    (uprobe_hit_cost) plus ``extra_s`` (what follows it, or the sample it writes), never less than
+    ``at_least_s`` (the constant set on Zen 3). A Xeon with AMX traps in 16-17 us, 2.7 times Zen 3's:
+    charged Zen 3's constants, its anchors spent about 2.5 times their budget and its goal probes
+    1.5 times (bench/out/probecost_intel1.json)."""
+    from cyclescope.images.cache import Cache
+
+    measured = uprobe_hit_cost(Cache().root)
+    return max(at_least_s, measured + extra_s) if measured else at_least_s

@@ -77,14 +77,11 @@ class Site:
 
 
 def hit_cost() -> float:
-    """A sampled hit's cost on this machine: the trap as measured once per boot (collect/clock.py's
-    uprobe_hit_cost) plus the sample, never less than HIT_COST_S. A Xeon with AMX traps in 16-17
-    us: there the constant let probes spend 1.5 times their budget (bench/out/probecost_intel1.json)."""
-    from cyclescope.collect.clock import uprobe_hit_cost
-    from cyclescope.images.cache import Cache
+    """A sampled hit's cost on this machine, as the probes' budget charges it
+    (collect/clock.charged_hit_s)."""
+    from cyclescope.collect.clock import charged_hit_s
 
-    measured = uprobe_hit_cost(Cache().root)
-    return max(HIT_COST_S, measured + SAMPLE_EXTRA_S) if measured else HIT_COST_S
+    return charged_hit_s(HIT_COST_S, SAMPLE_EXTRA_S)
 
 
 class Kernel:
