@@ -11,7 +11,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -479,6 +479,30 @@ def test_drains_wait_for_capture_under_the_maps_they_were_taken_with() -> None:
     execd.forget(os.getpid())
     execd.mapper.procs[os.getpid()] = Gone()
     assert _rows(execd) == whole
+
+
+def test_a_goal_plan_captures_from_the_address_alone_without_decoding() -> None:
+    """Modules that plan by address (a goal plan) make capture decode nothing: the code index is
+    never asked, and the registers and their difference are taken where the plan says."""
+    from cyclescope.values.goal import GoalModule, GoalPoint, Plan
+
+    class NoCode:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the code index was asked for {name}")
+
+    table = ImageTable()
+    table.intern(ImageInfo("prog", "/prog", "elf", offsets="vaddr"))
+    goal = GoalModule(Plan([GoalPoint("prog", "f", "rsi", 0.5, [(0x1003, "rsi")]),
+                            GoalPoint("prog", "f", "rdi-rsi", 0.5, [(0x1003, "rdi-rsi")])]))
+    vc = ValueCapture(ValueOptions(length=0, seed=1), _Mapper(), table, code=NoCode(),  # type: ignore[arg-type]
+                      modules=[goal])
+    pcs = [0x1003] * 12 + [0x1007] * 5  # 0x1007: no candidate there, so its samples are dropped first
+    rdi, rsi = [0x8000] * 17, [3, 3, 9] * 4 + [5] * 5
+    assert vc.process(*_batch(pcs, rdi, rsi, 0)) == 12
+    rows = _rows(vc)
+    assert rows[(0x1003, "goal:rsi")] == {(3, 0, -1): 8, (9, 0, -1): 4}
+    assert rows[(0x1003, "goal:rdi-rsi")] == {(0x8000 - 3, 0, -1): 8, (0x8000 - 9, 0, -1): 4}
+    assert set(rows) == {(0x1003, "goal:rsi"), (0x1003, "goal:rdi-rsi")}
 
 
 def test_capture_takes_stack_words_and_sub_registers_where_the_snapshot_has_them() -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cyclescope.arrays import group
+
 N_DEFAULT = 16
 # Kinds of (value, call site) pairs keep every site's values in the instruction's one hotlist, so
 # they get room for several sites: N = 64 holds the paper's 16 for each of 4 call sites.
@@ -324,7 +326,7 @@ def reduce_set(s: HotlistSet, n: int | np.ndarray = N_DEFAULT, rng: np.random.Ge
         keep = np.flatnonzero(nz)
         return HotlistSet(s.keys, p, s.total, hot[keep], np.take(s.values, keep), counts[keep])
     sub = np.flatnonzero(over[hot] & nz)
-    ids, local = np.unique(hot[sub], return_inverse=True)  # the hotlists over n, numbered densely
+    ids, local = group(hot[sub])  # the hotlists over n, numbered densely
     nl = size[ids]
     f = nl / (nl - 1.0)
     c = counts[sub]

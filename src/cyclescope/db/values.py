@@ -176,18 +176,18 @@ def to_table(named: NamedHotlists) -> pa.Table:
     vnames = ["", *named.images]
 
     def dict_array(names: list[str], idx: np.ndarray) -> pa.DictionaryArray:
-        return pa.DictionaryArray.from_arrays(pa.array(idx.astype(np.int32)), pa.array(names, pa.string()))
+        return pa.DictionaryArray.from_arrays(parquet.from_numpy(idx, pa.int32()), pa.array(names, pa.string()))
 
     return pa.table({
         "image": dict_array(named.images, k["image"]),
-        "offset": pa.array(k["offset"], pa.uint64()),
+        "offset": parquet.from_numpy(k["offset"], pa.uint64()),
         "kind": dict_array(named.kinds, k["kind"]),
-        "v0": pa.array(vals["v0"], pa.uint64()),
-        "v1": pa.array(vals["v1"], pa.uint64()),
+        "v0": parquet.from_numpy(vals["v0"], pa.uint64()),
+        "v1": parquet.from_numpy(vals["v1"], pa.uint64()),
         "vimage": dict_array(vnames, np.where(vimg >= 0, vimg + 1, 0)),
-        "count": pa.array(lists.counts[order].astype(np.uint64), pa.uint64()),
-        "p": pa.array(lists.p[lists.hot][order], pa.float64()),
-        "total": pa.array(lists.total[lists.hot][order], pa.uint64()),
+        "count": parquet.from_numpy(lists.counts[order], pa.uint64()),
+        "p": parquet.from_numpy(lists.p[lists.hot][order], pa.float64()),
+        "total": parquet.from_numpy(lists.total[lists.hot][order], pa.uint64()),
     }, schema=SCHEMA)
 
 

@@ -20,7 +20,10 @@ A module decides three things:
 
 A module whose captures depend on the image as well as the instruction (the goal module: the
 candidates of one binary) defines ``plan_in(image_key, insn)``, which the collector then calls
-instead of ``plan``.
+instead of ``plan``. One whose captures depend only on where the instruction is (registers and
+addresses formed from them, no memory operand of the instruction, no call context) may define
+``plan_at(image_key, address)`` too: when every module has it, the collector decodes nothing, so a
+recording with a goal plan alone neither loads the disassembler nor reads the binaries' code.
 
 Modules are found through the ``cyclescope.values`` entry-point group (the
 built-in ones are registered there by cyclescope's own package metadata), or

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from cyclescope.arrays import distinct, group
 from cyclescope.binaries.symbolize import Symbolizer
 from cyclescope.db.hotlist import (
     VALUE_DTYPE,
@@ -118,10 +119,10 @@ class Plan:
     ops: np.ndarray = field(default_factory=lambda: _NO_OPS)  # the captures of here and prev, as op rows
 
 
-def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
+def _compile(plan: Plan, insn: InsnDetail | None) -> np.ndarray:
     """The plan's captures as op rows (_KOFF: the key's offset, -1 for the sampled PC's); the
-    captures that can never give a value here (a segment or rip-relative address, a context
-    outside a known procedure) are left out."""
+    captures that can never give a value here (a segment or rip-relative address, an instruction's
+    address where it was not decoded, a context outside a known procedure) are left out."""
     rows: list[tuple[int, ...]] = []
 
     def col(r: str) -> int:
@@ -135,7 +136,7 @@ def _compile(plan: Plan, insn: InsnDetail) -> np.ndarray:
         if cap.source == "reg":
             reg_row(kind, OP_REG_CTX if cap.with_ctx else OP_REG, cap, -1)
         elif cap.source == "addr":
-            m = insn.mem
+            m = insn.mem if insn is not None else None
             if m is None or m.segment or m.base == "rip":
                 continue
             rows.append((kind, OP_ADDR, col(m.base), col(m.index), m.scale, m.disp & MASK64, 0, 0, -1))
@@ -321,6 +322,9 @@ class ValueCapture:
         self._rng = np.random.default_rng(opts.seed)
         self._pyrng = random.Random(opts.seed)
         self._prev_capturers: list[Any] = [m for m in self.modules if hasattr(m, "prev_plan")]
+        # Every module plans from the address alone (a goal plan): nothing is decoded (values/api.py).
+        self._by_address = bool(self.modules) and all(hasattr(m, "plan_at") for m in self.modules) \
+            and not self._prev_capturers
         self.started = 0.0
         self._last_interp = time.perf_counter()
         self._only = self._only_at()  # None: samples anywhere may give values
@@ -384,6 +388,8 @@ class ValueCapture:
         key = (img, off)
         if key in self._plans:
             return self._plans[key]
+        if self._by_address:
+            return self._keep_plan(key, self._plan_at(img, off))
         insn = self.code.insn(img, off)
         plan = None
         if insn is not None:
@@ -399,6 +405,18 @@ class ValueCapture:
                              for c in m.prev_plan(prev)]
             plan = Plan(proc.start if proc is not None else None, here, prev_off, prev_caps)
             plan.ops = _compile(plan, insn)
+        return self._keep_plan(key, plan)
+
+    def _plan_at(self, img: int, off: int) -> Plan:
+        """The plan of modules that need only the address (``plan_at``): no decoding."""
+        image_key = self.table[img].key
+        here = [(self._kind(c.kind), c) for m in self.modules
+                for c in getattr(m, "plan_at")(image_key, off)]  # noqa: B009 (not part of ValueModule)
+        plan = Plan(None, here, None, [])
+        plan.ops = _compile(plan, None)
+        return plan
+
+    def _keep_plan(self, key: tuple[int, int], plan: Plan | None) -> Plan | None:
         if len(self._plans) > 1 << 18:
             self._plans.clear()
         self._plans[key] = plan
@@ -421,11 +439,11 @@ class ValueCapture:
         if not len(sel):
             return 0
         pids = samples["pid"][sel].astype(np.int64)
-        upids, pinv = np.unique(pids, return_inverse=True)
+        upids, pinv = group(pids)
         owner = np.array([(-2 if (u := self._uid(int(p), comm is None)) is None else u)
                           for p in upids.tolist()], np.int64)[pinv]
         if comm is not None and self.opts.commands is not None:
-            ucomm, cinv = np.unique(comm[sel], return_inverse=True)
+            ucomm, cinv = group(comm[sel])
             names = self.mapper.comms.names
             allowed = np.array([0 <= c < len(names) and names[c] in self.opts.commands
                                 for c in ucomm.tolist()], bool)[cinv]
@@ -443,7 +461,7 @@ class ValueCapture:
         img = image[sel].astype(np.int64)
         off = offset[sel].astype(np.uint64)
         n = len(sel)
-        for o in np.unique(owner).tolist():
+        for o in distinct(owner).tolist():
             self.stats[o].samples += int((owner == o).sum())
         if self.interp is not None and self.opts.length > 0:
             runs = self._interpret(pids, owner, R, S, L, sum(len(x) for x in self._run_sample))
@@ -452,7 +470,7 @@ class ValueCapture:
             self._first_wait = time.monotonic()
         self._drains.append((pids, owner, R, S, L, img, off))
         self._drained += n
-        self._drain_pids.update(np.unique(pids).tolist())
+        self._drain_pids.update(distinct(pids).tolist())
         if (self._drained >= CRUNCH_SAMPLES or time.monotonic() - self._first_wait >= CRUNCH_AGE_S
                 or (self.interp is not None and self.interp.buffered_steps >= CRUNCH_STEPS)):
             self._crunch()
@@ -464,7 +482,7 @@ class ValueCapture:
         assert self._only is not None
         im, off = image[sel], offset[sel]
         keep = np.zeros(len(sel), bool)
-        for i in np.unique(im).tolist():
+        for i in distinct(im).tolist():
             offs = self._only.get(self.table[int(i)].key)
             if offs is not None and len(offs):
                 m = im == i
@@ -501,7 +519,7 @@ class ValueCapture:
             if len(batch):
                 steps = np.bincount(batch.run, minlength=len(runs))
                 ro = owner[runs]
-                for o in np.unique(ro).tolist():
+                for o in distinct(ro).tolist():
                     self.stats[o].steps += int(steps[ro == o].sum())
                 self._transform(batch, pids[runs], ro, keys_parts, vals_parts)
         if keys_parts:
@@ -698,7 +716,7 @@ class ValueCapture:
                 try:
                     mine = [self._batch_columns(batch, e, pid, uid) for e in fast(batch) if len(e.rows)]
                 except Exception:  # a broken module loses its own values of this drain, nothing else
-                    self.skipped[f"module {m.name} failed"] += len(np.unique(batch.run))
+                    self.skipped[f"module {m.name} failed"] += len(distinct(batch.run))
                     continue
                 cols.extend(mine)
                 continue
@@ -731,7 +749,7 @@ class ValueCapture:
             codes = np.array([self._kind(k) for k in e.kind.names] or [0], np.int32)
             kind = codes[np.asarray(e.kind.codes, np.int64)]
         else:
-            names, inv = np.unique(np.asarray(e.kind).astype(str), return_inverse=True)
+            names, inv = group(np.asarray(e.kind).astype(str))
             kind = np.array([self._kind(str(k)) for k in names], np.int32)[inv.reshape(-1)]
         return (pid[run], uid[run], batch.pc[e.rows], np.asarray(e.v0, np.uint64),
                 np.broadcast_to(np.asarray(e.v1, np.uint64), (n,)),
@@ -789,7 +807,7 @@ class ValueCapture:
         rows kept (the owner known and allowed, the image known)."""
         if not len(pid):
             return 0
-        upids, inv = np.unique(pid, return_inverse=True)
+        upids, inv = group(pid)
         owner = np.array([(-2 if (u := self._uid(int(p))) is None else u) for p in upids.tolist()], np.int64)[inv]
         self.skipped["not allowed"] += int((owner == -1).sum())
         self.skipped["owner unknown"] += int((owner == -2).sum())
@@ -821,7 +839,7 @@ class ValueCapture:
         for m in self.modules:
             for key, offs in getattr(m, "only_at")().items():  # noqa: B009 (not part of ValueModule)
                 out.setdefault(key, []).extend(offs)
-        return {k: np.unique(np.array(v, np.uint64)) for k, v in out.items()}
+        return {k: distinct(np.array(v, np.uint64)) for k, v in out.items()}
 
     def take(self, start: float, end: float) -> dict[int, tuple[NamedHotlists, ValuesMeta]]:
         """Everything since the last take, per owner uid."""
@@ -834,7 +852,7 @@ class ValueCapture:
         self._running_p.reset()
         out: dict[int, tuple[NamedHotlists, ValuesMeta]] = {}
         images = self.table.keys()
-        owners = set(self.stats) | set(np.unique(merged.keys["uid"]).tolist() if len(merged) else [])
+        owners = set(self.stats) | set(distinct(merged.keys["uid"]).tolist() if len(merged) else [])
         for uid in sorted(owners):
             sel = np.flatnonzero(merged.keys["uid"] == uid) if len(merged) else np.zeros(0, np.int64)
             remap = np.full(len(merged.keys), -1, np.int64)

@@ -165,8 +165,13 @@ class GoalModule(BaseModule):
         self._n: dict[tuple[str, int, str], float] = {}
 
     def plan_in(self, image: str, insn: InsnDetail) -> Sequence[Capture]:
+        return self.plan_at(image, insn.address)
+
+    def plan_at(self, image: str, address: int) -> Sequence[Capture]:
+        """The captures at ``address`` of ``image``: registers, their differences and addresses
+        formed from them, none needing the instruction itself (values/api.py)."""
         points = self.goal_plan.points
-        here = {r: points[i] for i, r in self._at.get((image, insn.address), ())
+        here = {r: points[i] for i, r in self._at.get((image, address), ())
                 if points[i].on and not points[i].exact}
         out = []
         for r in sorted(here):
