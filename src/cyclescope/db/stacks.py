@@ -86,12 +86,12 @@ def _encoded(labels: list[str | None]) -> pa.DictionaryArray:
     largest cost of a recording's first flush with stacks."""
     index: dict[str | None, int] = {}
     codes = np.fromiter((index.setdefault(x, len(index)) for x in labels), np.int32, len(labels))
-    return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(list(index), pa.string()))
+    return pa.DictionaryArray.from_arrays(parquet.from_numpy(codes, pa.int32()), pa.array(list(index), pa.string()))
 
 
 def _table(events: list[str], processes: list[str | None], counts: list[int],
            images: list[list[str]], offsets: list[list[int]]) -> pa.Table:
-    bounds = pa.array(np.cumsum([0, *map(len, images)], dtype=np.int32), pa.int32())
+    bounds = parquet.from_numpy(np.cumsum([0, *map(len, images)], dtype=np.int32), pa.int32())
     return pa.Table.from_arrays([
         _encoded(list(events)), _encoded(processes), pa.array(counts, pa.uint64()),
         pa.ListArray.from_arrays(bounds, _encoded([k for st in images for k in st])),
@@ -175,11 +175,11 @@ def _merge_files(files: list[tuple[Path, pa.Table]]) -> pa.Table:
         return pa.DictionaryArray.from_arrays(pa.array(codes, mask=np.isin(codes, none) if none else None),
                                               pa.array([n or "" for n in table], pa.string()))
 
-    bounds = pa.array(splits.astype(np.int32))
+    bounds = parquet.from_numpy(splits, pa.int32())
     return pa.Table.from_arrays([
-        names(ev, ev_names), names(pr, pr_names), pa.array(np.rint(arr.count[rows]).astype(np.uint64)),
+        names(ev, ev_names), names(pr, pr_names), parquet.from_numpy(np.rint(arr.count[rows]), pa.uint64()),
         pa.ListArray.from_arrays(bounds, names(arr.image[frames], key_names)),
-        pa.ListArray.from_arrays(bounds, pa.array(arr.offset[frames], pa.uint64())),
+        pa.ListArray.from_arrays(bounds, parquet.from_numpy(arr.offset[frames], pa.uint64())),
     ], schema=SCHEMA)
 
 

@@ -38,8 +38,8 @@ def has_symbols(db: Database, key: str) -> bool:
 def write_symbols(db: Database, key: str, table: SymbolTable) -> None:
     db.ensure(db.symbols_dir)
     t = pa.table({
-        "start": pa.array(table.starts, pa.uint64()),
-        "end": pa.array(table.ends, pa.uint64()),
+        "start": parquet.from_numpy(table.starts, pa.uint64()),
+        "end": parquet.from_numpy(table.ends, pa.uint64()),
         "name": pa.array(list(table.names), pa.string()),
     }).replace_schema_metadata({b"image": key.encode()})
     final = symbols_path(db, key)
