@@ -85,6 +85,7 @@ def test_fork_copies_maps_and_exit_reaps_after_grace() -> None:
     out = m.map_batch(samples, side)
     assert out.image.tolist() == [3] and out.offset.tolist() == [0x1100]
     assert m.procs[11].exited_ns == 4
+    assert m.procs[11].parent == 10 and m.procs[10].parent == 0  # who forked it (value owners: capture.py)
     assert m.reap(now_ns=4 + 10**9) == 0  # still in its grace period
     assert m.reap(now_ns=4 + 3 * 10**9) == 1 and 11 not in m.procs and 10 in m.procs
 

@@ -481,6 +481,27 @@ def test_drains_wait_for_capture_under_the_maps_they_were_taken_with() -> None:
     assert _rows(execd) == whole
 
 
+def test_a_process_gone_before_its_samples_are_drained_is_owned_as_its_parent() -> None:
+    """A short command in a shell loop has exited by the drain: /proc no longer names its owner.
+    Its samples go to its parent's owner (the FORK record's), not to "owner unknown"; with no
+    parent known they are still skipped."""
+    child = subprocess.Popen(["true"])
+    child.wait()  # its pid names no process now
+    vc, _ = _capture()
+    state = _State()
+    state.parent = os.getpid()  # type: ignore[attr-defined]
+    vc.mapper.procs[child.pid] = state
+    s, img, off, regs, stack, stack_len = _batch([0x1003] * 10, [0x8000] * 10, [7] * 10, 0)
+    s["pid"] = child.pid
+    assert vc.process(s, img, off, regs, stack, stack_len) == 10
+    assert _rows(vc)[(0x1003, "in:rsi")] == {(7, 0, -1): 10}
+
+    orphan, _ = _capture()
+    orphan.mapper.procs[child.pid] = _State()  # no FORK record seen
+    assert orphan.process(s, img, off, regs, stack, stack_len) == 0
+    assert orphan.skipped["owner unknown"] == 10
+
+
 def test_a_goal_plan_captures_from_the_address_alone_without_decoding() -> None:
     """Modules that plan by address (a goal plan) make capture decode nothing: the code index is
     never asked, and the registers and their difference are taken where the plan says."""

@@ -48,6 +48,7 @@ class ProcessState:
     images: list[int] = field(default_factory=list)  # >=0 image index, <0: -(Unknown)-1
     exited_ns: int | None = None
     last_seen_ns: int = 0
+    parent: int = 0  # the pid that forked it, where a FORK record said so (0: not known)
     _arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def copy(self, pid: int) -> ProcessState:
@@ -221,7 +222,9 @@ class Mapper:
                     return  # a new thread shares its process's maps
                 parent = self._state(rec.ppid)
                 assert parent is not None
-                self.procs[rec.pid] = parent.copy(rec.pid)
+                child = parent.copy(rec.pid)
+                child.parent = rec.ppid
+                self.procs[rec.pid] = child
                 self.stats["forks"] += 1
             elif rec.kind == RecordType.EXIT and rec.pid == rec.tid:
                 st = self.procs.get(rec.pid)

@@ -290,6 +290,9 @@ def _modules(opts: ValueOptions) -> list[ValueModule]:
     return [*(load_modules(others) if others else []), GoalModule(read_plan(opts.goal))]
 
 
+MAX_PARENTS = 8  # how far up the FORK records an exited process's owner is looked for (ValueCapture._uid)
+
+
 class ValueCapture:
     """Turns sampled registers and stacks into hotlists, per owner; flushes hand them over."""
 
@@ -337,10 +340,16 @@ class ValueCapture:
         self._pinned[pid] = uid
         return uid
 
-    def _uid(self, pid: int, by_command: bool = True) -> int | None:
+    def _uid(self, pid: int, by_command: bool = True, depth: int = 0) -> int | None:
         """The uid whose values these are; -1: not to be sampled; None: unknown. ``by_command``:
         apply the command filter with the process's current name (callers that know each sample's
-        command filter by it themselves)."""
+        command filter by it themselves).
+
+        The owner is the process's real uid, read from /proc. A process that exited before its
+        samples were drained (a short command in a shell loop) takes its parent's, as a FORK record
+        named it: fork copies the real uid, and exec keeps it (a set-user-ID binary changes the
+        effective one), so only a child that called setuid itself, which takes privilege, can differ,
+        and its values then go to the parent's owner, who could read the child anyway."""
         if pid in self._pinned:
             return self._pinned[pid]
         if pid in self._owners:
@@ -355,7 +364,12 @@ class ValueCapture:
                             break
             except (OSError, ValueError, IndexError):
                 uid = None
-            if uid is not None and self.opts.users is not None and uid not in self.opts.users:
+            if uid is None and depth < MAX_PARENTS:
+                st = self.mapper.procs.get(pid)
+                parent = getattr(st, "parent", 0) if st is not None else 0
+                if parent > 0 and parent != pid:
+                    uid = self._uid(parent, by_command=False, depth=depth + 1)
+            if uid is not None and uid >= 0 and self.opts.users is not None and uid not in self.opts.users:
                 uid = -1  # not ours to sample
             if len(self._owners) > 65536:
                 self._owners.clear()
