@@ -113,3 +113,28 @@ def test_the_host_samples_are_filed_under(monkeypatch: pytest.MonkeyPatch) -> No
     assert args.host == "container-3"
     args = build_parser().parse_args(["daemon", "--host", "clone-1"])
     assert args.host == "clone-1"
+
+
+def test_numpy_is_imported_with_one_blas_thread_even_when_an_option_imports_it() -> None:
+    """--call-graph's type imports the recording session, and with it numpy: imported then, before
+    main() asked numpy for one BLAS thread, OpenBLAS started one per CPU, and they spun through the
+    recording (record -g fp cost 0.1-0.4 s of CPU more than flat sampling on 2 CPUs)."""
+    import os
+    import subprocess
+    import sys
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: OpenBLAS starts no thread of its own to tell apart")
+    code = ("import os, sys\n"
+            "from cyclescope.cli.main import main\n"
+            "try:\n"
+            "    main(['record', '-g', 'fp', '--nosuch'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "assert 'numpy' in sys.modules, 'the option did not import numpy: the test tests nothing'\n"
+            "print(len(os.listdir('/proc/self/task')))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                                            "MKL_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1"  # the main thread alone

@@ -76,6 +76,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)
+    if wanted in COMMANDS and wanted not in CONTROL_COMMANDS:
+        # Before the arguments are parsed: some options' types import numpy (--call-graph's imports
+        # the recording session), and numpy imported then started a BLAS thread per CPU that spun
+        # through the recording (0.1-0.4 s of CPU in `record -g`, bench/overhead.py).
+        import_numpy_single_threaded()
     parser = build_parser(wanted if wanted in COMMANDS else None)
     args, extra = parser.parse_known_args(argv)
     cmd = getattr(args, "_cmd", None)
