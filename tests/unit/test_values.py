@@ -481,25 +481,36 @@ def test_drains_wait_for_capture_under_the_maps_they_were_taken_with() -> None:
     assert _rows(execd) == whole
 
 
-def test_a_process_gone_before_its_samples_are_drained_is_owned_as_its_parent() -> None:
+def test_a_process_gone_before_its_samples_are_drained_is_owned_as_its_parent_where_that_is_safe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A short command in a shell loop has exited by the drain: /proc no longer names its owner.
-    Its samples go to its parent's owner (the FORK record's), not to "owner unknown"; with no
-    parent known they are still skipped."""
+    Its samples go to its parent's owner (the FORK record's) when that is root or the recorder's
+    own user, not to "owner unknown". Under a root recorder a parent of another user does not
+    vouch for the child (a set-user-ID program between them, sudo, can have made it root's), and
+    with no parent known the samples are skipped too."""
     child = subprocess.Popen(["true"])
     child.wait()  # its pid names no process now
-    vc, _ = _capture()
-    state = _State()
-    state.parent = os.getpid()  # type: ignore[attr-defined]
-    vc.mapper.procs[child.pid] = state
     s, img, off, regs, stack, stack_len = _batch([0x1003] * 10, [0x8000] * 10, [7] * 10, 0)
     s["pid"] = child.pid
-    assert vc.process(s, img, off, regs, stack, stack_len) == 10
-    assert _rows(vc)[(0x1003, "in:rsi")] == {(7, 0, -1): 10}
 
-    orphan, _ = _capture()
-    orphan.mapper.procs[child.pid] = _State()  # no FORK record seen
-    assert orphan.process(s, img, off, regs, stack, stack_len) == 0
-    assert orphan.skipped["owner unknown"] == 10
+    def capture(parent_uid: int | None, recorder: int) -> ValueCapture:
+        monkeypatch.setattr(os, "geteuid", lambda: recorder)
+        vc, _ = _capture()
+        state = _State()
+        if parent_uid is not None:
+            state.parent = 4242  # type: ignore[attr-defined]
+            vc._owners[4242] = parent_uid  # the parent's owner, as read while it lived
+        vc.mapper.procs[child.pid] = state
+        return vc
+
+    for parent_uid, recorder, kept in ((0, 0, True), (1000, 1000, True), (1000, 0, False), (None, 0, False)):
+        vc = capture(parent_uid, recorder)
+        assert vc.process(s, img, off, regs, stack, stack_len) == (10 if kept else 0)
+        if kept:
+            (named, meta), = vc.take(0.0, 1.0).values()
+            assert meta.uid == parent_uid and len(named.lists) > 0
+        else:
+            assert vc.skipped["owner unknown"] == 10
 
 
 def test_a_goal_plan_captures_from_the_address_alone_without_decoding() -> None:

@@ -30,6 +30,7 @@ value), is reduced to hotlists, and waits to be merged into the hotlists of the 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import Counter, defaultdict
@@ -346,10 +347,8 @@ class ValueCapture:
         command filter by it themselves).
 
         The owner is the process's real uid, read from /proc. A process that exited before its
-        samples were drained (a short command in a shell loop) takes its parent's, as a FORK record
-        named it: fork copies the real uid, and exec keeps it (a set-user-ID binary changes the
-        effective one), so only a child that called setuid itself, which takes privilege, can differ,
-        and its values then go to the parent's owner, who could read the child anyway."""
+        samples were drained (a short command in a shell loop) may take its parent's, as a FORK
+        record named it (``_inherited``)."""
         if pid in self._pinned:
             return self._pinned[pid]
         if pid in self._owners:
@@ -365,10 +364,7 @@ class ValueCapture:
             except (OSError, ValueError, IndexError):
                 uid = None
             if uid is None and depth < MAX_PARENTS:
-                st = self.mapper.procs.get(pid)
-                parent = getattr(st, "parent", 0) if st is not None else 0
-                if parent > 0 and parent != pid:
-                    uid = self._uid(parent, by_command=False, depth=depth + 1)
+                uid = self._inherited(pid, depth)
             if uid is not None and uid >= 0 and self.opts.users is not None and uid not in self.opts.users:
                 uid = -1  # not ours to sample
             if len(self._owners) > 65536:
@@ -380,6 +376,23 @@ class ValueCapture:
             if name not in self.opts.commands:
                 uid = -1
         return uid
+
+    def _inherited(self, pid: int, depth: int) -> int | None:
+        """The owner of a process /proc no longer knows, from the process that forked it, where
+        that cannot hand another user's values to someone else. fork copies the real uid and exec
+        keeps it, but a set-user-ID program can set it (sudo's child runs with real uid 0 under a
+        user's shell), so an ancestor's uid says only that the process was at most as privileged
+        as root: its values go to root, who may read any process, or, when this recorder runs as
+        that same user, to them (the kernel let them sample it: nothing more is revealed), and are
+        skipped otherwise."""
+        st = self.mapper.procs.get(pid)
+        parent = getattr(st, "parent", 0) if st is not None else 0
+        if parent <= 0 or parent == pid:
+            return None
+        uid = self._uid(parent, by_command=False, depth=depth + 1)
+        if uid is None or uid < 0:
+            return uid
+        return uid if uid == 0 or uid == os.geteuid() else None
 
     def forget(self, pid: int) -> None:
         """A process exited or exec'd (its name, owner and memory may change)."""
