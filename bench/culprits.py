@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--miss-rate", type=float, default=0.02,
                     help="an instruction misses (mispredicts) when at least this share of its executions do")
     ap.add_argument("--keep", metavar="DIR", help="keep (and reuse) recordings and simulations in DIR")
+    ap.add_argument("--save-as", default="culprits", help="bench/out/NAME.json")
     args = ap.parse_args()
     progs, inp = programs(args.programs.split(","))
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="cs-culprits-"))
@@ -140,7 +141,7 @@ def main() -> None:
         o = totals[code]
         print(f"all programs, {names[code]}: precision {100 * o['blame_right'] / max(1e-9, o['blame']):.1f}%, "
               f"recall {100 * o['misses_blamed'] / max(1, o['misses']):.1f}%")
-    print(f"raw data: {save('culprits', {'machine': machine(), 'args': vars(args), 'programs': per})}")
+    print(f"raw data: {save(args.save_as, {'machine': machine(), 'args': vars(args), 'programs': per})}")
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
 
