@@ -1,0 +1,210 @@
+"""What closing uprobes costs: N perf uprobe counters against one BPF uprobe_multi link over the same
+N instructions (issue 30: counting a loop's header beside its procedure's entry in one window).
+
+    python bench/uprobemulti.py                  # 8 functions, 4 rounds, alternated
+    python bench/uprobemulti.py --probes 2 --rounds 6
+
+A program calls N small functions in a loop and prints its calls every 10 ms. Each round, alternated:
+the N entries are counted by N perf uprobe counters (collect/kernel.open_uprobe_counter, as the
+anchors do) or by one BPF program attached to all N at once (BPF_TRACE_UPROBE_MULTI, kernel 6.6 and
+later), for 0.3 s; then the counters are closed. Measured: how long the open and the close take, and
+the program's call rate while they close against its rate before, so that the traps paid while
+probes wait to close are seen.
+
+The BPF side is made with raw bpf(2) calls through ctypes: the program is ten instructions (add one
+to a counter in an array map), and the libbpf this project loads (1.1, Debian 12's) has no
+uprobe_multi attach function. collect/ebpf.py, which loads the collector's program through libbpf,
+is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import machine, median, save
+
+SYS_BPF = 321  # x86-64
+BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_PROG_LOAD, BPF_LINK_CREATE = 0, 1, 5, 28
+BPF_MAP_TYPE_ARRAY, BPF_PROG_TYPE_KPROBE, BPF_TRACE_UPROBE_MULTI = 2, 2, 48
+PROGRAM = """
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#define F(n) __attribute__((noinline)) int f##n(int x) { __asm__ volatile(""); return x + n; }
+F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+typedef int (*fn)(int);
+static fn fs[16] = {f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15};
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+int main(int argc, char **argv) {
+    double dur = atof(argv[1]); int n = atoi(argv[2]); volatile long s = 0; long calls = 0;
+    double t0 = now(), last = t0;
+    for (;;) {
+        for (int i = 0; i < 100; i++) for (int k = 0; k < n; k++) s += fs[k](i);
+        calls += 100 * n;
+        double t = now();
+        if (t - last >= 0.01) { printf("%.6f %ld\\n", t, calls); fflush(stdout); calls = 0; last = t; }
+        if (t - t0 > dur) break;
+    }
+    return 0;
+}
+"""
+
+
+def _bpf(cmd: int, attr: bytes) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    r = libc.syscall(SYS_BPF, cmd, buf, len(attr))
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"bpf({cmd}): {os.strerror(e)}")
+    return int(r)
+
+
+def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+class MultiCounter:
+    """One BPF program counting hits in an array map, attached to many offsets by one link."""
+
+    def __init__(self) -> None:
+        self.map = _bpf(BPF_MAP_CREATE, struct.pack("<IIII", BPF_MAP_TYPE_ARRAY, 4, 8, 1) + bytes(112))
+        code = b"".join([
+            _insn(0x62, 10, 0, -4, 0),  # *(u32 *)(r10 - 4) = 0: the key
+            _insn(0xBF, 2, 10), _insn(0x07, 2, 0, 0, -4),  # r2 = r10 - 4
+            _insn(0x18, 1, 1, 0, self.map), _insn(0),  # r1 = the map (ld_imm64, BPF_PSEUDO_MAP_FD)
+            _insn(0x85, imm=1),  # r0 = bpf_map_lookup_elem(r1, r2)
+            _insn(0x15, 0, 0, 2, 0),  # if r0 == 0 goto exit
+            _insn(0xB7, 1, imm=1), _insn(0xDB, 0, 1, 0, 0),  # lock *(u64 *)r0 += 1
+            _insn(0xB7, 0), _insn(0x95),  # return 0
+        ])
+        self._keep = [ctypes.create_string_buffer(code, len(code)), ctypes.create_string_buffer(b"GPL"),
+                      ctypes.create_string_buffer(1 << 16)]
+        code_buf, lic, log = self._keep
+        attr = struct.pack("<IIQQIIQII16sII", BPF_PROG_TYPE_KPROBE, len(code) // 8, ctypes.addressof(code_buf),
+                           ctypes.addressof(lic), 1, len(log), ctypes.addressof(log), 0, 0, b"uprobemulti", 0,
+                           BPF_TRACE_UPROBE_MULTI) + bytes(64)
+        try:
+            self.prog = _bpf(BPF_PROG_LOAD, attr)
+        except OSError as e:
+            raise SystemExit(f"the counting program did not load: {e}: {log.value.decode()[-400:]}") from None
+
+    def attach(self, path: str, offsets: list[int], pid: int) -> int:
+        p = ctypes.create_string_buffer(path.encode())
+        offs = (ctypes.c_uint64 * len(offsets))(*offsets)
+        self._keep += [p, offs]  # type: ignore[list-item]
+        attr = struct.pack("<IIIIQQQQIII", self.prog, 0, BPF_TRACE_UPROBE_MULTI, 0, ctypes.addressof(p),
+                           ctypes.addressof(offs), 0, 0, len(offsets), 0, pid) + bytes(64)
+        return _bpf(BPF_LINK_CREATE, attr)
+
+    def hits(self) -> int:
+        key, val = ctypes.create_string_buffer(4), ctypes.create_string_buffer(8)
+        _bpf(BPF_MAP_LOOKUP_ELEM, struct.pack("<IIQQQ", self.map, 0, ctypes.addressof(key), ctypes.addressof(val), 0))
+        return int(struct.unpack("<Q", val.raw)[0])
+
+
+def rate(lines: list[tuple[float, int]], a: float, b: float) -> float:
+    """Calls a second over [a, b) from the program's lines (each: its time, calls since the last)."""
+    calls, span, prev = 0, 0.0, None
+    for t, c in lines:
+        if prev is not None and a <= prev and t <= b:
+            calls += c
+            span += t - prev
+        prev = t
+    return calls / span if span > 0 else float("nan")
+
+
+def one(exe: Path, offsets: list[int], how: str, multi: MultiCounter) -> dict[str, Any]:
+    from cyclescope.collect import kernel
+
+    child = subprocess.Popen([str(exe), "1.6", str(len(offsets))], stdout=subprocess.PIPE, text=True)
+    lines: list[tuple[float, int]] = []
+
+    def read() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            t, c = line.split()
+            lines.append((float(t), int(c)))
+
+    th = threading.Thread(target=read)
+    th.start()
+    time.sleep(0.4)
+    before = multi.hits()
+    t_open = time.monotonic()
+    if how == "multi":
+        fds = [multi.attach(str(exe), offsets, child.pid)]
+    else:
+        pmu = kernel.uprobe_pmu_type()
+        if pmu is None:
+            raise SystemExit("no uprobe PMU here")
+        fds = [kernel.open_uprobe_counter(pmu, str(exe), o, child.pid, -1) for o in offsets]
+        for fd in fds:
+            kernel.ioctl_enable(fd)
+    t_opened = time.monotonic()
+    time.sleep(0.3)
+    hits = multi.hits() - before if how == "multi" else sum(kernel.read_counter(fd)[0] for fd in fds)
+    t_close = time.monotonic()
+    for fd in fds:
+        os.close(fd)
+    t_closed = time.monotonic()
+    th.join()
+    child.wait()
+    return {"open_ms": 1e3 * (t_opened - t_open), "close_ms": 1e3 * (t_closed - t_close), "hits": hits,
+            "rate_before": rate(lines, t_open - 0.3, t_open), "rate_counting": rate(lines, t_opened, t_close),
+            "rate_closing": rate(lines, t_close, t_closed), "rate_after": rate(lines, t_closed + 0.02, t_closed + 0.3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--probes", type=int, default=8, help="functions probed (1-16)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--save-as", default="uprobemulti")
+    a = ap.parse_args()
+    if not 1 <= a.probes <= 16:
+        raise SystemExit("--probes: 1 to 16")
+    tmp = Path(tempfile.mkdtemp(prefix="cs-uprobemulti-"))
+    (tmp / "calls.c").write_text(PROGRAM)
+    exe = tmp / "calls"
+    subprocess.run(["gcc", "-O2", "-o", str(exe), str(tmp / "calls.c")], check=True)
+    from cyclescope.images.elf import read_load_info, read_symbols
+
+    syms = read_symbols(str(exe))
+    info = read_load_info(str(exe))
+    by_name = {n: int(s) for s, n in zip(syms.starts.tolist(), syms.names, strict=True)}
+    offsets = [info.file_offset(by_name[f"f{i}"]) for i in range(a.probes)]
+    if any(o is None for o in offsets):
+        raise SystemExit("a probed function has no file offset")
+    multi = MultiCounter()
+    out: dict[str, list[dict[str, Any]]] = {"perf": [], "multi": []}
+    for r in range(a.rounds):
+        for how in (("perf", "multi") if r % 2 == 0 else ("multi", "perf")):
+            res = one(exe, [int(o) for o in offsets if o is not None], how, multi)
+            out[how].append(res)
+            print(f"round {r} {how:5s}: open {res['open_ms']:6.1f} ms, close {res['close_ms']:6.1f} ms, "
+                  f"{res['hits']:,} hits in 0.3 s; calls/s before {res['rate_before']:,.0f}, counting "
+                  f"{res['rate_counting']:,.0f}, closing {res['rate_closing']:,.0f}, after {res['rate_after']:,.0f}",
+                  flush=True)
+    for how in ("perf", "multi"):
+        rs = out[how]
+        closing = median([x["rate_closing"] / x["rate_before"] for x in rs])
+        per_hit = median([0.3 / x["hits"] * 1e6 for x in rs if x["hits"]])
+        print(f"{how}: {a.probes} probes, close {median([x['close_ms'] for x in rs]):.1f} ms (median), open "
+              f"{median([x['open_ms'] for x in rs]):.1f} ms; while closing the program ran at {100 * closing:.0f}% "
+              f"of its speed before; counting, {per_hit:.1f} us of the program's time a hit")
+    print(f"saved {save(a.save_as, {'machine': machine(), 'probes': a.probes, 'rounds': out})}")
+
+
+if __name__ == "__main__":
+    main()
