@@ -381,6 +381,7 @@ class _Code(CodeIndex):
 class _State:
     def __init__(self) -> None:
         self.comm = 1
+        self.parent = 0  # as images/maps.ProcessState: no FORK record seen
 
     def lookup(self, ips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ips = ips.astype(np.uint64)
@@ -498,7 +499,7 @@ def test_a_process_gone_before_its_samples_are_drained_is_owned_as_its_parent_wh
         vc, _ = _capture()
         state = _State()
         if parent_uid is not None:
-            state.parent = 4242  # type: ignore[attr-defined]
+            state.parent = 4242
             vc._owners[4242] = parent_uid  # the parent's owner, as read while it lived
         vc.mapper.procs[child.pid] = state
         return vc

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if wanted in COMMANDS and wanted not in CONTROL_COMMANDS:
         # Before the arguments are parsed: some options' types import numpy (--call-graph's imports
         # the recording session), and numpy imported then started a BLAS thread per CPU that spun
-        # through the recording (0.1-0.4 s of CPU in `record -g`, bench/overhead.py).
+        # through the recording (0.1-0.4 s of CPU in `record -g`, bench/overhead.py). A command
+        # runs only when its own parser was built (build_parser(wanted)), so this covers them all.
         import_numpy_single_threaded()
     parser = build_parser(wanted if wanted in COMMANDS else None)
     args, extra = parser.parse_known_args(argv)
@@ -92,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     name = args._command
-    if name not in CONTROL_COMMANDS:
-        import_numpy_single_threaded()
     try:
         return int(cmd.run(args))
     except CycleScopeError as e:

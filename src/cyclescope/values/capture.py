@@ -386,7 +386,7 @@ class ValueCapture:
         that same user, to them (the kernel let them sample it: nothing more is revealed), and are
         skipped otherwise."""
         st = self.mapper.procs.get(pid)
-        parent = getattr(st, "parent", 0) if st is not None else 0
+        parent = st.parent if st is not None else 0
         if parent <= 0 or parent == pid:
             return None
         uid = self._uid(parent, by_command=False, depth=depth + 1)
