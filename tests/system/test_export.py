@@ -341,6 +341,8 @@ def test_bolt_fdata_is_read_by_llvm_bolt(tmp_path: Path) -> None:
     assert lines[0] == "no_lbr cpu-clock"
     funcs = {ln.split()[1] for ln in lines[1:]}
     assert f"leaf/{src.name}/1" in funcs and "inner" in funcs, funcs
+    # A sample in printf's PLT stub (one CI run had one) is left out: BOLT keeps no profile for stubs.
+    assert not any(f.endswith("@plt") for f in funcs), funcs
     assert all(ln.split()[0] == "1" and int(ln.split()[2], 16) >= 0 and int(ln.split()[3]) > 0 for ln in lines[1:])
     assert f"in {len(funcs)} functions" in p.stderr
     out = tmp_path / "cg.bolt"

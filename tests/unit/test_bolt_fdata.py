@@ -19,7 +19,16 @@ def test_fdata_lines_are_function_relative_and_skip_what_no_symbol_covers() -> N
                         "1 main 13 2\n"
                         "1 operator\\ new(unsigned\\ long) 0 1\n"
                         "1 leaf/a.c/1 4 7\n")
-    assert (res.functions, res.samples, res.outside) == (3, 13, 13)
+    assert (res.functions, res.samples, res.outside, res.plt) == (3, 13, 13, 0)
+
+
+def test_plt_stubs_are_left_out_as_bolt_keeps_no_profile_for_them() -> None:
+    starts = np.array([0x1030, 0x1060], np.uint64)
+    ends = np.array([0x1040, 0x1080], np.uint64)
+    offs = np.array([0x1030, 0x1036, 0x1064], np.uint64)
+    res = render(["cpu-clock"], offs, np.array([2, 1, 5], np.int64), starts, ends, ["printf@plt", "main"])
+    assert res.text == "no_lbr cpu-clock\n1 main 4 5\n"
+    assert (res.functions, res.samples, res.outside, res.plt) == (1, 5, 0, 3)
 
 
 def test_local_functions_get_the_unique_names_bolt_gives_them() -> None:

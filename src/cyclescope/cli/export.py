@@ -195,6 +195,7 @@ class Export(Command):
             raise NotFoundError(f"{info.path}: no {ev} samples in its functions")
         _emit(args.output, res.text.encode())
         note = f"; {res.outside} samples outside every function symbol left out" if res.outside else ""
+        note += f"; {res.plt} samples in PLT stubs left out (BOLT keeps no profile for them)" if res.plt else ""
         eprint(f"cyclescope export: {res.samples:,} {ev} samples in {res.functions:,} functions of {info.path}{note}")
         return 0
 

@@ -8,6 +8,10 @@ functions by their symbols; a space in a name is escaped with a backslash. BOLT 
 (static) function NAME/FILE/N, N counting the same NAME/FILE from 1 in address order
 (RewriteInstance's uniquified alternative name), so that is what such a function is called here. BOLT turns the samples
 into block and edge counts itself (its own inference for profiles without branch records).
+
+PLT stubs (the `name@plt` symbols images/elf.py makes for them) are left out: BOLT keeps no profile
+for them (llvm-bolt-16 reads a line for `printf@plt` or `printf@PLT` exactly as one for a name it
+does not know), so writing them would only make the file claim functions BOLT never matches.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class FdataResult:
     functions: int
     samples: int
     outside: int  # samples at addresses no function symbol covers (not written)
+    plt: int = 0  # samples in PLT stubs (not written: BOLT keeps no profile for them)
 
 
 def escape(name: str) -> str:
@@ -56,12 +61,15 @@ def render(events: Iterable[str], offsets: np.ndarray, counts: np.ndarray, start
     safe = np.where(ok, idx, 0)
     ok &= offsets < ends[safe]
     funcs: set[int] = set()
-    written = 0
+    written = plt = 0
     for i, off, c in zip(safe[ok].tolist(), offsets[ok].tolist(), counts[ok].tolist(), strict=True):
         if c <= 0:
+            continue
+        if names[i].endswith("@plt"):
+            plt += int(c)
             continue
         lines.append(f"1 {escape(names[i])} {off - int(starts[i]):x} {int(c)}")
         funcs.add(i)
         written += int(c)
     outside = int(counts[~ok].sum())
-    return FdataResult("\n".join(lines) + "\n", len(funcs), written, outside)
+    return FdataResult("\n".join(lines) + "\n", len(funcs), written, outside, plt)
