@@ -120,6 +120,8 @@ def setup(bpf: FakeBpf) -> tuple[bu.KernelUnwind, ImageTable, Any]:
     t.intern(ImageInfo("jit", "/tmp/perf-1.map", "jit", offsets="absolute"))
     mapper = type("M", (), {})()
     mapper.procs = {}
+    mapper.parents = {}
+    mapper.parent_of = mapper.parents.get
     loader = FakeLoader({})
     return bu.KernelUnwind(t, mapper, bpf, loader), t, mapper  # type: ignore[arg-type]
 
@@ -129,6 +131,22 @@ def proc(pid: int, maps: list[tuple[int, int, int, int]]) -> ProcessState:
     for s, e, b, img in maps:
         st.insert(s, e, b, img)
     return st
+
+
+def test_the_collectors_own_children_are_not_described() -> None:
+    """The flusher's symbol archivers and compactions (children of the collector) load the
+    collector's own libraries: their stacks are not walked with rows."""
+    import os
+
+    bpf = FakeBpf()
+    ku, t, mapper = setup(bpf)
+    exe = t.index_of("exe")
+    ku.loader.tables = {exe: rows_of(10)}  # type: ignore[attr-defined]
+    for pid in (7, 8):
+        mapper.procs[pid] = proc(pid, [(0x400000, 0x401000, 0, exe)])
+    mapper.parents.update({7: os.getpid(), 8: 1})
+    ku.watch([7, 8])
+    assert sorted(bpf.procs) == [8] and ku.described == 1
 
 
 def test_processes_are_described_with_their_images_rows_written_once() -> None:

@@ -73,6 +73,32 @@ def test_build_id_notes_and_symbol_tables(compile_c: Callable[..., Path]) -> Non
     assert full.vaddr_bias(text.offset) == text.vaddr - text.offset
 
 
+def test_symbol_tables_read_as_arrays_match_pyelftools(compile_c: Callable[..., Path]) -> None:
+    """The array read of .symtab and .dynsym gives pyelftools' symbols, in order, on a compiled
+    program and on the C library (IFUNC resolvers included: libc's strcpy is one)."""
+    import sys
+    import sysconfig
+
+    from elftools.elf.elffile import ELFFile
+
+    from cyclescope.images.elf import _iter_func_symbols
+
+    libc = next((p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6")
+                 if os.path.exists(p)), None)
+    libpython = Path(sysconfig.get_config_var("LIBDIR") or "/", sysconfig.get_config_var("LDLIBRARY") or "-")
+    paths = [str(compile_c("hotcold")), sys.executable, *([libc] if libc else []),
+             *([str(libpython)] if libpython.is_file() else [])]
+    for p in paths:
+        with open(p, "rb") as f:
+            elf = ELFFile(f)
+            fast = _iter_func_symbols(elf, (".symtab", ".dynsym"))
+            slow = _iter_func_symbols(elf, (".symtab", ".dynsym"), fast=False)
+        assert fast == slow, p
+        assert fast or p == sys.executable, p
+    if libc:
+        assert "strcpy" in read_symbols(libc).names  # an IFUNC: its resolver
+
+
 def test_stripped_binaries_keep_their_dynamic_symbols(compile_c: Callable[..., Path], tmp_path: Path) -> None:
     exe = compile_c("hotcold", "-O2", "-g", "-rdynamic")
     stripped = tmp_path / "stripped"

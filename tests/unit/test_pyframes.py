@@ -151,6 +151,40 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     assert pf.symbols(table[img].key) is None
 
 
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
+def test_the_collectors_own_children_are_not_described() -> None:
+    """The flusher's symbol archivers and compactions are Python children of the collector: their
+    frames are not read (a daemon with -g spent most of its CPU naming them). The parent comes
+    from a FORK record where one came, else from /proc."""
+    import subprocess
+
+    from cyclescope.images.maps import Mapper
+    from cyclescope.images.registry import ImageResolver
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; print(1, flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"1"  # its runtime is up
+        table = ImageTable()
+        mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
+        mapper.scan_proc([child.pid])
+        described: dict[int, bytes] = {}
+        bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg),
+                              forget_python=lambda pid: None)
+        pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
+        assert mapper.procs[child.pid].parent == 0  # no FORK record: /proc says whose child it is
+        pf.watch([child.pid])
+        assert not described
+        mapper.procs[child.pid].parent = 1  # a FORK record naming another parent
+        pf._checked.clear()
+        pf.watch([child.pid])
+        assert child.pid in described, "another process's Python child was not described"
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_python_frames_replace_the_interpreter_from_its_innermost_loop() -> None:
     EV, LIB, PY = 3, 4, 9
     py = ((PY, 1 << SLOT_BITS | 12), (PY, 5))  # innermost first

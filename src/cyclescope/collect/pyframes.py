@@ -212,13 +212,15 @@ class PythonFrames:
         their interpreter to start) not looked at yet, but this one: system-wide it samples
         itself, and naming its own Python frames (its stacks, deep and many, from every drain)
         made more work the more it worked: twice the CPU of flat counting with -g fp, half of it
-        on itself."""
+        on itself. Nor its children: the flusher's symbol archivers and compactions are Python
+        processes, busy with deep stacks for seconds after a flush, and a daemon at 16 kHz with -g
+        fp spent 3.4 s of 6 s of its CPU naming their frames (bench/collectorcpu.py)."""
         now = time.monotonic()
         for pid, since in list(self.waiting.items()):
             if now - since > WAIT_INIT_S or pid not in self.mapper.procs:
                 del self.waiting[pid]  # never initialized (an embedding that does not run Python), or gone
         for pid in [*pids, *self.waiting]:
-            if pid <= 0 or pid in self._checked or pid == self.own:
+            if pid <= 0 or pid in self._checked or self._ours(pid):
                 continue
             self._checked.add(pid)
             st = self.mapper.procs.get(pid)
@@ -239,13 +241,16 @@ class PythonFrames:
                 if self._describe(pid, version, runtime + bias, img, eval_range):
                     break
 
+    def _ours(self, pid: int) -> bool:
+        return pid == self.own or self.mapper.parent_of(pid) == self.own
+
     def mapped_interpreters(self, side: list[SideRecord]) -> list[int]:
         """Processes (not described yet) that mapped a CPython interpreter among these records."""
         from cyclescope.perf.records import MmapRecord
 
         out = []
         for r in side:
-            if (isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs and r.pid != self.own
+            if (isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs and not self._ours(r.pid)
                     and interpreter_version(r.filename) is not None):
                 out.append(r.pid)
         return out
