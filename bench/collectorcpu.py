@@ -7,8 +7,9 @@ run's total moves by about 0.02 s from the next. Here the daemon runs beside `--
 (every thread's sum_exec_runtime, /proc/PID/task/*/schedstat, in ns, and its children's: the
 symbol archivers and compactions the flushes start are processes) is read at --warmup seconds
 and again --window seconds later: drains, the period redraws, and the periodic flushes. Every run
-uses one database, warmed first by a daemon that archives the symbol tables of the images it
-samples (a one-time cost per build-id; compaction at the defaults' pace, every 8 minutes).
+starts from a copy of one database, warmed first by a daemon that archives the symbol tables of
+the images it samples (a one-time cost per build-id), without its segments; a compaction's cost
+is measured apart.
 
 Per contender and rate: the CPU per second of the window and per sample (samples in the window
 taken as the daemon's total times window / its run time: the loops keep both CPUs busy, so samples
@@ -16,6 +17,9 @@ come at an even pace), an upper bound of the per-sample cost since it includes t
 second; and, paired by round, the marginal cost between the two rates, (CPU_hi - CPU_lo) /
 (samples_hi - samples_lo), where work paid per second cancels out. Rates and contenders alternate
 within each round.
+
+--python makes one of the loops a CPython program 30 calls deep: with -g the daemon reads and
+names its Python frames (collect/pyframes.py).
 
 Usage: python bench/collectorcpu.py [--rates 1000,16000] [--rounds 3] [--contenders flat,fp,dwarf]
 """
@@ -26,15 +30,38 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import build, cyclescope_cmd, fmt_spread, machine, median, save
+from common import build, cyclescope_cmd, fmt_spread, machine, median, run, save
 
 CONTENDERS = {"flat": [], "fp": ["-g", "fp"], "dwarf": ["-g", "dwarf"]}
+# --python: one of the busy loops is CPython's, 30 calls deep, whose frames the daemon names with -g.
+PY_LOOP = """
+import sys, time
+def f(n, d):
+    if d:
+        return f(n, d - 1) + 1
+    t = 0
+    for i in range(n):
+        t += i * i % 7
+    return t
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    f(2000, 30)
+"""
+
+
+def start_loops(exe: Path, secs: float, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
+    cmds = [[str(exe), str(secs)] for _ in range(args.copies)]
+    if args.python:
+        cmds[0] = [sys.executable, "-c", PY_LOOP, str(secs)]
+    return [subprocess.Popen(c, stdout=subprocess.DEVNULL) for c in cmds]
 
 
 def _tasks_ns(pid: int) -> int:
@@ -49,6 +76,21 @@ def _tasks_ns(pid: int) -> int:
     return total
 
 
+def _children(pid: int) -> list[int]:
+    """The daemon's child processes, from /proc/PID/task/TID/children: no scan of /proc (this
+    script is a Python process, and the daemon names the frames of the Python processes it
+    samples with -g: a poller that scans /proc four times a second cost it more than itself)."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for t in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in (t / "children").read_text().split()]
+    return out
+
+
 def tree_cpu_ns(pid: int) -> int:
     """CPU the daemon has used so far, its children's included (the flusher's symbol archivers and
     compactions are processes): its threads', its waited-for children's (/proc/PID/stat cutime and
@@ -56,33 +98,46 @@ def tree_cpu_ns(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     f = stat[stat.rindex(")") + 2 :].split()
     total = _tasks_ns(pid) + (int(f[13]) + int(f[14])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
+    return total + sum(_tasks_ns(c) for c in _children(pid))
+
+
+def child_kinds(pid: int, seen: dict[int, str]) -> None:
+    """Note the daemon's live children by what they do (symbol archiving, compaction)."""
+    for c in _children(pid):
+        if c not in seen:
             try:
-                st = (p / "stat").read_text()
+                cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if int(st[st.rindex(")") + 2 :].split()[1]) == pid:
-                total += _tasks_ns(int(p.name))
-    return total
+            seen[c] = "symbols" if "cyclescope.db.symbols" in cmd else "compact" if "compact" in cmd else "other"
 
 
 def daemon_cmd(db: Path, secs: float, rate: int, args: argparse.Namespace, extra: list[str]) -> list[str]:
-    # Compaction every 48 flushes of 10 s: every 8 minutes, as the defaults (60 s, 8 segments).
-    compact = max(1, round(8 * 60 / args.flush_interval))
+    # A run's few segments are not compacted (the default waits for 8); compaction is measured apart.
     return cyclescope_cmd("daemon", "--db", str(db), "-d", str(secs), "-F", str(rate), "--flush-interval",
-                          str(args.flush_interval), "--compact-after", str(compact), "--collector", "bpf",
-                          "--no-loop-counts", *extra)
+                          str(args.flush_interval), "--collector", "bpf", "--no-loop-counts", *extra)
+
+
+def fresh_db(warm: Path, dest: Path) -> Path:
+    """A database with the warm one's archived symbols and binaries, and no segment: every run
+    starts from the same state (one database for all runs grew to a hundred segments, which each
+    flush then listed)."""
+    shutil.copytree(warm, dest, ignore=shutil.ignore_patterns("epoch=*", "control"))
+    return dest
 
 
 def one(name: str, rate: int, exe: Path, args: argparse.Namespace, db: Path) -> dict[str, Any]:
     secs = args.seconds
-    loops = [subprocess.Popen([str(exe), str(secs + 3)], stdout=subprocess.DEVNULL) for _ in range(args.copies)]
+    loops = start_loops(exe, secs + 3, args)
     cmd = daemon_cmd(db, secs, rate, args, CONTENDERS[name])
     d = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(args.warmup)
     a = tree_cpu_ns(d.pid)
-    time.sleep(args.window)
+    kids: dict[int, str] = {}
+    end = time.monotonic() + args.window
+    while (left := end - time.monotonic()) > 0:
+        child_kinds(d.pid, kids)
+        time.sleep(min(1.0, left))
     b = tree_cpu_ns(d.pid)
     _, err = d.communicate(timeout=secs + 120)
     for p in loops:
@@ -97,7 +152,8 @@ def one(name: str, rate: int, exe: Path, args: argparse.Namespace, db: Path) -> 
     in_window = samples * args.window / run_s
     cpu = (b - a) / 1e9
     return {"contender": name, "rate": rate, "cpu_s": cpu, "samples": samples, "run_s": run_s, "lost": lost,
-            "window_samples": in_window, "us_per_sample": cpu / in_window * 1e6 if in_window else None,
+            "children": sorted(kids.values()), "window_samples": in_window,
+            "us_per_sample": cpu / in_window * 1e6 if in_window else None,
             "cpu_per_s_ms": cpu / args.window * 1e3}
 
 
@@ -111,6 +167,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--flush-interval", type=float, default=10.0)
     ap.add_argument("--copies", type=int, default=2, help="busy loops beside the daemon (default: one per CPU)")
+    ap.add_argument("--python", action="store_true",
+                    help="one busy loop is a CPython program 30 calls deep (its frames named with -g)")
     ap.add_argument("--save-as", default="collectorcpu")
     args = ap.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
@@ -128,19 +186,29 @@ def main() -> None:
         # those of every image the machine runs, and then those of the archivers' own libraries
         # (pyarrow's, numpy's), a one-time cost per build-id that is not the steady state.
         print("warming the database (symbol tables archived)...", flush=True)
-        subprocess.run(daemon_cmd(db, 30, 1000, args, ["--flush-interval", "5"]), check=True,
+        loops = start_loops(exe, 43, args)
+        subprocess.run(daemon_cmd(db, 40, max(rates), args, ["--flush-interval", "5", "-g", "dwarf"]), check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for p in loops:
+            p.kill()
+            p.wait()
         for rnd in range(args.rounds):
             order = [(n, r) for n in names for r in rates]
             k = rnd % len(order)
             for n, r in order[k:] + order[:k]:  # rotated each round
-                row = one(n, r, exe, args, db)
+                row = one(n, r, exe, args, fresh_db(db, tmp / f"run-{len(rows)}"))
                 row["round"] = rnd
                 rows.append(row)
                 print(f"round {rnd} {n:5s} {r:6d} Hz: {row['cpu_per_s_ms']:.2f} ms/s, "
                       f"{row['us_per_sample']:.3f} us/sample, lost {row['lost']}", flush=True)
+        # What a compaction costs, apart: the defaults merge 8 segments of 60 s every 8 minutes;
+        # here the last run's segments (one a --flush-interval) are merged.
+        last = tmp / f"run-{len(rows) - 1}"
+        segs = len(list(last.glob("epoch=*/host=*/seg-*.parquet")))
+        comp = run(cyclescope_cmd("db", "compact", "--db", str(last)))
     lo, hi = rates
-    out: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": rows, "summary": {}}
+    out: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": rows, "summary": {},
+                           "compaction": {"cpu_s": comp.cpu_s, "segments_before": segs, "returncode": comp.returncode}}
     print(f"\nThe daemon's own CPU in steady state ({args.window:.0f} s windows after {args.warmup:.0f} s, "
           f"flushing every {args.flush_interval:.0f} s, {args.copies} busy loops), median [quartiles] of "
           f"{args.rounds} rounds:\n")
@@ -163,6 +231,11 @@ def main() -> None:
               f"{fmt_spread([x['cpu_per_s_ms'] for x in at[hi]], ' ms/s', 2)} | "
               f"{fmt_spread([x['us_per_sample'] for x in at[hi]], ' us', 3)} | "
               f"{fmt_spread(marg, ' us', 3) if marg else '-'} | {s['lost']} |")
+    kids = [(x["contender"], x["rate"], x["round"], x["children"]) for x in rows if x["children"]]
+    print(f"\nRuns with children in their window (symbol archivers of images first sampled then): "
+          f"{len(kids)} of {len(rows)}" + "".join(f"\n  {n} {r} Hz round {k}: {', '.join(c)}" for n, r, k, c in kids))
+    print(f"A compaction of the {segs} segments the runs left: {comp.cpu_s:.2f} s of CPU (exit {comp.returncode}); "
+          f"the defaults compact 8 segments every 8 minutes")
     print(f"\nsaved {save(args.save_as, out)}")
 
 
