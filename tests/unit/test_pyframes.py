@@ -20,6 +20,7 @@ from cyclescope.collect.pyframes import (
     OFFSETS,
     SLOT_BITS,
     PythonFrames,
+    line_at,
     line_ranges,
     line_ranges_310,
     pthread_tid_offset,
@@ -56,6 +57,12 @@ def test_location_tables_read_as_cpython_reads_them() -> None:
         def per_unit(rs: list) -> dict[int, int | None]:
             return {u: ln for a, b, ln in rs for u in range(a, b, 2)}
         assert per_unit(ours) == per_unit(theirs), code.co_name
+        # The binary search over the ranges' starts finds what the scan finds, for every unit.
+        rs = line_ranges(code.co_linetable, code.co_firstlineno)
+        starts = [a for a, _, _ in rs]
+        assert all(rs[i][0] >= rs[i - 1][1] for i in range(1, len(rs)))  # in order, no overlap
+        for u in range(-1, (rs[-1][1] if rs else 0) + 2):
+            assert line_at(rs, u, 7, starts) == line_at(rs, u, 7), (code.co_name, u)
 
 
 def test_a_310_line_table_reads_as_its_pairs_say() -> None:

@@ -27,6 +27,7 @@ knowledge. CPython 3.14 publishes them in _Py_DebugOffsets; it is not handled ye
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import struct
@@ -75,6 +76,7 @@ PY_PROC = struct.Struct("<Q10I")  # profile.bpf.c's struct py_proc
 NO_OFFSET = 0xFFFFFFFF
 PTHREAD_TID = 0x2D0  # offsetof(struct pthread, tid) in glibc on x86-64, checked per process
 MAX_CODE_BYTES = 1 << 16
+FRAME_CACHE_MAX = 1 << 18  # (code object, instruction) frames kept per process (then forgotten at once)
 WAIT_INIT_S = 5.0  # how long a process mapping an interpreter is watched for its runtime to start
 
 
@@ -161,7 +163,16 @@ def line_ranges_310(table: bytes, firstlineno: int) -> list[tuple[int, int, int 
     return out
 
 
-def line_at(ranges: list[tuple[int, int, int | None]], unit: int, default: int) -> int:
+def line_at(ranges: list[tuple[int, int, int | None]], unit: int, default: int,
+            starts: list[int] | None = None) -> int:
+    """The line of a code unit; ``starts``: the ranges' starts, for a binary search (the ranges
+    come in order and do not overlap, as co_lines() gives them)."""
+    if starts is not None:
+        i = bisect.bisect_right(starts, unit) - 1
+        if i >= 0 and unit < ranges[i][1]:
+            ln = ranges[i][2]
+            return ln if ln is not None else default
+        return default
     for a, b, ln in ranges:
         if a <= unit < b:
             return ln if ln is not None else default
@@ -173,6 +184,7 @@ class _Code:
     slot: int
     firstlineno: int
     ranges: list[tuple[int, int, int | None]]
+    starts: list[int] | None = None  # the ranges' starts where they are in order (binary search)
 
 
 @dataclass
@@ -183,6 +195,10 @@ class _Proc:
     eval_range: tuple[int, int]
     codes: dict[int, _Code] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)  # per slot
+    # (code object, instruction) -> its frame: the outer frames of a program's stacks repeat from
+    # one sample to the next while the innermost differ, so most keys of a drain are new stacks
+    # of frames seen before (a line lookup each was most of a busy Python process's cost).
+    frame_cache: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
 
 class PythonFrames:
@@ -333,22 +349,30 @@ class PythonFrames:
         out = []
         mem: ProcessMemory | None = None
         o = OFFSETS[p.version]
+        cache = p.frame_cache
         for k in range(0, len(py), 2):
-            code, instr = py[k], py[k + 1]
-            c = p.codes.get(code)
-            if c is None:
-                if mem is None:
-                    mem = ProcessMemory(pid)
-                c = self._code(p, mem, code, o)
+            key = (py[k], py[k + 1])
+            f = cache.get(key)
+            if f is None:
+                code, instr = key
+                c = p.codes.get(code)
                 if c is None:
-                    continue
-            if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
-                unit = instr & 0xFFFFFFFF
-                unit = unit - (1 << 32) if unit >= 1 << 31 else unit
-            else:
-                unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
-            line = line_at(c.ranges, unit, c.firstlineno) if unit >= 0 else c.firstlineno
-            out.append((p.image, (c.slot << SLOT_BITS) | (line & ((1 << SLOT_BITS) - 1))))
+                    if mem is None:
+                        mem = ProcessMemory(pid)
+                    c = self._code(p, mem, code, o)
+                    if c is None:
+                        continue  # not cached: read again at its next sample
+                if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
+                    unit = instr & 0xFFFFFFFF
+                    unit = unit - (1 << 32) if unit >= 1 << 31 else unit
+                else:
+                    unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
+                line = line_at(c.ranges, unit, c.firstlineno, c.starts) if unit >= 0 else c.firstlineno
+                f = (p.image, (c.slot << SLOT_BITS) | (line & ((1 << SLOT_BITS) - 1)))
+                if len(cache) >= FRAME_CACHE_MAX:
+                    cache.clear()
+                cache[key] = f
+            out.append(f)
         self.frames_named += len(out)
         return tuple(out)
 
@@ -372,7 +396,8 @@ class PythonFrames:
             ranges = line_ranges(table, first) if p.version >= (3, 11) else line_ranges_310(table, first)
         except IndexError:  # a table read while it changed, or not a table
             ranges = []
-        c = _Code(len(p.names), first, ranges)
+        ordered = all(ranges[i][0] >= ranges[i - 1][1] for i in range(1, len(ranges)))
+        c = _Code(len(p.names), first, ranges, [r[0] for r in ranges] if ordered else None)
         p.names.append(f"py::{qual}:{fname}")
         p.codes[code] = c
         self.codes_read += 1
