@@ -120,8 +120,6 @@ def setup(bpf: FakeBpf) -> tuple[bu.KernelUnwind, ImageTable, Any]:
     t.intern(ImageInfo("jit", "/tmp/perf-1.map", "jit", offsets="absolute"))
     mapper = type("M", (), {})()
     mapper.procs = {}
-    mapper.parents = {}
-    mapper.parent_of = mapper.parents.get
     loader = FakeLoader({})
     return bu.KernelUnwind(t, mapper, bpf, loader), t, mapper  # type: ignore[arg-type]
 
@@ -133,10 +131,10 @@ def proc(pid: int, maps: list[tuple[int, int, int, int]]) -> ProcessState:
     return st
 
 
-def test_the_collectors_own_children_are_not_described() -> None:
-    """The flusher's symbol archivers and compactions (children of the collector) load the
-    collector's own libraries: their stacks are not walked with rows."""
-    import os
+def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flusher's symbol archivers and compactions (collect/helpers.py) load the collector's
+    own libraries: their stacks are not walked with rows."""
+    from cyclescope.collect import helpers
 
     bpf = FakeBpf()
     ku, t, mapper = setup(bpf)
@@ -144,7 +142,7 @@ def test_the_collectors_own_children_are_not_described() -> None:
     ku.loader.tables = {exe: rows_of(10)}  # type: ignore[attr-defined]
     for pid in (7, 8):
         mapper.procs[pid] = proc(pid, [(0x400000, 0x401000, 0, exe)])
-    mapper.parents.update({7: os.getpid(), 8: 1})
+    monkeypatch.setitem(helpers._pids, 7, None)
     ku.watch([7, 8])
     assert sorted(bpf.procs) == [8] and ku.described == 1
 

@@ -160,12 +160,11 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
                     reason="a CPython version cyclescope reads frames of")
-def test_the_collectors_own_children_are_not_described() -> None:
-    """The flusher's symbol archivers and compactions are Python children of the collector: their
-    frames are not read (a daemon with -g spent most of its CPU naming them). The parent comes
-    from a FORK record where one came, else from /proc."""
-    import subprocess
-
+def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flusher's symbol archivers and compactions (collect/helpers.py) are Python processes
+    whose frames are not read (a daemon with -g spent most of its CPU naming them); any other
+    child, as `record -- CMD`'s command, is."""
+    from cyclescope.collect import helpers
     from cyclescope.images.maps import Mapper
     from cyclescope.images.registry import ImageResolver
 
@@ -180,16 +179,26 @@ def test_the_collectors_own_children_are_not_described() -> None:
         bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg),
                               forget_python=lambda pid: None)
         pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
-        assert mapper.procs[child.pid].parent == 0  # no FORK record: /proc says whose child it is
+        monkeypatch.setitem(helpers._pids, child.pid, None)
         pf.watch([child.pid])
         assert not described
-        mapper.procs[child.pid].parent = 1  # a FORK record naming another parent
+        helpers._pids.pop(child.pid)
         pf._checked.clear()
         pf.watch([child.pid])
-        assert child.pid in described, "another process's Python child was not described"
+        assert child.pid in described, "a child that is not a helper was not described"
     finally:
         child.kill()
         child.wait()
+
+
+def test_helpers_are_known_by_pid_while_they_run_and_a_while_after() -> None:
+    from cyclescope.collect import helpers
+
+    before = set(helpers._pids)
+    assert helpers.run_helper([sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    new = set(helpers._pids) - before
+    assert len(new) == 1 and helpers.is_helper(new.pop())  # kept KEEP_S for its late samples
+    assert helpers.run_helper(["/nonexistent/helper"]) == -1
 
 
 def test_python_frames_replace_the_interpreter_from_its_innermost_loop() -> None:

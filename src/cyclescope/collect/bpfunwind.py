@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cyclescope.collect.ebpf import UW_LOADING, UW_MAPS, UW_PROC_DTYPE, UW_ROW_DTYPE
+from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.unwind import PENDING, TableLoader
 from cyclescope.images import cfi
 
@@ -245,7 +246,6 @@ class KernelUnwind:
         self.procs: dict[int, _Described] = {}
         self.free = list(range(bpf.unwind_procs - 1, -1, -1))
         self.own = os.getpid()
-        self._parent_known: dict[int, bool] = {}  # pid -> forked by this process
         self.described = 0
         self.too_many_maps = 0
         self.no_slot = 0
@@ -258,9 +258,10 @@ class KernelUnwind:
         weight = dict(zip(pids, samples if samples is not None else [1.0] * len(pids), strict=True))
         # Not this process (system-wide it samples itself): its sixty libraries' rows would be
         # most of the rows and of the first minutes' loading; its stacks are walked by frame pointer.
-        # Nor its children, the flusher's symbol archivers and compactions: the same libraries, in
-        # a new process after every flush (a daemon at 16 kHz with -g dwarf once spent half a CPU).
-        todo = set(p for p in pids if p > 0 and p != self.own and p not in self._children(pids))
+        # Nor its helpers, the flusher's symbol archivers and compactions (collect/helpers.py): the
+        # same libraries, in a new process after every flush (a daemon at 16 kHz with -g dwarf
+        # once spent half a CPU).
+        todo = set(p for p in pids if p > 0 and p != self.own and not is_helper(p))
         todo |= {p for p, d in self.procs.items() if d.waiting}
         if self._compact_due():
             self._compact()
@@ -278,13 +279,6 @@ class KernelUnwind:
             # whole now rather than a drain later (the rings carry only side records here).
             self.loader.wait(SHORT_WAIT_S)
             self._watch(sorted(p for p, d in self.procs.items() if d.waiting))
-
-    def _children(self, pids: list[int]) -> set[int]:
-        """Those of ``pids`` that this process forked (asked once per pid: a child stays one)."""
-        for p in pids:
-            if p > 0 and p not in self._parent_known:
-                self._parent_known[p] = self.mapper.parent_of(p) == self.own
-        return {p for p in pids if self._parent_known.get(p)}
 
     def _watch(self, pids: list[int]) -> None:
         for pid in pids:
@@ -407,7 +401,6 @@ class KernelUnwind:
 
     def forget(self, pid: int) -> None:
         """The process exited or exec'd: its description no longer holds."""
-        self._parent_known.pop(pid, None)
         d = self.procs.pop(pid, None)
         if d is not None:
             self.bpf.forget_unwind(pid)

@@ -219,13 +219,8 @@ class Flusher:
 
 
 def _run_quietly(cmd: list[str]) -> int:
-    """A child of ours (compaction, archiving), its output dropped; numpy's BLAS single-threaded
-    in it (see cyclescope.import_numpy_single_threaded)."""
-    import os
-    import subprocess
+    """A child of ours (compaction, archiving), its output dropped, known as a helper (whose
+    frames and unwind rows the collector leaves alone: collect/helpers.py)."""
+    from cyclescope.collect.helpers import run_helper
 
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    try:
-        return subprocess.run(cmd, capture_output=True, timeout=3600, env=env).returncode
-    except (OSError, subprocess.TimeoutExpired):
-        return -1
+    return run_helper(cmd)

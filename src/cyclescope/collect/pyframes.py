@@ -228,9 +228,8 @@ class PythonFrames:
         their interpreter to start) not looked at yet, but this one: system-wide it samples
         itself, and naming its own Python frames (its stacks, deep and many, from every drain)
         made more work the more it worked: twice the CPU of flat counting with -g fp, half of it
-        on itself. Nor its children: the flusher's symbol archivers and compactions are Python
-        processes, busy with deep stacks for seconds after a flush, and a daemon at 16 kHz with -g
-        fp spent 3.4 s of 6 s of its CPU naming their frames (bench/collectorcpu.py)."""
+        on itself. Nor its helpers, the flusher's symbol archivers and compactions
+        (collect/helpers.py)."""
         now = time.monotonic()
         for pid, since in list(self.waiting.items()):
             if now - since > WAIT_INIT_S or pid not in self.mapper.procs:
@@ -258,7 +257,9 @@ class PythonFrames:
                     break
 
     def _ours(self, pid: int) -> bool:
-        return pid == self.own or self.mapper.parent_of(pid) == self.own
+        from cyclescope.collect.helpers import is_helper
+
+        return pid == self.own or is_helper(pid)
 
     def mapped_interpreters(self, side: list[SideRecord]) -> list[int]:
         """Processes (not described yet) that mapped a CPython interpreter among these records."""
@@ -266,8 +267,8 @@ class PythonFrames:
 
         out = []
         for r in side:
-            if (isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs and not self._ours(r.pid)
-                    and interpreter_version(r.filename) is not None):
+            if (isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs
+                    and interpreter_version(r.filename) is not None and not self._ours(r.pid)):
                 out.append(r.pid)
         return out
 

@@ -299,7 +299,7 @@ def _iter_func_symbols(elf: ELFFile, section_names: tuple[str, ...], fast: bool 
     """The defined function symbols (address, size, name) of these symbol table sections.
 
     A 64-bit little-endian table is read as one numpy array, and only the kept symbols' names are
-    decoded; pyelftools parses a symbol at a time, which took 3.2 s of CPU for libarrow's 200,000
+    decoded; pyelftools parses a symbol at a time, which took 2.6 s of CPU for libarrow's 104,000
     symbols (a daemon archives the symbols of every image it samples: bench/collectorcpu.py).
     Other classes and byte orders go through pyelftools. Either way the same list, in table order
     (tests/unit/test_images.py compares them). GNU_IFUNC symbols (libc's strcpy, memcpy...) name

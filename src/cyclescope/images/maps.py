@@ -16,7 +16,6 @@ import bisect
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -242,18 +241,6 @@ class Mapper:
         if isinstance(rec, TaskRecord) and rec.kind == RecordType.FORK and rec.pid != rec.ppid:
             return rec.pid
         return None
-
-    def parent_of(self, pid: int) -> int | None:
-        """The pid that forked ``pid``: from its FORK record where one came, else /proc/PID/stat
-        (None where neither says). The collector uses it to leave its own children alone."""
-        st = self.procs.get(pid)
-        if st is not None and st.parent:
-            return st.parent
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            return int(stat[stat.rindex(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            return None
 
     # --- samples ----------------------------------------------------------------
     def map_batch(self, samples: np.ndarray, side: list[SideRecord]) -> MappedSamples:

@@ -1,0 +1,51 @@
+"""The collector's own helper processes: the flusher's symbol archivers and compactions.
+
+They are Python processes that load the collector's libraries (numpy, pyarrow), busy for seconds
+after a flush, and system-wide the collector samples them like any other. Naming their Python
+frames and loading their libraries' unwind rows was most of a daemon's CPU with stacks
+(bench/collectorcpu.py: 3.4 s of 6 s at 16 kHz with -g fp), so collect/pyframes.py and
+collect/bpfunwind.py leave them alone. They are known by pid, registered as they start; not by
+parentage, since `record -- CMD` runs the profiled command as a child too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+KEEP_S = 60.0  # a helper's pid stays known this long after it exits (its last samples drain late)
+
+_lock = threading.Lock()
+_pids: dict[int, float | None] = {}  # pid -> when it exited (None: running)
+
+
+def is_helper(pid: int) -> bool:
+    return pid in _pids
+
+
+def run_helper(cmd: list[str], timeout: float = 3600.0) -> int:
+    """Run ``cmd`` as a helper, its output dropped and numpy's BLAS single-threaded in it (see
+    cyclescope.import_numpy_single_threaded); its exit status, or -1 where it could not run."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+    except OSError:
+        return -1
+    now = time.monotonic()
+    with _lock:
+        for p, ended in list(_pids.items()):
+            if ended is not None and now - ended > KEEP_S:
+                del _pids[p]
+        _pids[proc.pid] = None
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return -1
+    finally:
+        with _lock:
+            _pids[proc.pid] = time.monotonic()
