@@ -112,10 +112,10 @@ def child_kinds(pid: int, seen: dict[int, str]) -> None:
             seen[c] = "symbols" if "cyclescope.db.symbols" in cmd else "compact" if "compact" in cmd else "other"
 
 
-def daemon_cmd(db: Path, secs: float, rate: int, args: argparse.Namespace, extra: list[str]) -> list[str]:
+def daemon_cmd(db: Path, secs: float, rate: int, flush_s: float, extra: list[str]) -> list[str]:
     # A run's few segments are not compacted (the default waits for 8); compaction is measured apart.
     return cyclescope_cmd("daemon", "--db", str(db), "-d", str(secs), "-F", str(rate), "--flush-interval",
-                          str(args.flush_interval), "--collector", "bpf", "--no-loop-counts", *extra)
+                          str(flush_s), "--collector", "bpf", "--no-loop-counts", *extra)
 
 
 def fresh_db(warm: Path, dest: Path) -> Path:
@@ -129,7 +129,7 @@ def fresh_db(warm: Path, dest: Path) -> Path:
 def one(name: str, rate: int, exe: Path, args: argparse.Namespace, db: Path) -> dict[str, Any]:
     secs = args.seconds
     loops = start_loops(exe, secs + 3, args)
-    cmd = daemon_cmd(db, secs, rate, args, CONTENDERS[name])
+    cmd = daemon_cmd(db, secs, rate, args.flush_interval, CONTENDERS[name])
     d = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(args.warmup)
     a = tree_cpu_ns(d.pid)
@@ -187,7 +187,7 @@ def main() -> None:
         # (pyarrow's, numpy's), a one-time cost per build-id that is not the steady state.
         print("warming the database (symbol tables archived)...", flush=True)
         loops = start_loops(exe, 43, args)
-        subprocess.run(daemon_cmd(db, 40, max(rates), args, ["--flush-interval", "5", "-g", "dwarf"]), check=True,
+        subprocess.run(daemon_cmd(db, 40, max(rates), 5, ["-g", "dwarf"]), check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for p in loops:
             p.kill()

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from cyclescope.arrays import distinct
 from cyclescope.collect.aggregate import Counts
+from cyclescope.collect.helpers import run_helper
 from cyclescope.db import symbols as symstore
 from cyclescope.db.layout import Database, safe_host
 from cyclescope.db.segment import Chunks, SegmentMeta, build_table, write_segment
@@ -144,7 +145,7 @@ class Flusher:
                 cmd = [sys.executable, "-m", "cyclescope.db.symbols", str(self.db.root)]
                 for key, path, build_id in todo[lo : lo + 100]:
                     cmd += [key, path, build_id or ""]
-                self._pool.submit(_run_quietly, cmd)
+                self._pool.submit(run_helper, cmd)
 
     def compact(self, epoch: int) -> None:
         """Compact ``epoch``'s segments of this host in a child process (unless one is at work):
@@ -154,7 +155,7 @@ class Flusher:
             return
         cmd = [sys.executable, "-m", "cyclescope", "db", "compact", "--db", str(self.db.root), "--epoch", str(epoch),
                "--host", safe_host(self.host)]
-        self._compacting = self._pool.submit(_run_quietly, cmd)
+        self._compacting = self._pool.submit(run_helper, cmd)
 
     def ship(self, dest: str, token: str | None) -> None:
         """Ship the database's sealed files to ``dest`` (fleet/ship.py, following the destination's
@@ -216,11 +217,3 @@ class Flusher:
             with contextlib.suppress(Exception):
                 self._compacting.result()
         self._pool.shutdown(wait=True)
-
-
-def _run_quietly(cmd: list[str]) -> int:
-    """A child of ours (compaction, archiving), its output dropped, known as a helper (whose
-    frames and unwind rows the collector leaves alone: collect/helpers.py)."""
-    from cyclescope.collect.helpers import run_helper
-
-    return run_helper(cmd)

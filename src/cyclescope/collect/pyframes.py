@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.procmem import ProcessMemory
 
 if TYPE_CHECKING:
@@ -257,8 +258,6 @@ class PythonFrames:
                     break
 
     def _ours(self, pid: int) -> bool:
-        from cyclescope.collect.helpers import is_helper
-
         return pid == self.own or is_helper(pid)
 
     def mapped_interpreters(self, side: list[SideRecord]) -> list[int]:
