@@ -112,6 +112,7 @@ def calc_procedure(
     mean_period: float = 0.0,
     anchor: AnchorStats | None = None,
     outcomes: dict[int, dict[int, float]] | None = None,
+    trips: dict[int, tuple[int, int]] | None = None,
 ) -> Calc:
     from cyclescope.images.disasm import disassemble
 
@@ -151,6 +152,13 @@ def calc_procedure(
     if anchor is not None:
         mnotes += _anchored(cfg, s_cyc, anchor, period_cycles, measured)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
+    if trips:  # loop headers from their exact ratios to a measured point counted in the same windows
+        by_ratio, rnotes = _by_ratios(cfg, trips, measured, freq)
+        done = tuple(f"loop at {cfg.blocks[b].start:#x}:" for b in by_ratio)
+        mnotes = [n for n in mnotes if not n.startswith(done)] + rnotes
+        if by_ratio:
+            measured = {**measured, **by_ratio}
+            freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     by_trips = _by_trips(cfg, loops, loop_stats or {}, freq, measured, s_cyc)
     if by_trips:  # inner loops: their entries (from the first pass) times their mean trip count
         measured = {**measured, **by_trips}
@@ -263,6 +271,58 @@ def _by_trips(cfg: CFG, loops: list[Loop], stats: dict[int, LoopStats], freq: Fr
         out[h] = Measured(f, conf, "loop-trips", f"{st.mean_trip:,.1f} header runs per entry from "
                                                  f"{st.trip_samples:,} samples' registers")
     return out
+
+
+_RANK = {"high": 2, "medium": 1, "low": 0}
+_BY_RANK = {v: k for k, v in _RANK.items()}
+
+
+def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, Measured],
+               freq: Frequencies) -> tuple[dict[int, Measured], list[str]]:
+    """Blocks whose first instruction the trip windows counted (analysis/trips.py: the procedure's
+    entry and loop headers, all counted together in each window): each gets the count of the best
+    counted block with a measured count (an anchor, a loop counter; else a high-confidence one)
+    times the exact ratio of their hits. The ratio's error goes as 1/sqrt of the rarer point's hits
+    (the trials: a loop's entries, each running some trips): MIN_HITS to be used, MEDIUM_HITS and
+    HIGH_HITS for medium and high confidence (about 10% and 3% where the trips vary as much as their
+    mean), and the result is no surer than the count it scales. Blocks already measured as surely
+    keep their count (trip counts from registers excepted: their estimator is biased, the ratio is
+    not)."""
+    from cyclescope.analysis.trips import HIGH_HITS, MEDIUM_HITS, MIN_HITS
+
+    block_at = {b.start: b.id for b in cfg.blocks}
+    pts = {block_at[a]: h for a, (h, _) in trips.items() if a in block_at}
+    windows = max((w for _, w in trips.values()), default=0)
+    refs = []
+    for b, h in pts.items():
+        if h < MIN_HITS:
+            continue
+        m = measured.get(b)
+        if m is not None:
+            refs.append((_RANK[m.confidence], 1, h, b, m.value, m.confidence, m.method))
+        elif freq.block[b] is not None and freq.block_confidence[b] == "high" and (freq.block[b] or 0.0) > 0:
+            refs.append((2, 0, h, b, float(freq.block[b] or 0.0), "high", freq.block_method[b]))
+    if not refs:
+        if pts:
+            return {}, [f"trip windows counted {len(pts)} points ({windows:,} windows) but none of them has a "
+                        "measured count to scale the ratios by; their counts are the model's"]
+        return {}, []
+    rank, _, h0, b0, f0, conf0, how = max(refs)
+    out: dict[int, Measured] = {}
+    for b, h in pts.items():
+        if b == b0 or h <= 0:
+            continue
+        n = min(h, h0)
+        if n < MIN_HITS:
+            continue
+        r = min(rank, 2 if n >= HIGH_HITS else 1 if n >= MEDIUM_HITS else 0)
+        m = measured.get(b)
+        if m is not None and _RANK[m.confidence] >= r and m.method != "loop-trips":
+            continue
+        out[b] = Measured(f0 * h / h0, _BY_RANK[r], "trip-window",
+                          f"{h / h0:,.4g} runs per run of {cfg.blocks[b0].start:#x} ({h:,} against {h0:,}, counted "
+                          f"together in {windows:,} windows), whose count is {how} ({conf0} confidence)")
+    return out, []
 
 
 def _measured(cfg: CFG, loops: list[Loop], s_cyc: np.ndarray, stats: dict[int, LoopStats],

@@ -40,7 +40,7 @@ MAX_STALL = 600.0  # cycles: more than any plausible miss per execution
 CONFIDENCE_WEIGHT = {"high": 8, "medium": 3, "low": 1}
 # Counts measured rather than modelled (loop counters, trip counts, exact entry counts): the repair
 # moves them last.
-MEASURED = ("loop-counter", "loop-trips", "anchor", "paths")
+MEASURED = ("loop-counter", "loop-trips", "trip-window", "anchor", "paths")
 MEASURED_WEIGHT = {"high": 256, "medium": 32, "low": 8}
 SHAPE_EXCESS = 0.2  # a block whose samples exceed the model's shape by less than this is stall-free
 MIN_BLOCK_M = 1.5  # cycles of (skidded) model a block needs for its ratio to mean anything

@@ -127,6 +127,15 @@ class Profile:
                                    near=int(d["near"][i]))
         return None
 
+    def trip_counts(self, image_key: str, entry: int) -> dict[int, tuple[int, int]]:
+        """The trip windows' tallies of the selection for the procedure entered at ``entry``: point
+        (the entry or a loop header) -> (hits, windows), all counted together (analysis/trips.py)."""
+        from cyclescope.db.tallies import TRIPS
+
+        d = self._tally(TRIPS, image_key, "trip windows").to_pydict()
+        return {int(p): (int(h), int(w)) for e, p, h, w in zip(d["entry"], d["point"], d["hits"], d["windows"],
+                                                               strict=True) if e == entry}
+
     def branch_outcomes(self, info: ImageInfo) -> dict[int, dict[int, float]]:
         """Branch (ELF address) -> {where control went (ELF address): how often}, observed on the
         selection's sampled paths in the image ``info`` (the value hotlists' ``edge`` module where

@@ -233,6 +233,9 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
                    help="count hot procedures' entries with uprobes also when sampling system-wide (-a, "
                         "daemon), where they are off by default: there they count almost nothing (see "
                         "the README's limitations); implies --loop-counts")
+    g.add_argument("--no-trip-windows", action="store_true",
+                   help="do not count anchored procedures' loop headers beside their entries (calc's exact "
+                        "iterations per entry; they take half of --anchor-budget again)")
     g.add_argument("--anchor-budget", type=finite_float, default=None, metavar="SHARE",
                    help="most of one CPU the profiled programs may lose to the anchors' traps (default: "
                         "0.01); anchors whose entries run often are counted in random windows to stay "
@@ -275,7 +278,12 @@ def processors(args: argparse.Namespace, value_opts: ValueOptions | None, system
             budget = getattr(args, "anchor_budget", None)
             if budget is not None and not 0 < budget <= 1:
                 raise UsageError("--anchor-budget must be a share of one CPU above 0 and at most 1")
-            out.append(AnchorProcessor(loops, DEFAULT_BUDGET if budget is None else budget))
+            anchors_proc = AnchorProcessor(loops, DEFAULT_BUDGET if budget is None else budget)
+            out.append(anchors_proc)
+            if not getattr(args, "no_trip_windows", False):
+                from cyclescope.analysis.trips import TripWindows
+
+                out.append(TripWindows(anchors_proc, loops, anchors_proc.budget))
     if getattr(args, "call_graph", None) is not None:
         from cyclescope.collect.stacks import StackProcessor
 

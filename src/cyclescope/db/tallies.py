@@ -85,6 +85,15 @@ ANCHORS = TallyKind(
           ("near", pa.uint64())),
 )
 
+# Loops' headers counted beside their procedure's entry in the same windows (analysis/trips.py): per
+# procedure entry and point (the entry itself, or a loop header), the hits counted and the windows.
+# Only the ratios between one entry's points mean anything: each window counted them all together.
+TRIPS = TallyKind(
+    "trips", "tw",
+    keys=(("image", pa.string()), ("entry", pa.uint64()), ("point", pa.uint64())),
+    sums=(("hits", pa.uint64()), ("windows", pa.uint64())),
+)
+
 # Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
 # the Unix epoch), process, thread and event, the samples and the sum of their periods (event
 # units: nanoseconds of CPU for the clock events).
@@ -96,7 +105,7 @@ TIMELINE = TallyKind(
     first="process",
 )
 
-KINDS = {k.name: k for k in (LOOPS, ANCHORS, TIMELINE)}
+KINDS = {k.name: k for k in (LOOPS, ANCHORS, TRIPS, TIMELINE)}
 
 
 def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:

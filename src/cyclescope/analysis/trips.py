@@ -1,0 +1,276 @@
+"""Trip windows: exact ratios between the counts of a procedure's entry and its loops' headers.
+
+An anchor (analysis/anchors.py) gives a procedure's entry count; the loop counters give a loop's
+count where a register counts its iterations. Most samples of real programs sit in loops that
+neither measures: their exit depends on data (a match finder's chain), their counter lives in
+memory, and their count is the model's, which stalls make wrong by factors (docs/benchmarks.md,
+"calc accuracy"). Yet how many times a loop's header runs per entry of its procedure does not
+depend on how long anything took, so counting the entry and the headers together for a short
+while gives that ratio exactly, whatever the traps do to the time: a trap disturbs the caches
+and predictors (which is why an anchor's entry count of a short procedure comes out low), never
+which way a branch goes.
+
+So a procedure that got an anchor and has loops gets windows here: one BPF program attached by
+one uprobe_multi link (collect/pointcount.py) to its entry and up to MAX_HEADERS loop headers,
+counting each into its own slot, for WINDOW_S, then detached in one go. The windows' counts are
+summed per point (db/tallies.py TRIPS: mergeable by addition like the rest); calc carries
+whichever of the points has a measured count (an anchor, a loop counter) to the others by the
+ratios (analysis/calc.py, method ``trip-window``).
+
+Cost: every hit traps (the anchors' hit cost, 6-17 us on these machines), so a loop header run
+hundreds of millions of times a second makes the program run at the traps' pace while a window is
+open. Windows are short and spaced so that the traps stay within BUDGET_SHARE of the anchors'
+budget of one CPU (a token bucket over the time since the recording began, with ALLOWANCE of
+traps granted ahead so that runs of a second get their first windows). Per task (``record --
+CMD``, ``-p``), a window counts the process that sampled the procedure last; system-wide, every
+process mapping the file.
+
+Windows cut executions at their edges: a window that opens inside an entry's loop counts some of
+its iterations and not its entry, one that closes inside counts the entry and not all of them;
+over many windows these cancel, and with each window holding many entries they are small anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cyclescope.errors import CycleScopeError
+
+MAX_HEADERS = 15  # loop headers counted beside the entry (outermost first)
+WINDOW_S = 0.01  # how long a window counts
+BUDGET_SHARE = 0.5  # of the anchors' budget (a share of one CPU)
+ALLOWANCE = 0.02  # trap seconds granted ahead of time (the first windows of a short run)
+IDLE_S = 0.25  # the longest sleep when nothing can be counted yet
+MIN_GAP_S = 0.05  # the shortest time between two windows
+# calc uses a ratio once the rarer of its two points has this many hits (analysis/calc._by_ratios),
+# in low, medium and high confidence
+MIN_HITS = 20
+MEDIUM_HITS = 100
+HIGH_HITS = 1000
+
+
+@dataclass
+class Target:
+    """One procedure's points: its entry first, then loop headers (vaddrs in the image), their file
+    offsets, and what the windows counted since the last take."""
+
+    img: int
+    entry: int
+    path: str
+    points: list[int]
+    offsets: list[int]
+    pid: int = 0  # the process counted (0: every process mapping the file)
+    hits: np.ndarray | None = None
+    windows: int = 0
+    total_windows: int = 0
+    failed: str | None = None
+
+
+def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray) -> tuple[list[int], list[int]]:
+    """The entry and up to MAX_HEADERS loop headers, outermost loops first (an inner loop's ratio to
+    its outer loop is what a loop counter on the outer one needs), and their file offsets (the
+    procedure lies in one segment: offsets move with addresses)."""
+    order = np.lexsort((np.asarray(headers, np.uint64), np.asarray(depth)))
+    hs = [int(headers[i]) for i in order if int(headers[i]) != entry][:MAX_HEADERS]
+    points = [entry, *hs]
+    return points, [file_offset + (p - entry) for p in points]
+
+
+class TripWindows:
+    """The collector's processor: procedures with an anchor and loops get trip windows; a TRIPS
+    tally comes out at every flush. One thread opens, waits and closes the windows in turn."""
+
+    name = "trips"
+    needs_regs = False
+
+    def __init__(self, anchors: Any, loops: Any, budget: float) -> None:
+        self.anchors = anchors  # analysis.anchors.AnchorProcessor: which procedures, and where they are
+        self.loops = loops  # analysis.loopcount.LoopCountProcessor: their loops
+        self.budget = budget * BUDGET_SHARE
+        self.targets: dict[tuple[int, int], Target] = {}
+        self.lock = threading.Lock()
+        self.counter: Any = None
+        self.error: str | None = None
+        self.per_task = True
+        self.image_key: Any = lambda i: str(i)
+        self.hit_cost_s = 6.5e-6
+        self.spent_s = 0.0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next = 0
+
+    def bind(self, ctx: Any) -> None:
+        from cyclescope.analysis.anchors import hit_cost
+
+        self.per_task = ctx.per_task
+        self.image_key = lambda i: ctx.table[i].key
+        self.hit_cost_s = hit_cost()
+        self.started = time.monotonic()
+
+    # --- choosing ------------------------------------------------------------------------------
+    def process(self, d: Any) -> None:
+        aset = getattr(self.anchors, "set", None)
+        counter = getattr(self.loops, "counter", None)
+        if aset is None or counter is None or self.error is not None:
+            return
+        with aset.lock:
+            anchored = [(k, a.path, a.file_offset, a.end) for k, a in aset.anchors.items()]
+        for key, path, file_offset, end in anchored:
+            t = self.targets.get(key)
+            if t is None:
+                table = counter._table(*key)
+                if table is None or table.empty:
+                    continue
+                points, offsets = points_of(key[1], file_offset, table.headers, table.depth)
+                if len(points) < 2:
+                    continue
+                t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64))
+                with self.lock:
+                    self.targets[key] = t
+            if self.per_task and len(d.samples):  # the process that sampled it last
+                m = (d.image == key[0]) & (d.offset >= key[1]) & (d.offset < end)
+                if m.any():
+                    t.pid = int(d.samples["pid"][m][-1])
+        if self.targets and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trip-windows", daemon=True)
+            self._thread.start()
+
+    # --- windows -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        from cyclescope.collect.pointcount import PointCounter
+
+        try:
+            self.counter = PointCounter()
+        except CycleScopeError as e:
+            self.error = str(e)
+            return
+        try:
+            while not self._stop.is_set():
+                wait = self._step()
+                if wait > 0:
+                    self._stop.wait(wait)
+        finally:
+            self.counter.close()
+
+    def _step(self) -> float:
+        """One window if the budget has paid for it; else the seconds to wait."""
+        with self.lock:
+            ready = [t for t in self.targets.values() if t.failed is None and (t.pid or not self.per_task)]
+        if not ready:
+            return IDLE_S
+        elapsed = time.monotonic() - self.started
+        owed = self.spent_s - ALLOWANCE - self.budget * elapsed
+        if owed > 0:
+            return max(MIN_GAP_S, owed / self.budget)
+        t = ready[self._next % len(ready)]
+        self._next += 1
+        self._window(t)
+        return MIN_GAP_S
+
+    def _window(self, t: Target) -> None:
+        n = len(t.points)
+        self.counter.zero(n)
+        try:
+            link = self.counter.attach(t.path, t.offsets, t.pid if self.per_task else 0)
+        except CycleScopeError as e:
+            t.failed = str(e)
+            return
+        except OSError as e:
+            if e.errno == errno.ESRCH:  # the process is gone: wait for the next one
+                t.pid = 0
+            else:
+                t.failed = f"uprobe_multi on {t.path}: {e.strerror}"
+            return
+        try:
+            self._stop.wait(WINDOW_S)
+        finally:
+            os_close(link)  # the probes stop trapping as the close begins
+        got = self.counter.counts(n)
+        with self.lock:
+            assert t.hits is not None
+            t.hits += got
+            t.windows += 1
+            t.total_windows += 1
+            self.spent_s += float(got.sum()) * self.hit_cost_s
+
+    # --- the collector's side -----------------------------------------------------------------
+    def take(self) -> Any:
+        """The tallies since the last take, as a TRIPS table (db/tallies.py)."""
+        from cyclescope.db.tallies import TRIPS, build
+
+        image: list[str] = []
+        entry: list[int] = []
+        point: list[int] = []
+        hits: list[int] = []
+        windows: list[int] = []
+        with self.lock:
+            for t in self.targets.values():
+                if not t.windows or t.hits is None:
+                    continue
+                for p, h in zip(t.points, t.hits.tolist(), strict=True):
+                    image.append(self.image_key(t.img))
+                    entry.append(t.entry)
+                    point.append(p)
+                    hits.append(int(h))
+                    windows.append(t.windows)
+                t.hits[:] = 0
+                t.windows = 0
+        return build(TRIPS, {"image": image, "entry": np.array(entry, np.uint64),
+                             "point": np.array(point, np.uint64), "hits": np.array(hits, np.uint64),
+                             "windows": np.array(windows, np.uint64)})
+
+    def forget(self, pid: int, tid: int) -> None:
+        if pid == tid:  # a process exited or exec'd: its targets wait for the next sample
+            with self.lock:
+                for t in self.targets.values():
+                    if t.pid == pid:
+                        t.pid = 0
+
+    def finish(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def flush(self, db: Any, epoch: int, host: str) -> list[Any]:
+        from cyclescope.db.tallies import TRIPS, write_tally
+
+        t = self.take()
+        return [write_tally(db, epoch, host, TRIPS, t)] if t.num_rows else []
+
+    def close(self) -> None:
+        self.finish()
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {"procedures": len(self.targets), "windows": sum(t.total_windows for t in self.targets.values()),
+                    "trap_s": round(self.spent_s, 3)}
+
+    def summary(self) -> str | None:
+        with self.lock:
+            counted = [t for t in self.targets.values() if t.total_windows]
+            failed = [t.failed for t in self.targets.values() if t.failed]
+            nwin = sum(t.total_windows for t in counted)
+        if not counted and not failed and self.error is None:
+            return None
+        if self.error is not None:
+            return f"trip windows: off ({self.error})"
+        line = (f"trip windows: loops of {len(counted)} procedure{'' if len(counted) == 1 else 's'} counted per entry "
+                f"in {nwin} window{'' if nwin == 1 else 's'} ({self.spent_s:.2f} s of the programs' time in traps)")
+        if failed:
+            line += f"; {len(failed)} could not be probed ({failed[0]})"
+        return line
+
+
+def os_close(fd: int) -> None:
+    import os
+
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -1,0 +1,120 @@
+"""Trip windows (analysis/trips.py) and calc's use of their ratios, with synthetic inputs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis import trips as tw
+from cyclescope.analysis.anchors import AnchorStats
+from cyclescope.analysis.calc import calc_procedure
+from cyclescope.db.tallies import TRIPS, build, merge
+from cyclescope.images.disasm import read_code
+from tests.unit.test_calc import MCPU
+from tests.unit.test_listing import DATA
+
+# The committed `work` (tests/data/inl): entry block 0x1190, a loop headed at 0x11A0, its samples
+# all on one instruction (a stall the model cannot explain: its count is in low confidence), few at
+# the entry.
+COUNTS = {0x11B8: np.array([300.0]), 0x1190: np.array([1.0]), 0x11BD: np.array([1.0])}
+
+
+def work(**kw: Any) -> Any:
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    return calc_procedure("work", 0x1190, 0x11C6, code, COUNTS, ["cpu-clock"], "cpu-clock", 1_000_000.0,
+                          mcpu=MCPU, **kw)
+
+
+def block(c: Any, start: int) -> int:
+    return next(b.id for b in c.cfg.blocks if b.start == start)
+
+
+def test_a_loop_header_takes_its_entry_count_times_the_windows_ratio() -> None:
+    """The entry's count comes from an anchor (500 entries per 151 window samples); the windows
+    counted the loop's header 3,750 times per entry: the header's count is the entry's times that,
+    no surer than the anchor (medium)."""
+    anchor = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)
+    c = work(anchor=anchor, trips={0x1190: (400, 6), 0x11A0: (1_500_000, 6)})
+    entry, loop = block(c, 0x1190), block(c, 0x11A0)
+    assert c.freq.block_method[entry] == "anchor"
+    assert c.freq.block_method[loop] == "trip-window" and c.freq.block_confidence[loop] == "medium"
+    assert c.executions(loop) == pytest.approx(c.executions(entry) * 3750, rel=0.01)
+    # Without trips, the loop's count is the model's.
+    plain = work(anchor=anchor)
+    assert plain.freq.block_method[block(plain, 0x11A0)] != "trip-window"
+    assert plain.freq.block_confidence[block(plain, 0x11A0)] == "low"
+
+
+def test_ratios_need_a_measured_point_and_enough_hits() -> None:
+    # No point has a measured count: nothing to scale the ratio by; calc says so.
+    c = work(trips={0x1190: (400, 6), 0x11A0: (15_000, 6)})
+    assert c.freq.block_method[block(c, 0x11A0)] != "trip-window"
+    assert any("none of them has a measured count" in n for n in c.notes)
+    # Too few entries in the windows: the ratio is not used.
+    anchor = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)
+    few = work(anchor=anchor, trips={0x1190: (tw.MIN_HITS - 1, 1), 0x11A0: (71_000, 1)})
+    assert few.freq.block_method[block(few, 0x11A0)] != "trip-window"
+    # Between MIN_HITS and MEDIUM_HITS: used, in low confidence.
+    low = work(anchor=anchor, trips={0x1190: (50, 2), 0x11A0: (187_500, 2)})
+    assert low.freq.block_method[block(low, 0x11A0)] == "trip-window"
+    assert low.freq.block_confidence[block(low, 0x11A0)] == "low"
+
+
+def test_points_are_the_entry_then_outer_loops_first() -> None:
+    headers = np.array([0x1300, 0x1200, 0x1100, 0x1000], np.uint64)
+    depth = np.array([2, 1, 3, 1], np.int32)
+    points, offsets = tw.points_of(0x1000, 0x5000, headers, depth)
+    assert points == [0x1000, 0x1200, 0x1300, 0x1100]  # the entry heading a loop counts once
+    assert offsets == [0x5000, 0x5200, 0x5300, 0x5100]
+    many = np.arange(0x2000, 0x2000 + 40 * 16, 16, dtype=np.uint64)
+    points, _ = tw.points_of(0x1000, 0x1000, many, np.ones(40, np.int32))
+    assert len(points) == 1 + tw.MAX_HEADERS
+
+
+class FakeCounter:
+    """PointCounter's interface: each window counts ``per_window`` hits per point."""
+
+    def __init__(self, per_window: list[int]) -> None:
+        self.per_window = per_window
+        self.attached: list[tuple[str, list[int], int]] = []
+
+    def zero(self, n: int) -> None:
+        pass
+
+    def attach(self, path: str, offsets: list[int], pid: int = 0) -> int:
+        self.attached.append((path, offsets, pid))
+        return os.open(os.devnull, os.O_RDONLY)  # a link's fd, closed by the window
+
+    def counts(self, n: int) -> np.ndarray:
+        return np.array(self.per_window[:n], np.uint64)
+
+
+def test_windows_keep_to_the_budget_and_tally_by_addition(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tw, "WINDOW_S", 0.0)
+    t = tw.TripWindows(anchors=None, loops=None, budget=0.01)
+    t.hit_cost_s = 1e-5
+    t.counter = FakeCounter([10, 400])
+    t.image_key = lambda i: f"img{i}"
+    t.targets[(1, 0x1000)] = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x410], pid=42,
+                                       hits=np.zeros(2, np.uint64))
+    # Windows open while the traps spent stay under the allowance plus the budget's share of the
+    # time; each costs 410 hits x 10 us = 4.1 ms, so the allowance pays for five.
+    n = 0
+    while t._step() == tw.MIN_GAP_S and n < 100:
+        n += 1
+    assert n == int(tw.ALLOWANCE / 4.1e-3) + 1
+    assert t.counter.attached[0] == ("/bin/x", [0x400, 0x410], 42)
+    assert t._step() > tw.MIN_GAP_S  # owed: waits for the budget
+    table = t.take()
+    d = merge(TRIPS, [table, table]).to_pydict()
+    assert d["point"] == [0x1000, 0x1010] and d["hits"] == [20 * n, 800 * n] and d["windows"] == [2 * n, 2 * n]
+    assert t.take().num_rows == 0  # taken: nothing since
+    empty = build(TRIPS, {"image": [], "entry": np.zeros(0, np.uint64), "point": np.zeros(0, np.uint64),
+                          "hits": np.zeros(0, np.uint64), "windows": np.zeros(0, np.uint64)})
+    assert empty.schema == TRIPS.schema
+    # A target whose process is gone (forget) waits for the next sample to name one.
+    t.forget(42, 42)
+    assert t.targets[(1, 0x1000)].pid == 0 and t._step() == tw.IDLE_S
