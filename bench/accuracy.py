@@ -61,9 +61,10 @@ def callgrind_counts(p: Program, args: list[str], tmp: Path) -> Any:
     return prof, ob
 
 
-DESIGNS = ("calc", "nopaths", "dcpi", "first", "naive")
+DESIGNS = ("calc", "nopaths", "notrips", "dcpi", "first", "naive")
 DESIGN_NAMES = {"calc": "calc (anchors, loop counters, paths, then the model)",
                 "nopaths": "calc without paths (anchors, loop counters, then the model)",
+                "notrips": "calc without trip windows (the ratios of loop headers to entries)",
                 "dcpi": "calc --estimator dcpi",
                 "first": "first design (issue points, DCPI)", "naive": "naive (block samples / instructions, CPI 1)"}
 
@@ -99,6 +100,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
         c1 = calc_target(profile, t, ev, mcpu, estimator="dcpi", evidence=False)
         cg = calc_target(profile, t, ev, mcpu, estimator="dcpi")
         cn = calc_target(profile, t, ev, mcpu, paths=False)
+        ct = calc_target(profile, t, ev, mcpu, trip_windows=False)
         if c.period_cycles is None:
             raise SystemExit("the clock was not measured: cannot compare absolute counts")
         ecol = c.events.index(ev)
@@ -109,12 +111,15 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
             n = blk.last - blk.first + 1
             est = {"calc": (c.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "nopaths": (cn.freq.block[blk.id] or 0.0) * c.period_cycles,
+                   "notrips": (ct.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "dcpi": (cg.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "first": (c1.freq.block[blk.id] or 0.0) * c.period_cycles,
                    "naive": s / n * c.period_cycles}
             conf = {"calc": c.freq.block_confidence[blk.id], "nopaths": cn.freq.block_confidence[blk.id],
+                    "notrips": ct.freq.block_confidence[blk.id],
                     "dcpi": cg.freq.block_confidence[blk.id], "first": c1.freq.block_confidence[blk.id], "naive": "low"}
             method = {"calc": c.freq.block_method[blk.id], "nopaths": cn.freq.block_method[blk.id],
+                      "notrips": ct.freq.block_method[blk.id],
                       "dcpi": cg.freq.block_method[blk.id], "first": c1.freq.block_method[blk.id], "naive": "naive"}
             if s > 0:
                 proc["blocks"].append({"start": blk.start, "samples": s, "exact": exact,
@@ -151,7 +156,7 @@ def analyze(p: Program, db: Path, prof: Any, ob: str, runs: int, min_samples: in
                         if conf[dname] == "low":
                             a["big_err_low"] += si
         # Edges: exact counts from callgrind's jumps, fall-throughs from executions minus jumps.
-        for dname, cc in (("calc", c), ("nopaths", cn), ("dcpi", cg), ("first", c1)):
+        for dname, cc in (("calc", c), ("nopaths", cn), ("notrips", ct), ("dcpi", cg), ("first", c1)):
             for e in cc.cfg.edges:
                 if e.src < 0 or e.dst < 0 or cc.freq.edge[e.id] is None:
                     continue
@@ -187,6 +192,28 @@ def median_ratio(acc: dict[str, Any], design: str = "calc") -> float:
         if run >= half:
             return r
     return float("nan")
+
+
+def trip_window_blocks(per_program: dict[str, Any]) -> dict[str, Any] | None:
+    """The blocks whose count calc took from trip windows, and the same blocks' counts without
+    them: estimate / exact (median and quartiles, weighted by samples) and the share within 15%
+    (of samples, by block)."""
+    blocks = [b for acc in per_program.values() for pr in acc["procedures"] for b in pr["blocks"]
+              if b["method"] == "trip-window" and b["exact"] > 0]
+    if not blocks:
+        return None
+    out: dict[str, Any] = {"samples": sum(b["samples"] for b in blocks)}
+    for design in ("calc", "notrips"):
+        pairs = sorted((b[f"est_{design}"] / b["exact"], b["samples"]) for b in blocks)
+        total, qs, run, at = sum(w for _, w in pairs), [], 0.0, 0
+        for q in (0.25, 0.5, 0.75):
+            while at < len(pairs) - 1 and run + pairs[at][1] < q * total:
+                run += pairs[at][1]
+                at += 1
+            qs.append(pairs[at][0])
+        out[design] = f"{qs[1]:.2f} [{qs[0]:.2f}, {qs[2]:.2f}]"
+        out[f"{design}_within"] = 100 * sum(w for r, w in pairs if abs(r - 1) <= 0.15) / total
+    return out
 
 
 def line(name: str, a: dict[str, Any]) -> str:
@@ -263,6 +290,11 @@ def main() -> None:
     print("calc's samples by what their block's count rests on (share of samples, share of those within 15%): "
           + ", ".join(f"{m} {100 * n / max(1, c['samples']):.1f}% ({100 * w / max(1, n):.0f}%)"
                       for m, (n, w) in sorted(c["by_method"].items(), key=lambda kv: -kv[1][0])))
+    tw = trip_window_blocks(per_program)
+    if tw:
+        print(f"blocks counted by trip windows: {tw['samples']:,.0f} samples; estimate/exact, sample-weighted "
+              f"median [quartiles]: calc {tw['calc']}, without trip windows {tw['notrips']}; within 15%: "
+              f"{tw['calc_within']:.1f}% against {tw['notrips_within']:.1f}%")
     print(f"left out: {totals['never_ran']:,.0f} samples on code callgrind never saw run (CPU dispatch differs "
           "under valgrind)")
     print(f"analysis time (calc, all procedures analyzed): {totals['time']:.1f} s")

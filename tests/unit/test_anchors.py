@@ -339,13 +339,16 @@ def test_loop_counts_and_anchors_are_off_system_wide_unless_asked() -> None:
                                   anchor_budget=None, call_graph=None)
         return [p.name for p in processors(args, None, system_wide=system_wide)]
 
-    assert names(False) == ["timeline", "loops", "anchors"]
+    assert names(False) == ["timeline", "loops", "anchors", "trips"]
     assert names(False, no_anchors=True) == ["timeline", "loops"] and names(False, no_loops=True) == ["timeline"]
     # System-wide: loop counts and anchors off (samples counted in the kernel; anchors count almost
     # nothing there: bench/anchors.py), unless asked; anchors need the loop counter.
     assert names(True) == ["timeline"]
     assert names(True, loops=True) == ["timeline", "loops"]
-    assert names(True, anchors=True) == ["timeline", "loops", "anchors"]
+    assert names(True, anchors=True) == ["timeline", "loops", "anchors", "trips"]
+    quiet = argparse.Namespace(no_loop_counts=False, loop_counts=False, no_anchors=False, anchors=False,
+                               anchor_budget=None, call_graph=None, no_trip_windows=True)
+    assert [p.name for p in processors(quiet, None)] == ["timeline", "loops", "anchors"]
 
 
 def test_the_budget_left_by_rare_entries_goes_to_the_frequent_ones() -> None:

@@ -17,9 +17,9 @@ from tests.unit.test_calc import MCPU
 from tests.unit.test_listing import DATA
 
 # The committed `work` (tests/data/inl): entry block 0x1190, a loop headed at 0x11A0, its samples
-# all on one instruction (a stall the model cannot explain: its count is in low confidence), few at
-# the entry.
-COUNTS = {0x11B8: np.array([300.0]), 0x1190: np.array([1.0]), 0x11BD: np.array([1.0])}
+# all on one instruction (a stall the model cannot explain: its count is in low confidence), a few
+# before and after it.
+COUNTS = {0x11B8: np.array([300.0]), 0x1190: np.array([1.0]), 0x1197: np.array([1.0]), 0x11BD: np.array([1.0])}
 
 
 def work(**kw: Any) -> Any:
@@ -42,6 +42,10 @@ def test_a_loop_header_takes_its_entry_count_times_the_windows_ratio() -> None:
     assert c.freq.block_method[entry] == "anchor"
     assert c.freq.block_method[loop] == "trip-window" and c.freq.block_confidence[loop] == "medium"
     assert c.executions(loop) == pytest.approx(c.executions(entry) * 3750, rel=0.01)
+    # Its back branch runs 3,750 times an entry: not a mispredict candidate (culprits).
+    from cyclescope.analysis.calc import _loops, _steady_branches
+
+    assert _steady_branches(c.cfg, _loops(c.cfg, c.infos), c.freq, {}) == {0x11BB}
     # Without trips, the loop's count is the model's.
     plain = work(anchor=anchor)
     assert plain.freq.block_method[block(plain, 0x11A0)] != "trip-window"

@@ -147,7 +147,7 @@ def calc_procedure(
         if k >= 0:
             samples[k] += c
     s_cyc = samples[:, ev]
-    loops = _loops(cfg, infos) if loop_stats or outcomes else []
+    loops = _loops(cfg, infos) if loop_stats or outcomes or trips else []
     measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
     if anchor is not None:
         mnotes += _anchored(cfg, s_cyc, anchor, period_cycles, measured)
@@ -204,8 +204,8 @@ def _loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
 def _steady_branches(cfg: CFG, loops: list[Loop], freq: Frequencies,
                      stats: dict[int, LoopStats]) -> frozenset[int]:
     """The branches going back to measured loop headers whose loops run many iterations an entry:
-    a loop counted from pairs of samples runs for periods at a time, one counted from trips says
-    how long it runs."""
+    a loop counted from pairs of samples runs for periods at a time, one counted from trips (in
+    registers, or its header's runs in trip windows against its entries) says how long it runs."""
     from cyclescope.analysis.culprits import STEADY_TRIPS
 
     out: set[int] = set()
@@ -213,9 +213,15 @@ def _steady_branches(cfg: CFG, loops: list[Loop], freq: Frequencies,
     for lp in loops:
         h = block_at.get(lp.header)
         st = stats.get(lp.header)
-        if h is None or st is None or freq.block_method[h] not in ("loop-counter", "loop-trips"):
+        if h is None:
             continue
-        if freq.block_method[h] == "loop-trips" and (st.mean_trip or 0.0) < STEADY_TRIPS:
+        if freq.block_method[h] == "trip-window":  # counted exactly: its runs per entry from the flow
+            entries = sum(freq.edge[e.id] or 0.0 for e in cfg.in_edges(h) if e.src < 0 or e.src not in lp.blocks)
+            if entries <= 0 or (freq.block[h] or 0.0) / entries < STEADY_TRIPS:
+                continue
+        elif st is None or freq.block_method[h] not in ("loop-counter", "loop-trips"):
+            continue
+        elif freq.block_method[h] == "loop-trips" and (st.mean_trip or 0.0) < STEADY_TRIPS:
             continue
         for e in cfg.in_edges(h):
             if e.src >= 0 and e.src in lp.blocks:

@@ -54,10 +54,11 @@ def period_cycles(p: Profile, ev: str) -> float | None:
 
 def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
                 estimator: str = CALC_ESTIMATOR, evidence: bool = True, paths: bool = True,
-                outcomes_from: Profile | None = None) -> Calc:
+                outcomes_from: Profile | None = None, trip_windows: bool = True) -> Calc:
     """calc of one procedure of the selection; ``evidence=False``: from the samples and the model
     alone (the first design, DCPI's), leaving out loop counters, anchors and paths; ``paths=False``:
-    leaving out the paths only; ``outcomes_from``: the branch outcomes of another profile's
+    leaving out the paths only; ``trip_windows=False``: leaving out the trip windows' ratios only
+    (bench/accuracy.py's comparison); ``outcomes_from``: the branch outcomes of another profile's
     recordings of the same binary (say, `record --values edges --exact interpret` of the same
     program) instead of the selection's own."""
     import numpy as np
@@ -97,7 +98,7 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
 
     stats = p.loop_stats(info.key, target.start, target.end) if evidence else {}
     anchor = p.anchor_stats(info.key, target.start) if evidence else None
-    trips = p.trip_counts(info.key, target.start) if evidence else None
+    trips = p.trip_counts(info.key, target.start) if evidence and trip_windows else None
     outcomes = None
     if evidence and paths:
         if outcomes_from is None:
