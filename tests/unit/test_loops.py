@@ -270,6 +270,8 @@ def test_loop_table_arrays_match_the_loops() -> None:
     assert [hex(h) for h in t.headers.tolist()] == ["0x1480", "0x1490"]
     k = int(np.searchsorted(t.addrs, 0x1493))
     assert t.inner[k] == 1 and t.anc[1, 1] == 0 and t.anc[1, 2] == 1
+    # The CFG's block starts (trip windows count the blocks that hold samples).
+    assert {0x1480, 0x1490}.issubset(set(t.blocks.tolist())) and (np.diff(t.blocks.astype(np.int64)) > 0).all()
 
 
 def _tally(image: str, header: int, pairs: int) -> object:
@@ -313,6 +315,7 @@ def test_loop_tables_round_trip_through_the_cache(tmp_path: Path) -> None:
         assert [(c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in a] == [
             (c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in b]
     assert [(*x[:7], x[9]) if x else None for x in got.trips] == [(*x[:7], x[9]) if x else None for x in t.trips]
+    assert got.blocks.tolist() == t.blocks.tolist() and len(got.blocks)
     bad = table_arrays(t)
     bad["version"] = bad["version"] + 1
     assert table_from_arrays(bad) is None  # another version's table is not used

@@ -73,6 +73,11 @@ def test_points_are_the_entry_then_outer_loops_first() -> None:
     points, offsets = tw.points_of(0x1000, 0x5000, headers, depth)
     assert points == [0x1000, 0x1200, 0x1300, 0x1100]  # the entry heading a loop counts once
     assert offsets == [0x5000, 0x5200, 0x5300, 0x5100]
+    # Then the blocks holding 2% of the samples or more, most first (a header's block counts once).
+    blocks = np.array([0x1000, 0x1040, 0x1080, 0x1200, 0x1400], np.uint64)
+    samples = np.array([10, 300, 1, 500, 100], np.float64)
+    points, _ = tw.points_of(0x1000, 0x5000, headers, depth, blocks, samples)
+    assert points == [0x1000, 0x1200, 0x1300, 0x1100, 0x1040, 0x1400]
     many = np.arange(0x2000, 0x2000 + 40 * 16, 16, dtype=np.uint64)
     points, _ = tw.points_of(0x1000, 0x1000, many, np.ones(40, np.int32))
     assert len(points) == 1 + tw.MAX_HEADERS

@@ -215,13 +215,17 @@ def _steady_branches(cfg: CFG, loops: list[Loop], freq: Frequencies,
         st = stats.get(lp.header)
         if h is None:
             continue
-        if freq.block_method[h] == "trip-window":  # counted exactly: its runs per entry from the flow
+        method = freq.block_method[h]
+        if method == "trip-window":  # counted exactly: its runs per entry from the flow
             entries = sum(freq.edge[e.id] or 0.0 for e in cfg.in_edges(h) if e.src < 0 or e.src not in lp.blocks)
-            if entries <= 0 or (freq.block[h] or 0.0) / entries < STEADY_TRIPS:
-                continue
-        elif st is None or freq.block_method[h] not in ("loop-counter", "loop-trips"):
+            trips = (freq.block[h] or 0.0) / entries if entries > 0 else 0.0
+        elif st is not None and method == "loop-counter":
+            trips = float("inf")
+        elif st is not None and method == "loop-trips":
+            trips = st.mean_trip or 0.0
+        else:
             continue
-        elif freq.block_method[h] == "loop-trips" and (st.mean_trip or 0.0) < STEADY_TRIPS:
+        if trips < STEADY_TRIPS:
             continue
         for e in cfg.in_edges(h):
             if e.src >= 0 and e.src in lp.blocks:

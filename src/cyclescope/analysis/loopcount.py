@@ -87,6 +87,7 @@ class LoopTable:
     # its offsets, valid), else None: every sample in the loop then knows its execution's trip count
     trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = field(
         default_factory=list)
+    blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))  # uint64: the CFG's block starts
 
     @property
     def empty(self) -> bool:
@@ -95,12 +96,13 @@ class LoopTable:
     @property
     def nbytes(self) -> int:
         n = self.addrs.nbytes + self.inner.nbytes + self.depth.nbytes + self.anc.nbytes + self.headers.nbytes
+        n += self.blocks.nbytes
         n += sum(a.nbytes for a in self.invariants)
         n += sum(o.nbytes + v.nbytes for loop in self.counters for _, _, _, o, v in loop)
         return n + 200 * (len(self.counters) + 1)  # the lists and tuples around them
 
 
-ANALYSIS_VERSION = 3  # of loop_table's output: cached tables of another version are not used
+ANALYSIS_VERSION = 4  # of loop_table's output: cached tables of another version are not used
 
 
 def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
@@ -131,7 +133,7 @@ def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
         "version": np.array([ANALYSIS_VERSION]), "addrs": t.addrs, "inner": t.inner, "depth": t.depth, "anc": t.anc,
         "headers": t.headers, "inv": cat(list(t.invariants)), "inv_off": inv_off,
         "crow": np.array(crow, np.int64).reshape(-1, 5), "cidx": cat(idx_parts), "coff": cat(off_parts),
-        "trow": np.array(trow, np.int64).reshape(-1, 10),
+        "trow": np.array(trow, np.int64).reshape(-1, 10), "blocks": t.blocks,
     }
 
 
@@ -159,7 +161,8 @@ def table_from_arrays(a: dict[str, np.ndarray]) -> LoopTable | None:
     trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = [None] * n_loops
     for loop, width, step, icol, iadd, lcol, ladd, ccol, cross, k in a["trow"].tolist():
         trips[loop] = (width, step, icol, iadd, lcol, ladd, ccol, flat[k][0], flat[k][1], bool(cross))
-    return LoopTable(a["addrs"], a["inner"], a["depth"], a["anc"], a["headers"], invariants, counters, trips)
+    return LoopTable(a["addrs"], a["inner"], a["depth"], a["anc"], a["headers"], invariants, counters, trips,
+                     np.asarray(a["blocks"], np.uint64))
 
 
 EMPTY = LoopTable(np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(0, np.int32),
@@ -217,7 +220,8 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
         counters.append(cs)
         trips.append(trip)
     return LoopTable(addrs, inner, depth, anc, np.array([lp.header for lp in loops], np.uint64),
-                     [np.array([col[r] for r in lp.invariants], np.intp) for lp in loops], counters, trips)
+                     [np.array([col[r] for r in lp.invariants], np.intp) for lp in loops], counters, trips,
+                     np.array(sorted(b.start for b in cfg.blocks), np.uint64))
 
 
 @dataclass(frozen=True)

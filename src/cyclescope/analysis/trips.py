@@ -11,8 +11,9 @@ and predictors (which is why an anchor's entry count of a short procedure comes 
 which way a branch goes.
 
 So a procedure that got an anchor and has loops gets windows here: one BPF program attached by
-one uprobe_multi link (collect/pointcount.py) to its entry and up to MAX_HEADERS loop headers,
-counting each into its own slot, for WINDOW_S, then detached in one go. The windows' counts are
+one uprobe_multi link (collect/pointcount.py) to its entry, up to MAX_HEADERS loop headers and the
+blocks that hold its samples (MAX_POINTS in all), counting each into its own slot, for WINDOW_S,
+then detached in one go. The windows' counts are
 summed per point (db/tallies.py TRIPS: mergeable by addition like the rest); calc carries
 whichever of the points has a measured count (an anchor, a loop counter) to the others by the
 ratios (analysis/calc.py, method ``trip-window``).
@@ -44,6 +45,9 @@ import numpy as np
 from cyclescope.errors import CycleScopeError
 
 MAX_HEADERS = 15  # loop headers counted beside the entry (outermost first)
+MAX_POINTS = 32  # with the blocks that hold the procedure's samples, most first
+BLOCK_SHARE = 0.02  # a block is counted when it holds at least this share of the procedure's samples
+POINTS_AFTER = 100  # the procedure's samples (since its anchor) before its points are chosen
 WINDOW_S = 0.01  # how long a window counts
 BUDGET_SHARE = 0.5  # of the anchors' budget (a share of one CPU)
 ALLOWANCE = 0.02  # trap seconds granted ahead of time (the first windows of a short run)
@@ -73,13 +77,26 @@ class Target:
     failed: str | None = None
 
 
-def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray) -> tuple[list[int], list[int]]:
-    """The entry and up to MAX_HEADERS loop headers, outermost loops first (an inner loop's ratio to
-    its outer loop is what a loop counter on the outer one needs), and their file offsets (the
-    procedure lies in one segment: offsets move with addresses)."""
+def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray,
+              blocks: np.ndarray | None = None, block_samples: np.ndarray | None = None) -> tuple[list[int], list[int]]:
+    """The entry, up to MAX_HEADERS loop headers, outermost loops first (an inner loop's ratio to
+    its outer loop is what a loop counter on the outer one needs), then the blocks (their starts,
+    ``blocks``) holding at least BLOCK_SHARE of the procedure's samples (``block_samples``), most
+    first, up to MAX_POINTS in all; and their file offsets (the procedure lies in one segment:
+    offsets move with addresses). Every instruction of a block runs as often as its first, so a
+    block's count is its first instruction's."""
     order = np.lexsort((np.asarray(headers, np.uint64), np.asarray(depth)))
     hs = [int(headers[i]) for i in order if int(headers[i]) != entry][:MAX_HEADERS]
     points = [entry, *hs]
+    if blocks is not None and block_samples is not None and len(blocks) and block_samples.sum() > 0:
+        total = float(block_samples.sum())
+        taken = set(points)
+        for i in np.argsort(-block_samples, kind="stable").tolist():
+            if len(points) >= MAX_POINTS or block_samples[i] < BLOCK_SHARE * total:
+                break
+            if int(blocks[i]) not in taken:
+                points.append(int(blocks[i]))
+                taken.add(int(blocks[i]))
     return points, [file_offset + (p - entry) for p in points]
 
 
@@ -95,6 +112,7 @@ class TripWindows:
         self.loops = loops  # analysis.loopcount.LoopCountProcessor: their loops
         self.budget = budget * BUDGET_SHARE
         self.targets: dict[tuple[int, int], Target] = {}
+        self._block_samples: dict[tuple[int, int], np.ndarray] = {}  # until its target is made
         self.lock = threading.Lock()
         self.counter: Any = None
         self.error: str | None = None
@@ -124,21 +142,30 @@ class TripWindows:
         with aset.lock:
             anchored = [(k, a.path, a.file_offset, a.end) for k, a in aset.anchors.items()]
         for key, path, file_offset, end in anchored:
+            m = (d.image == key[0]) & (d.offset >= key[1]) & (d.offset < end) if len(d.samples) else None
             t = self.targets.get(key)
             if t is None:
                 table = counter._table(*key)
                 if table is None or table.empty:
                     continue
-                points, offsets = points_of(key[1], file_offset, table.headers, table.depth)
+                # The blocks' samples since the anchor, to choose the blocks worth counting.
+                seen = self._block_samples.get(key)
+                if seen is None or len(seen) != len(table.blocks):
+                    seen = self._block_samples[key] = np.zeros(len(table.blocks), np.float64)
+                if m is not None and m.any() and len(table.blocks):
+                    k = np.searchsorted(table.blocks, d.offset[m].astype(np.uint64), side="right") - 1
+                    seen += np.bincount(k[k >= 0], minlength=len(seen))[: len(seen)]
+                if seen.sum() < POINTS_AFTER:
+                    continue
+                points, offsets = points_of(key[1], file_offset, table.headers, table.depth, table.blocks, seen)
+                del self._block_samples[key]
                 if len(points) < 2:
                     continue
                 t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64))
                 with self.lock:
                     self.targets[key] = t
-            if self.per_task and len(d.samples):  # the process that sampled it last
-                m = (d.image == key[0]) & (d.offset >= key[1]) & (d.offset < end)
-                if m.any():
-                    t.pid = int(d.samples["pid"][m][-1])
+            if self.per_task and m is not None and m.any():  # the process that sampled it last
+                t.pid = int(d.samples["pid"][m][-1])
         if self.targets and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="trip-windows", daemon=True)
             self._thread.start()
