@@ -65,6 +65,10 @@ def test_ratios_need_a_measured_point_and_enough_hits() -> None:
     low = work(anchor=anchor, trips={0x1190: (50, 2), 0x11A0: (187_500, 2)})
     assert low.freq.block_method[block(low, 0x11A0)] == "trip-window"
     assert low.freq.block_confidence[block(low, 0x11A0)] == "low"
+    # Hits enough for high confidence, but all from two windows: one phase of the run, low.
+    one = work(anchor=anchor, trips={0x1190: (1_500, 2), 0x11A0: (5_625_000, 2)})
+    assert one.freq.block_method[block(one, 0x11A0)] == "trip-window"
+    assert one.freq.block_confidence[block(one, 0x11A0)] == "low"
 
 
 def test_points_are_the_entry_then_outer_loops_first() -> None:

@@ -295,10 +295,11 @@ def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, 
     times the exact ratio of their hits. The ratio's error goes as 1/sqrt of the rarer point's hits
     (the trials: a loop's entries, each running some trips): MIN_HITS to be used, MEDIUM_HITS and
     HIGH_HITS for medium and high confidence (about 10% and 3% where the trips vary as much as their
-    mean), and the result is no surer than the count it scales. Blocks already measured as surely
+    mean), with MEDIUM_WINDOWS and HIGH_WINDOWS windows (a ratio changes with a program's phases,
+    and one window sees one), and the result is no surer than the count it scales. Blocks already measured as surely
     keep their count (trip counts from registers excepted: their estimator is biased, the ratio is
     not)."""
-    from cyclescope.analysis.trips import HIGH_HITS, MEDIUM_HITS, MIN_HITS
+    from cyclescope.analysis.trips import HIGH_HITS, HIGH_WINDOWS, MEDIUM_HITS, MEDIUM_WINDOWS, MIN_HITS
 
     block_at = {b.start: b.id for b in cfg.blocks}
     pts = {block_at[a]: h for a, (h, _) in trips.items() if a in block_at}
@@ -325,7 +326,9 @@ def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, 
         n = min(h, h0)
         if n < MIN_HITS:
             continue
-        r = min(rank, 2 if n >= HIGH_HITS else 1 if n >= MEDIUM_HITS else 0)
+        surety = (2 if n >= HIGH_HITS and windows >= HIGH_WINDOWS else
+                  1 if n >= MEDIUM_HITS and windows >= MEDIUM_WINDOWS else 0)
+        r = min(rank, surety)
         m = measured.get(b)
         if m is not None and _RANK[m.confidence] >= r and m.method != "loop-trips":
             continue
