@@ -93,9 +93,18 @@ class FakeCounter:
     def __init__(self, per_window: list[int]) -> None:
         self.per_window = per_window
         self.attached: list[tuple[str, list[int], int]] = []
+        self.skip = 0
 
-    def zero(self, n: int) -> None:
-        pass
+    def zero(self, n: int, skip: int = 0) -> None:
+        self.skip = skip
+
+    def set_skip(self, skip: int) -> None:
+        self.skip = skip
+
+    def skip_left(self) -> int:
+        from cyclescope.collect.pointcount import GATE
+
+        return GATE if self.skip == GATE else 0  # nothing passes while gated; a window's skip is used up
 
     def attach(self, path: str, offsets: list[int], pid: int = 0) -> int:
         self.attached.append((path, offsets, pid))

@@ -7,11 +7,16 @@ link (kernel 6.6 and later) counts them all and is detached in one go: 8 offsets
 with the program at full speed, against 782 ms at 11% of its speed for 8 counters
 (bench/uprobemulti.py). A hit costs the same trap either way.
 
-The program is written here as eleven BPF instructions and loaded with raw bpf(2) calls through
+The program is written here as 27 BPF instructions and loaded with raw bpf(2) calls through
 ctypes, because the libbpf this project can load (Debian 12's 1.1, collect/ebpf.py) has no
 uprobe_multi attach function and the program is too small to be worth a compiled object: it reads
 the attach point's cookie (bpf_get_attach_cookie), which is the point's slot, and adds one to that
-slot of an array map. Nothing but counts leaves the kernel.
+slot of an array map, unless a count of hits to let pass (the map's last slot, taken down by one
+at every hit) is still above zero. That count is the window's gate: a link's probes are installed
+one after another as it is created (13 ms for 8 of them, the program running meanwhile) and
+removed one after another as it is closed, so counting only between the two is what makes the
+counts of a window's points comparable (analysis/trips.py). Nothing but
+counts leaves the kernel.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ SYS_BPF = 321  # x86-64
 BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_PROG_LOAD, BPF_LINK_CREATE = 0, 1, 2, 5, 28
 BPF_MAP_TYPE_ARRAY, BPF_PROG_TYPE_KPROBE, BPF_TRACE_UPROBE_MULTI = 2, 2, 48
 BPF_FUNC_MAP_LOOKUP_ELEM, BPF_FUNC_GET_ATTACH_COOKIE = 1, 174
-SLOTS = 64  # points one counter can count (slots of its map)
+SLOTS = 64  # points one counter can count (slots of its map), the last one the hits still to skip
+SKIP_SLOT = SLOTS - 1
+GATE = 1 << 62  # a skip no window reaches: the points trap but nothing is counted
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -49,17 +56,31 @@ def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> 
 
 
 def program(map_fd: int) -> bytes:
-    """slot = bpf_get_attach_cookie(ctx); counts[slot] += 1 (atomically); return 0."""
-    return b"".join([
-        _insn(0x85, imm=BPF_FUNC_GET_ATTACH_COOKIE),  # r0 = cookie (r1 is the context)
-        _insn(0x63, 10, 0, -4),  # *(u32 *)(r10 - 4) = w0: the key
-        _insn(0xBF, 2, 10), _insn(0x07, 2, 0, 0, -4),  # r2 = r10 - 4
+    """if (atomic_fetch_add(&counts[SKIP], -1) > 0) return 0;  (the first hits of a window pass)
+    slot = bpf_get_attach_cookie(ctx); counts[slot] += 1 (atomically); return 0."""
+    lookup = [
+        _insn(0xBF, 2, 10), _insn(0x07, 2, 0, 0, -4),  # r2 = r10 - 4: the key's address
         _insn(0x18, 1, 1, 0, map_fd), _insn(0),  # r1 = the map (ld_imm64, BPF_PSEUDO_MAP_FD)
         _insn(0x85, imm=BPF_FUNC_MAP_LOOKUP_ELEM),  # r0 = &counts[key] or NULL
+    ]
+    count = [
+        _insn(0xBF, 1, 6),  # r1 = the context
+        _insn(0x85, imm=BPF_FUNC_GET_ATTACH_COOKIE),  # r0 = the point's cookie: its slot
+        _insn(0x63, 10, 0, -4),  # *(u32 *)(r10 - 4) = w0: the key
+        *lookup,
         _insn(0x15, 0, 0, 2, 0),  # if r0 == NULL goto out
         _insn(0xB7, 1, imm=1), _insn(0xDB, 0, 1, 0, 0),  # lock *(u64 *)r0 += 1
         _insn(0xB7, 0), _insn(0x95),  # out: return 0
-    ])
+    ]
+    skip = [
+        _insn(0xBF, 6, 1),  # r6 = the context
+        _insn(0x62, 10, 0, -4, SKIP_SLOT),  # *(u32 *)(r10 - 4) = SKIP_SLOT
+        *lookup,
+        _insn(0x15, 0, 0, 3, 0),  # if r0 == NULL goto count
+        _insn(0xB7, 1, imm=-1), _insn(0xDB, 0, 1, 0, 0x01),  # r1 = atomic_fetch_add((u64 *)r0, -1)
+        _insn(0x65, 1, 0, len(count) - 2, 0),  # if (s64)r1 > 0 goto out (the count's last two)
+    ]
+    return b"".join(skip + count)
 
 
 class PointCounter:
@@ -93,8 +114,8 @@ class PointCounter:
         """A link counting each of ``offsets`` (file offsets in ``path``) into the slot of its index,
         in process ``pid`` only (0: every process mapping the file). Returns the link's fd: counting
         stops when it is closed."""
-        if not 0 < len(offsets) <= SLOTS:
-            raise ValueError(f"between 1 and {SLOTS} offsets")
+        if not 0 < len(offsets) < SLOTS:
+            raise ValueError(f"between 1 and {SLOTS - 1} offsets")
         p = ctypes.create_string_buffer(os.fsencode(path))
         offs = (ctypes.c_uint64 * len(offsets))(*offsets)
         cookies = (ctypes.c_uint64 * len(offsets))(*range(len(offsets)))
@@ -112,10 +133,13 @@ class PointCounter:
         key = ctypes.c_uint32(slot)
         _bpf(cmd, struct.pack("<IIQQQ", self.map, 0, ctypes.addressof(key), ctypes.addressof(value), 0))
 
-    def zero(self, n: int) -> None:
+    def zero(self, n: int, skip: int = 0) -> None:
+        """Counts of the first ``n`` slots to zero; the next ``skip`` hits (of any point) pass
+        uncounted."""
         v = ctypes.create_string_buffer(8)
         for i in range(n):
             self._elem(BPF_MAP_UPDATE_ELEM, i, v)
+        self.set_skip(skip)
 
     def counts(self, n: int) -> np.ndarray:
         out = np.zeros(n, np.uint64)
@@ -124,6 +148,16 @@ class PointCounter:
             self._elem(BPF_MAP_LOOKUP_ELEM, i, v)
             out[i] = struct.unpack("<Q", v.raw)[0]
         return out
+
+    def set_skip(self, skip: int) -> None:
+        """The next ``skip`` hits (of any point) pass uncounted (GATE: none counts)."""
+        self._elem(BPF_MAP_UPDATE_ELEM, SKIP_SLOT, ctypes.create_string_buffer(struct.pack("<q", skip), 8))
+
+    def skip_left(self) -> int:
+        """The hits still to pass uncounted (at most zero once counting began)."""
+        v = ctypes.create_string_buffer(8)
+        self._elem(BPF_MAP_LOOKUP_ELEM, SKIP_SLOT, v)
+        return int(struct.unpack("<q", v.raw)[0])
 
     def close(self) -> None:
         for fd in (self.prog, self.map):
