@@ -11,18 +11,14 @@ later), for 0.3 s; then the counters are closed. Measured: how long the open and
 the program's call rate while they close against its rate before, so that the traps paid while
 probes wait to close are seen.
 
-The BPF side is made with raw bpf(2) calls through ctypes: the program is ten instructions (add one
-to a counter in an array map), and the libbpf this project loads (1.1, Debian 12's) has no
-uprobe_multi attach function. collect/ebpf.py, which loads the collector's program through libbpf,
-is left as it is.
+The BPF side is collect/pointcount.py's program (the trip windows' counter: raw bpf(2) calls,
+since the libbpf this project loads, Debian 12's 1.1, has no uprobe_multi attach function).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -35,9 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from common import machine, median, save
 
-SYS_BPF = 321  # x86-64
-BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_PROG_LOAD, BPF_LINK_CREATE = 0, 1, 5, 28
-BPF_MAP_TYPE_ARRAY, BPF_PROG_TYPE_KPROBE, BPF_TRACE_UPROBE_MULTI = 2, 2, 48
 PROGRAM = """
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,57 +55,20 @@ int main(int argc, char **argv) {
 """
 
 
-def _bpf(cmd: int, attr: bytes) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    r = libc.syscall(SYS_BPF, cmd, buf, len(attr))
-    if r < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"bpf({cmd}): {os.strerror(e)}")
-    return int(r)
-
-
-def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
-    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
-
-
 class MultiCounter:
-    """One BPF program counting hits in an array map, attached to many offsets by one link."""
+    """collect/pointcount.py's program on one link over all the offsets, its counts summed."""
 
-    def __init__(self) -> None:
-        self.map = _bpf(BPF_MAP_CREATE, struct.pack("<IIII", BPF_MAP_TYPE_ARRAY, 4, 8, 1) + bytes(112))
-        code = b"".join([
-            _insn(0x62, 10, 0, -4, 0),  # *(u32 *)(r10 - 4) = 0: the key
-            _insn(0xBF, 2, 10), _insn(0x07, 2, 0, 0, -4),  # r2 = r10 - 4
-            _insn(0x18, 1, 1, 0, self.map), _insn(0),  # r1 = the map (ld_imm64, BPF_PSEUDO_MAP_FD)
-            _insn(0x85, imm=1),  # r0 = bpf_map_lookup_elem(r1, r2)
-            _insn(0x15, 0, 0, 2, 0),  # if r0 == 0 goto exit
-            _insn(0xB7, 1, imm=1), _insn(0xDB, 0, 1, 0, 0),  # lock *(u64 *)r0 += 1
-            _insn(0xB7, 0), _insn(0x95),  # return 0
-        ])
-        self._keep = [ctypes.create_string_buffer(code, len(code)), ctypes.create_string_buffer(b"GPL"),
-                      ctypes.create_string_buffer(1 << 16)]
-        code_buf, lic, log = self._keep
-        attr = struct.pack("<IIQQIIQII16sII", BPF_PROG_TYPE_KPROBE, len(code) // 8, ctypes.addressof(code_buf),
-                           ctypes.addressof(lic), 1, len(log), ctypes.addressof(log), 0, 0, b"uprobemulti", 0,
-                           BPF_TRACE_UPROBE_MULTI) + bytes(64)
-        try:
-            self.prog = _bpf(BPF_PROG_LOAD, attr)
-        except OSError as e:
-            raise SystemExit(f"the counting program did not load: {e}: {log.value.decode()[-400:]}") from None
+    def __init__(self, n: int) -> None:
+        from cyclescope.collect.pointcount import PointCounter
+
+        self.pc, self.n = PointCounter(), n
+        self.pc.zero(n)
 
     def attach(self, path: str, offsets: list[int], pid: int) -> int:
-        p = ctypes.create_string_buffer(path.encode())
-        offs = (ctypes.c_uint64 * len(offsets))(*offsets)
-        self._keep += [p, offs]  # type: ignore[list-item]
-        attr = struct.pack("<IIIIQQQQIII", self.prog, 0, BPF_TRACE_UPROBE_MULTI, 0, ctypes.addressof(p),
-                           ctypes.addressof(offs), 0, 0, len(offsets), 0, pid) + bytes(64)
-        return _bpf(BPF_LINK_CREATE, attr)
+        return int(self.pc.attach(path, offsets, pid))
 
     def hits(self) -> int:
-        key, val = ctypes.create_string_buffer(4), ctypes.create_string_buffer(8)
-        _bpf(BPF_MAP_LOOKUP_ELEM, struct.pack("<IIQQQ", self.map, 0, ctypes.addressof(key), ctypes.addressof(val), 0))
-        return int(struct.unpack("<Q", val.raw)[0])
+        return int(self.pc.counts(self.n).sum())
 
 
 def rate(lines: list[tuple[float, int]], a: float, b: float) -> float:
@@ -186,7 +142,7 @@ def main() -> None:
     offsets = [info.file_offset(by_name[f"f{i}"]) for i in range(a.probes)]
     if any(o is None for o in offsets):
         raise SystemExit("a probed function has no file offset")
-    multi = MultiCounter()
+    multi = MultiCounter(a.probes)
     out: dict[str, list[dict[str, Any]]] = {"perf": [], "multi": []}
     for r in range(a.rounds):
         for how in (("perf", "multi") if r % 2 == 0 else ("multi", "perf")):

@@ -166,6 +166,7 @@ def _walk_points(exe: Path) -> tuple[list[int], list[int]]:
 def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Callable[..., Path]) -> None:
     """collect/pointcount.py: one BPF program on one uprobe_multi link counts `walk`'s entry, its
     outer loop's header and its inner loop's, each exactly (the program prints the inner count)."""
+    import os
     import subprocess
 
     from cyclescope.collect.pointcount import PointCounter
@@ -186,14 +187,22 @@ def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Calla
         try:
             out = subprocess.run([str(exe), "2000"], capture_output=True, text=True, check=True).stdout
         finally:
-            import os
-
             os.close(link)
         got = counter.counts(len(points)).tolist()
+        # The gate: the first 500 hits pass uncounted (a window counts only once its probes are in).
+        counter.zero(len(points), 500)
+        link = counter.attach(str(exe), offsets, 0)
+        try:
+            subprocess.run([str(exe), "2000"], capture_output=True, check=True)
+        finally:
+            os.close(link)
+        gated = counter.counts(len(points)).tolist()
+        left = counter.skip_left()
     finally:
         counter.close()
     inner = int(out.split()[0])
     assert got == [1, 2000, inner], (got, out)
+    assert sum(gated) == sum(got) - 500 and left == -sum(gated), (gated, left)
 
 
 def test_trip_windows_count_a_loop_no_register_counts(compile_c: Callable[..., Path], tmp_path: Path) -> None:

@@ -290,15 +290,16 @@ _BY_RANK = {v: k for k, v in _RANK.items()}
 def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, Measured],
                freq: Frequencies) -> tuple[dict[int, Measured], list[str]]:
     """Blocks whose first instruction the trip windows counted (analysis/trips.py: the procedure's
-    entry and loop headers, all counted together in each window): each gets the count of the best
-    counted block with a measured count (an anchor, a loop counter; else a high-confidence one)
-    times the exact ratio of their hits. The ratio's error goes as 1/sqrt of the rarer point's hits
-    (the trials: a loop's entries, each running some trips): MIN_HITS to be used, MEDIUM_HITS and
-    HIGH_HITS for medium and high confidence (about 10% and 3% where the trips vary as much as their
-    mean), with MEDIUM_WINDOWS and HIGH_WINDOWS windows (a ratio changes with a program's phases,
-    and one window sees one), and the result is no surer than the count it scales. Blocks already measured as surely
-    keep their count (trip counts from registers excepted: their estimator is biased, the ratio is
-    not)."""
+    entry, loop headers and hot blocks, all counted together in each window): each gets the count
+    of the best counted block with a measured count (an anchor, a loop counter; else a
+    high-confidence one) times the exact ratio of their hits. The ratio's error goes as 1/sqrt of
+    the rarer point's hits (the trials: a loop's entries, each running some trips): MIN_HITS to be
+    used, MEDIUM_HITS and HIGH_HITS for medium and high confidence (about 10% and 3% where the trips
+    vary as much as their mean), with MEDIUM_WINDOWS and HIGH_WINDOWS windows (a ratio changes with
+    a program's phases, and one window sees one); the result is no surer than the count it scales.
+    Blocks already measured as surely keep their count; trip counts from registers come after
+    (_by_trips) and leave the blocks counted here alone: their estimator is biased, the ratio is
+    not."""
     from cyclescope.analysis.trips import HIGH_HITS, HIGH_WINDOWS, MEDIUM_HITS, MEDIUM_WINDOWS, MIN_HITS
 
     block_at = {b.start: b.id for b in cfg.blocks}
@@ -330,7 +331,7 @@ def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, 
                   1 if n >= MEDIUM_HITS and windows >= MEDIUM_WINDOWS else 0)
         r = min(rank, surety)
         m = measured.get(b)
-        if m is not None and _RANK[m.confidence] >= r and m.method != "loop-trips":
+        if m is not None and _RANK[m.confidence] >= r:
             continue
         out[b] = Measured(f0 * h / h0, _BY_RANK[r], "trip-window",
                           f"{h / h0:,.4g} runs per run of {cfg.blocks[b0].start:#x} ({h:,} against {h0:,}, counted "

@@ -1,36 +1,39 @@
-"""Trip windows: exact ratios between the counts of a procedure's entry and its loops' headers.
+"""Trip windows: exact ratios between the counts of a procedure's entry, loop headers and hot blocks.
 
 An anchor (analysis/anchors.py) gives a procedure's entry count; the loop counters give a loop's
 count where a register counts its iterations. Most samples of real programs sit in loops that
 neither measures: their exit depends on data (a match finder's chain), their counter lives in
 memory, and their count is the model's, which stalls make wrong by factors (docs/benchmarks.md,
-"calc accuracy"). Yet how many times a loop's header runs per entry of its procedure does not
-depend on how long anything took, so counting the entry and the headers together for a short
-while gives that ratio exactly, whatever the traps do to the time: a trap disturbs the caches
-and predictors (which is why an anchor's entry count of a short procedure comes out low), never
-which way a branch goes.
+"calc accuracy"). Yet how many times a block runs per run of another does not depend on how long
+anything took, so counting them together for a short while gives that ratio exactly, whatever
+the traps do to the time: a trap disturbs the caches and predictors (which is why an anchor's
+entry count of a short procedure comes out low), never which way a branch goes.
 
 So a procedure that got an anchor and has loops gets windows here: one BPF program attached by
 one uprobe_multi link (collect/pointcount.py) to its entry, up to MAX_HEADERS loop headers and the
-blocks that hold its samples (MAX_POINTS in all), counting each into its own slot, for WINDOW_S,
-then detached in one go. The windows' counts are
-summed per point (db/tallies.py TRIPS: mergeable by addition like the rest); calc carries
-whichever of the points has a measured count (an anchor, a loop counter) to the others by the
-ratios (analysis/calc.py, method ``trip-window``).
+blocks that hold its samples (MAX_POINTS in all), counting each into its own slot for WINDOW_S,
+then detached in one go. The program is gated: it counts only once every probe of the link is in
+and stops before the close begins, since a link installs and removes its probes one by one while
+the program runs (ungated, the entry counted alone at first and xz's match finder came out at
+15-25 trips per entry against 34). The windows' counts are summed per point (db/tallies.py
+TRIPS: mergeable by addition like the rest); calc carries whichever of the points has a measured
+count (an anchor, a loop counter) to the others by the ratios (analysis/calc.py, method
+``trip-window``).
 
-Cost: every hit traps (the anchors' hit cost, 6-17 us on these machines), so a loop header run
-hundreds of millions of times a second makes the program run at the traps' pace while a window is
-open. Windows are short (WINDOW_S) and spread over the run at random steps, so that the traps stay
-within BUDGET_SHARE of the anchors' budget of one CPU (a token bucket over the time since the
-recording began: the first window opens at once, the next when the budget has paid for the last).
-The ratios change with a program's phases, and a window samples the phase it falls in: the sum of
-hits over windows spread uniformly in time weighs each phase by its time, as the run does. Per task (``record --
-CMD``, ``-p``), a window counts the process that sampled the procedure last; system-wide, every
-process mapping the file.
+Cost: every hit traps (the anchors' hit cost, 6-17 us on these machines), so a loop run hundreds
+of millions of times a second runs at the traps' pace while a window is open. Windows are short
+and spread over the run at random steps so that the traps stay within BUDGET_SHARE of the anchors'
+budget of one CPU (a token bucket over the time since the recording began: the first window opens
+at once, the next when the budget has paid for the last). Per task (``record -- CMD``, ``-p``), a
+window counts the process that sampled the procedure last; system-wide, every process mapping the
+file.
 
-Windows cut executions at their edges: a window that opens inside an entry's loop counts some of
-its iterations and not its entry, one that closes inside counts the entry and not all of them;
-over many windows these cancel, and with each window holding many entries they are small anyway.
+What the sums weigh: the ratios change with a program's phases (xz's hash chains grow as its
+dictionary fills), and each window counts the phase it falls in, in proportion to what it counts.
+Where traps set the pace a window holds a few executions (about 140 hits in 2 ms on the Xeons);
+where the loop does not run (xz's first milliseconds, empty chains) a window counts untrapped
+entries by the thousand and outweighs many others. Windows also cut executions at their edges.
+calc's confidence asks for windows as well as hits (MEDIUM_WINDOWS, HIGH_WINDOWS).
 """
 
 from __future__ import annotations
@@ -51,11 +54,9 @@ MAX_HEADERS = 15  # loop headers counted beside the entry (outermost first)
 MAX_POINTS = 32  # with the blocks that hold the procedure's samples, most first
 BLOCK_SHARE = 0.02  # a block is counted when it holds at least this share of the procedure's samples
 POINTS_AFTER = 100  # the procedure's samples (since its anchor) before its points are chosen
-# How long a window counts. Short, so that many fit the budget and sample the run's phases: the
-# ratios change as a program goes (xz's hash chains grow as its dictionary fills: trips per entry
-# of its match finder 0.82 of the run's in windows all taken in the first half second; zstd's
-# binary tree search 0.04 to 0.6 of it), and windows of 10 ms that spent a short run's budget at
-# its start made calc's counts of the counted blocks 0.40 of exact on the accuracy suite.
+# How long a window counts. Short, so that many fit the budget and sample the run's phases (xz's
+# match finder runs 26 trips per entry over the first MB of the suite's input, 34 over the whole);
+# windows of 10 ms spent a short run's budget in its first half second.
 WINDOW_S = 0.002
 BUDGET_SHARE = 1.0  # of the anchors' budget (a share of one CPU)
 ALLOWANCE = 0.003  # trap seconds granted ahead of time: the first window opens at once, the others are paced

@@ -234,8 +234,8 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
                         "daemon), where they are off by default: there they count almost nothing (see "
                         "the README's limitations); implies --loop-counts")
     g.add_argument("--no-trip-windows", action="store_true",
-                   help="do not count anchored procedures' loop headers beside their entries (calc's exact "
-                        "iterations per entry; they take half of --anchor-budget again)")
+                   help="do not count anchored procedures' loop headers and hot blocks beside their entries "
+                        "(calc's exact ratios between their counts; they take --anchor-budget again)")
     g.add_argument("--anchor-budget", type=finite_float, default=None, metavar="SHARE",
                    help="most of one CPU the profiled programs may lose to the anchors' traps (default: "
                         "0.01); anchors whose entries run often are counted in random windows to stay "

@@ -7,7 +7,7 @@ link (kernel 6.6 and later) counts them all and is detached in one go: 8 offsets
 with the program at full speed, against 782 ms at 11% of its speed for 8 counters
 (bench/uprobemulti.py). A hit costs the same trap either way.
 
-The program is written here as 27 BPF instructions and loaded with raw bpf(2) calls through
+The program is written here as 24 BPF instructions and loaded with raw bpf(2) calls through
 ctypes, because the libbpf this project can load (Debian 12's 1.1, collect/ebpf.py) has no
 uprobe_multi attach function and the program is too small to be worth a compiled object: it reads
 the attach point's cookie (bpf_get_attach_cookie), which is the point's slot, and adds one to that

@@ -1,0 +1,193 @@
+"""Trip windows' counts (analysis/trips.py, collect/pointcount.py) against exact ones.
+
+    python bench/tripwindows.py exact   [--program zstd] [--bytes 300000]
+    python bench/tripwindows.py windows [--program xz] [--runs 4] [--window 0.002] [--gap 0.05]
+
+``exact``: one uprobe_multi link over the points trip windows would count in the suite program's
+hottest procedures (its entry, loop headers and sampled blocks, as a recording chose them: read
+from a database's trips tallies, ``--db``, else recorded here), counting a whole run on the first
+``--bytes`` of the suite's input, against callgrind's counts of the same run.
+
+``windows``: the program on the suite's whole input, its hottest procedure's entry and first loop
+header counted in windows of ``--window`` seconds opened at random steps (``--gap`` on average)
+over ``--runs`` runs, gated (counting only while every probe of the link is in: what trip windows
+do) and ungated (counting from the link's creation to its close), alternated; the trips per entry
+each gives against callgrind's over the same input.
+
+The suite comes from bench/suite.py (bench/out/suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import cyclescope_cmd, machine, save
+from suite import programs
+
+
+def callgrind(exe: Path, args: list[str], out: Path) -> dict[int, int]:
+    from cyclescope.analysis.callgrind import parse_callgrind
+
+    subprocess.run(["valgrind", "--tool=callgrind", "--dump-instr=yes", f"--callgrind-out-file={out}", str(exe),
+                    *args], capture_output=True, check=True)
+    prof = parse_callgrind(out.read_text())
+    ob = prof.object_for(str(exe)) or prof.object_for(str(exe.resolve()))
+    if ob is None:
+        raise SystemExit(f"{exe} not in callgrind's profile")
+    return prof.counts[ob]
+
+
+def chosen_points(db: Path) -> dict[int, list[int]]:
+    """Entry -> the points a recording's trip windows counted (its trips tallies)."""
+    from cyclescope.db.layout import Database
+    from cyclescope.db.tallies import TRIPS, load_tally
+
+    d = Database.open(db)
+    t = load_tally(d, TRIPS, d.epochs()).table.to_pydict()
+    out: dict[int, list[int]] = {}
+    for e, p in zip(t["entry"], t["point"], strict=True):
+        out.setdefault(int(e), [])
+        if int(p) not in out[int(e)]:
+            out[int(e)].append(int(p))
+    return out
+
+
+def exact(args: argparse.Namespace, exe: Path, pargs: list[str], inp: Path, tmp: Path) -> dict[str, Any]:
+    from cyclescope.collect.pointcount import PointCounter
+    from cyclescope.images.elf import read_load_info
+
+    db = Path(args.db) if args.db else tmp / "db"
+    if not args.db:
+        subprocess.run(cyclescope_cmd("record", "--db", str(db), "-q", "-F", "5000", "--", str(exe), *pargs),
+                       check=True, stdout=subprocess.DEVNULL)
+    pts = chosen_points(db)
+    if not pts:
+        raise SystemExit("the recording's trip windows counted nothing")
+    small = tmp / "small.txt"
+    small.write_bytes(inp.read_bytes()[: args.bytes])
+    sargs = [a if a != str(inp) else str(small) for a in pargs]
+    truth = callgrind(exe, sargs, tmp / "cg.out")
+    info = read_load_info(str(exe))
+    rows = []
+    for entry, ps in pts.items():
+        pc = PointCounter()
+        try:
+            pc.zero(len(ps))
+            link = pc.attach(str(exe), [info.file_offset(p) or 0 for p in ps], 0)
+            try:
+                subprocess.run([str(exe), *sargs], capture_output=True, check=True)
+            finally:
+                os.close(link)
+            got = pc.counts(len(ps)).tolist()
+        finally:
+            pc.close()
+        for p, g in zip(ps, got, strict=True):
+            rows.append({"entry": entry, "point": p, "counted": g, "exact": truth.get(p, 0)})
+            print(f"{entry:#x} {p:#x}: counted {g:,}, callgrind {truth.get(p, 0):,}"
+                  + ("" if g == truth.get(p, 0) else "  DIFFERENT"), flush=True)
+    same = sum(r["counted"] == r["exact"] for r in rows)
+    print(f"{same} of {len(rows)} points counted exactly as callgrind did")
+    return {"rows": rows, "same": same}
+
+
+def windows(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) -> dict[str, Any]:
+    from cyclescope.analysis.loopcount import loop_table
+    from cyclescope.collect.pointcount import GATE, PointCounter
+    from cyclescope.images.disasm import read_code
+    from cyclescope.images.elf import read_load_info
+
+    truth = callgrind(exe, pargs, tmp / "cg.out")
+    # The hottest procedure with a loop: the one whose loop header runs most, by callgrind.
+    from elftools.elf.elffile import ELFFile
+
+    with open(exe, "rb") as f:
+        syms = [(s["st_value"], s["st_value"] + s["st_size"], s.name)
+                for s in ELFFile(f).get_section_by_name(".symtab").iter_symbols()
+                if s["st_info"]["type"] == "STT_FUNC" and s["st_size"] > 0]
+    best: tuple[int, int, int, str] | None = None
+    for start, end, name in syms:
+        if truth.get(start, 0) == 0:
+            continue
+        t = loop_table(read_code(str(exe), start, end), start, end)
+        for h in t.headers.tolist():
+            if best is None or truth.get(h, 0) > best[0]:
+                best = (truth.get(h, 0), start, h, name)
+    if best is None:
+        raise SystemExit("no loop ran")
+    _, entry, header, name = best
+    want = truth[header] / truth[entry]
+    print(f"{name}: entry {entry:#x} ({truth[entry]:,} runs), header {header:#x} ({truth[header]:,}): "
+          f"{want:.2f} trips per entry by callgrind", flush=True)
+    info = read_load_info(str(exe))
+    offs = [info.file_offset(entry) or 0, info.file_offset(header) or 0]
+    pc = PointCounter()
+    out: dict[str, Any] = {"procedure": name, "exact": want, "gated": [], "ungated": []}
+    try:
+        for r in range(args.runs):
+            for how in (("gated", "ungated") if r % 2 == 0 else ("ungated", "gated")):
+                tot = [0, 0]
+                n = 0
+                p = subprocess.Popen([str(exe), *pargs], stdout=subprocess.DEVNULL)
+                time.sleep(random.uniform(0, args.gap))
+                while p.poll() is None:
+                    pc.zero(2, GATE if how == "gated" else 0)
+                    link = pc.attach(str(exe), offs, p.pid)
+                    if how == "gated":
+                        pc.set_skip(0)
+                    time.sleep(args.window)
+                    if how == "gated":
+                        pc.set_skip(GATE)
+                    os.close(link)
+                    c = pc.counts(2).tolist()
+                    tot = [a + b for a, b in zip(tot, c, strict=True)]
+                    n += 1
+                    time.sleep(random.uniform(0, 2 * args.gap))
+                ratio = tot[1] / tot[0] if tot[0] else float("nan")
+                out[how].append({"entries": tot[0], "headers": tot[1], "windows": n, "ratio": ratio})
+                print(f"run {r} {how:8s}: {n} windows, {tot[0]:,} entries, {tot[1]:,} header runs: "
+                      f"{ratio:.2f} trips per entry ({ratio / want:.2f} of exact)", flush=True)
+    finally:
+        pc.close()
+    for how in ("gated", "ungated"):
+        e = sum(r["entries"] for r in out[how])
+        h = sum(r["headers"] for r in out[how])
+        out[f"{how}_pooled"] = h / e if e else float("nan")
+        print(f"{how}: {h:,} header runs per {e:,} entries over {len(out[how])} runs: "
+              f"{out[f'{how}_pooled']:.2f} trips per entry ({out[f'{how}_pooled'] / want:.2f} of exact)")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("exact", "windows"))
+    ap.add_argument("--program", default=None, help="a suite program (exact: zstd, windows: xz)")
+    ap.add_argument("--db", help="exact: the points from this database's trips tallies")
+    ap.add_argument("--bytes", type=int, default=300_000)
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--window", type=float, default=0.002)
+    ap.add_argument("--gap", type=float, default=0.05)
+    ap.add_argument("--save-as", default=None)
+    args = ap.parse_args()
+    name = args.program or ("zstd" if args.mode == "exact" else "xz")
+    progs, inp = programs([name])
+    p = progs[0]
+    pargs = [a.replace("{input}", str(inp)) for a in p.args]
+    with tempfile.TemporaryDirectory(prefix="cs-tw-") as d:
+        tmp = Path(d)
+        res = exact(args, p.exe, pargs, inp, tmp) if args.mode == "exact" else windows(args, p.exe, pargs, tmp)
+    path = save(args.save_as or f"tripwindows_{args.mode}", {"machine": machine(), "args": vars(args), **res})
+    print(f"raw data: {path}")
+
+
+if __name__ == "__main__":
+    main()
