@@ -42,6 +42,14 @@ def test_a_loop_header_takes_its_entry_count_times_the_windows_ratio() -> None:
     assert c.freq.block_method[entry] == "anchor"
     assert c.freq.block_method[loop] == "trip-window" and c.freq.block_confidence[loop] == "medium"
     assert c.executions(loop) == pytest.approx(c.executions(entry) * 3750, rel=0.01)
+    # What the count rests on, in the JSON and under the block's line.
+    from cyclescope.report.calc import calc_table, calc_to_json, summarize
+
+    doc = calc_to_json(c, summarize(c))
+    why = next(b["evidence"] for b in doc["blocks"] if b["start"] == 0x11A0)
+    assert why.startswith("3,750 runs per run of 0x1190") and "anchor (medium confidence)" in why
+    rows = [r[1] for r in calc_table(c, summarize(c)).rows]
+    assert any(r.strip() == f"evidence: {why}" for r in rows)
     # Its back branch runs 3,750 times an entry: not a mispredict candidate (culprits).
     from cyclescope.analysis.calc import _loops, _steady_branches
 

@@ -51,6 +51,7 @@ class Calc:
     static: list[StaticStall]
     culprits: list[Stall | None]
     notes: list[str] = field(default_factory=list)
+    evidence: dict[int, str] = field(default_factory=dict)  # block -> what its measured count rests on
 
     def executions(self, block: int) -> float | None:
         f = self.freq.block[block]
@@ -191,8 +192,9 @@ def calc_procedure(
     notes = list(cfg.notes) + list(model.notes) + mnotes + list(freq.notes)
     if period_cycles is None:
         notes.append("the core clock was not measured while recording: CPI and frequencies are relative only")
+    evidence = {b: m.why for b, m in measured.items() if m.why and freq.block_method[b] == m.method}
     return Calc(name, start, end, events, cycles_event, period_cycles, cfg, classes, model, infos, samples, freq,
-                cpi, dyn, gain, statics, culprits, notes)
+                cpi, dyn, gain, statics, culprits, notes, evidence)
 
 
 def _loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:

@@ -124,7 +124,8 @@ def calc_to_json(c: Calc, s: Summary) -> dict[str, Any]:
         blocks.append({
             "start": blk.start, "end": blk.end, "frequency": f, "executions": c.executions(blk.id),
             "confidence": c.freq.block_confidence[blk.id], "method": c.freq.block_method[blk.id],
-            "class": c.classes.block[blk.id], "unreachable": blk.id in c.cfg.unreachable,
+            "evidence": c.evidence.get(blk.id), "class": c.classes.block[blk.id],
+            "unreachable": blk.id in c.cfg.unreachable,
             "samples": float(c.samples[blk.first : blk.last + 1, ev].sum()),
             "best_cycles": c.model.blocks[blk.id].cycles, "instructions": insns,
         })
@@ -213,6 +214,9 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
                     f"actual {bs / f if f else 0:,.1f}/{n} = {actual:.2f} CPI")
         rows.append(["", head, "", "", "", ""])
         styles.append("bold cyan")
+        if blk.id in c.evidence and f is not None:  # what a measured count rests on
+            rows.append(["", f"  evidence: {c.evidence[blk.id]}", "", "", "", ""])
+            styles.append("dim")
         for k in range(blk.first, blk.last + 1):
             ins = c.cfg.insns[k]
             cu = c.culprits[k]
