@@ -219,7 +219,7 @@ def test_trip_windows_count_a_loop_no_register_counts(compile_c: Callable[..., P
     out = cs("record", "--db", str(db), "-F", "5000", "--", str(exe), "80000000")
     if "trip windows: off" in out.stderr:
         pytest.skip(out.stderr.strip().splitlines()[-1])
-    assert "trip windows: loops of 1 procedure counted" in out.stderr, out.stderr
+    assert "trip windows: the loops and hot blocks of 1 procedure counted beside its entry" in out.stderr, out.stderr
     inner_exact = int(out.stdout.split()[0])
     points, _ = _walk_points(exe)
     blocks = {b["start"]: b for b in calc(db, "walk")["blocks"]}

@@ -315,8 +315,10 @@ class TripWindows:
             return None
         if self.error is not None:
             return f"trip windows: off ({self.error})"
-        line = (f"trip windows: loops of {len(counted)} procedure{'' if len(counted) == 1 else 's'} counted per entry "
-                f"in {nwin} window{'' if nwin == 1 else 's'} ({self.spent_s:.2f} s of the programs' time in traps)")
+        one = len(counted) == 1
+        line = (f"trip windows: the loops and hot blocks of {len(counted)} procedure{'' if one else 's'} counted "
+                f"beside {'its entry' if one else 'their entries'} in {nwin} window{'' if nwin == 1 else 's'} "
+                f"({self.spent_s:.2f} s of the programs' time in traps)")
         if failed:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line
