@@ -145,6 +145,25 @@ def test_windows_keep_to_the_budget_and_tally_by_addition(monkeypatch: pytest.Mo
     empty = build(TRIPS, {"image": [], "entry": np.zeros(0, np.uint64), "point": np.zeros(0, np.uint64),
                           "hits": np.zeros(0, np.uint64), "windows": np.zeros(0, np.uint64)})
     assert empty.schema == TRIPS.schema
+    # A link refused (an instruction uprobes cannot take) before any window counted: the sampled
+    # blocks go, the entry and the loop headers are tried again; refused again, the target fails.
+    from cyclescope.errors import CycleScopeError
+
+    class Refusing(FakeCounter):
+        def attach(self, path: str, offsets: list[int], pid: int = 0) -> int:
+            self.attached.append((path, offsets, pid))
+            raise CycleScopeError("uprobe_multi refused /bin/y (Invalid argument)")
+
+    r = tw.TripWindows(anchors=None, loops=None, budget=0.01)
+    r.counter = Refusing([1, 1, 1])
+    r.targets[(2, 0x3000)] = tw.Target(2, 0x3000, "/bin/y", [0x3000, 0x3010, 0x3080], [0, 0x10, 0x80], pid=7,
+                                       hits=np.zeros(3, np.uint64), core=2)
+    r._step()
+    t2 = r.targets[(2, 0x3000)]
+    assert t2.points == [0x3000, 0x3010] and t2.failed is None and len(t2.hits) == 2
+    r.spent_s = 0.0
+    r._step()
+    assert t2.failed is not None and r.counter.attached[-1][1] == [0, 0x10]
     # A target whose process is gone (forget) waits for the next sample to name one.
     t.forget(42, 42)
     assert t.targets[(1, 0x1000)].pid == 0 and t._step() == tw.IDLE_S

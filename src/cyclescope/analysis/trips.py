@@ -88,6 +88,7 @@ class Target:
     windows: int = 0
     total_windows: int = 0
     failed: str | None = None
+    core: int = 0  # the entry and the loop headers: points[:core] (the rest are sampled blocks)
 
 
 def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray,
@@ -175,7 +176,8 @@ class TripWindows:
                 del self._block_samples[key]
                 if len(points) < 2:
                     continue
-                t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64))
+                core = len(points_of(key[1], file_offset, table.headers, table.depth)[0])  # entry, headers
+                t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64), core=core)
                 with self.lock:
                     self.targets[key] = t
             if self.per_task and m is not None and m.any():  # the process that sampled it last
@@ -230,6 +232,13 @@ class TripWindows:
         try:
             link = self.counter.attach(t.path, t.offsets, t.pid if self.per_task else 0)
         except CycleScopeError as e:
+            if t.total_windows == 0 and 1 < t.core < len(t.points):
+                # An instruction uprobes refuse (the kernel does not say which): the sampled blocks'
+                # first instructions go, the entry and the loop headers are tried at the next window.
+                with self.lock:
+                    t.points, t.offsets = t.points[: t.core], t.offsets[: t.core]
+                    t.hits = np.zeros(t.core, np.uint64)
+                return
             t.failed = str(e)
             return
         except OSError as e:
