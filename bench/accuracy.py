@@ -12,9 +12,12 @@ estimate is within 5, 10 and 15% (DCPI on SPEC95: 73, 87, 92%); the share
 of edge executions within 10% (DCPI: 58%); how much of the samples off by
 more than 15% were marked low confidence; and the analysis time.
 
-Three designs are measured from the same recordings (default `record` settings): calc as it is
-(loop counters where they hold, the model elsewhere), calc without loop counters (the first
-design, DCPI's issue points), and the naive estimator (a block's samples over its instructions).
+The designs are measured from the same recordings (default `record` settings): calc as it is
+(loop counters, anchors and trip windows where they hold, the model elsewhere), calc without
+paths, calc without the trip windows' ratios, calc with DCPI's estimator, calc without any
+measured evidence (the first design, DCPI's issue points), and the naive estimator (a block's
+samples over its instructions). The blocks whose counts came from trip windows are reported
+apart, against the same blocks' counts without them.
 
 With ``--repeat N`` the programs that read the suite's input read it N times over (the kernels and
 the demo run as always): runs of seconds, long enough for anchors to count (callgrind then takes
