@@ -166,7 +166,6 @@ def _walk_points(exe: Path) -> tuple[list[int], list[int]]:
 def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Callable[..., Path]) -> None:
     """collect/pointcount.py: one BPF program on one uprobe_multi link counts `walk`'s entry, its
     outer loop's header and its inner loop's, each exactly (the program prints the inner count)."""
-    import os
     import subprocess
 
     from cyclescope.collect.pointcount import PointCounter
@@ -187,7 +186,7 @@ def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Calla
         try:
             out = subprocess.run([str(exe), "2000"], capture_output=True, text=True, check=True).stdout
         finally:
-            os.close(link)
+            counter.detach(link)
         got = counter.counts(len(points)).tolist()
         # The gate: the first 500 hits pass uncounted (a window counts only once its probes are in).
         counter.zero(len(points), 500)
@@ -195,7 +194,7 @@ def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Calla
         try:
             subprocess.run([str(exe), "2000"], capture_output=True, check=True)
         finally:
-            os.close(link)
+            counter.detach(link)
         gated = counter.counts(len(points)).tolist()
         left = counter.skip_left()
     finally:

@@ -121,6 +121,9 @@ class FakeCounter:
     def counts(self, n: int) -> np.ndarray:
         return np.array(self.per_window[:n], np.uint64)
 
+    def detach(self, link: int) -> None:
+        os.close(link)
+
 
 def test_windows_keep_to_the_budget_and_tally_by_addition(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tw, "WINDOW_S", 0.0)

@@ -531,7 +531,7 @@ class LoopCounter:
         with self._lock:
             return self._bounds.get(img)
 
-    def _table(self, img: int, start: int) -> LoopTable | None:
+    def table(self, img: int, start: int) -> LoopTable | None:
         with self._lock:
             t = self._tables.get((img, start))
             if t is not None and (img, start) in self._held:
@@ -664,7 +664,7 @@ class LoopCounter:
         for g, (i, s) in enumerate(uniq):
             if s < 0:
                 continue
-            t = self._table(int(i), int(s))
+            t = self.table(int(i), int(s))
             m = inv == g
             if t is None:  # not analyzed (yet): its samples break pairs and count nowhere
                 self.skipped += int((m & fresh).sum())

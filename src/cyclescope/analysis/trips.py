@@ -38,7 +38,6 @@ calc's confidence asks for windows as well as hits (MEDIUM_WINDOWS, HIGH_WINDOWS
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import random
 import threading
@@ -81,8 +80,8 @@ HIGH_WINDOWS = 10
 
 @dataclass
 class Target:
-    """One procedure's points: its entry first, then loop headers (vaddrs in the image), their file
-    offsets, and what the windows counted since the last take."""
+    """One procedure's points: its entry first, then loop headers, then hot blocks (vaddrs in the
+    image), their file offsets, and what the windows counted since the last take."""
 
     img: int
     entry: int
@@ -166,7 +165,7 @@ class TripWindows:
             m = (d.image == key[0]) & (d.offset >= key[1]) & (d.offset < end) if len(d.samples) else None
             t = self.targets.get(key)
             if t is None:
-                table = counter._table(*key)
+                table = counter.table(*key)
                 if table is None or table.empty:
                     continue
                 # The blocks' samples since the anchor, to choose the blocks worth counting.
@@ -229,11 +228,7 @@ class TripWindows:
 
         n = len(t.points)
         # Gated while the link's probes are installed one by one (the first would count alone),
-        # and again before the close removes them one by one: ungated, windows of 2 ms on xz's
-        # match finder counted 15-25 trips per entry against 34 exact; gated, 34-35 in two sets
-        # of runs (and 8 in a third, whose windows fell in the first milliseconds, where the
-        # chains are empty and entries run untrapped by the thousand: the phases weigh by what
-        # the windows count, not by what the run did).
+        # and again before the close removes them one by one (the module's docstring).
         self.counter.zero(n, GATE)
         try:
             link = self.counter.attach(t.path, t.offsets, t.pid if self.per_task else 0)
@@ -259,7 +254,7 @@ class TripWindows:
             self._stop.wait(WINDOW_S)
             self.counter.set_skip(GATE)
         finally:
-            os_close(link)
+            self.counter.detach(link)
         passed += GATE - self.counter.skip_left()  # and while they were being removed
         got = self.counter.counts(n)
         with self.lock:
@@ -338,9 +333,3 @@ class TripWindows:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line
 
-
-def os_close(fd: int) -> None:
-    import os
-
-    with contextlib.suppress(OSError):
-        os.close(fd)

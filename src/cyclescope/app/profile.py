@@ -129,7 +129,8 @@ class Profile:
 
     def trip_counts(self, image_key: str, entry: int) -> dict[int, tuple[int, int]]:
         """The trip windows' tallies of the selection for the procedure entered at ``entry``: point
-        (the entry or a loop header) -> (hits, windows), all counted together (analysis/trips.py)."""
+        (the entry, a loop header or a hot block's start) -> (hits, windows), all counted together
+        (analysis/trips.py)."""
         from cyclescope.db.tallies import TRIPS
 
         d = self._tally(TRIPS, image_key, "trip windows").to_pydict()

@@ -21,7 +21,6 @@ counts leaves the kernel.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
@@ -29,6 +28,7 @@ import struct
 
 import numpy as np
 
+from cyclescope.collect.kernel import close_fd
 from cyclescope.errors import CycleScopeError
 
 SYS_BPF = 321  # x86-64
@@ -38,6 +38,7 @@ BPF_FUNC_MAP_LOOKUP_ELEM, BPF_FUNC_GET_ATTACH_COOKIE = 1, 174
 SLOTS = 64  # points one counter can count (slots of its map), the last one the hits still to skip
 SKIP_SLOT = SLOTS - 1
 GATE = 1 << 62  # a skip no window reaches: the points trap but nothing is counted
+ENOTSUPP = 524  # the kernel's (include/linux/errno.h), which Python's errno does not name
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -113,7 +114,7 @@ class PointCounter:
     def attach(self, path: str, offsets: list[int], pid: int = 0) -> int:
         """A link counting each of ``offsets`` (file offsets in ``path``) into the slot of its index,
         in process ``pid`` only (0: every process mapping the file). Returns the link's fd: counting
-        stops when it is closed."""
+        stops when it is detached."""
         if not 0 < len(offsets) < SLOTS:
             raise ValueError(f"between 1 and {SLOTS - 1} offsets")
         p = ctypes.create_string_buffer(os.fsencode(path))
@@ -124,7 +125,7 @@ class PointCounter:
         try:
             return _bpf(BPF_LINK_CREATE, attr)
         except OSError as e:
-            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUPP if hasattr(errno, "ENOTSUPP") else 524):
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, ENOTSUPP):
                 raise CycleScopeError(f"uprobe_multi refused {path} ({e.strerror}: kernel 6.6 or later is needed, "
                                       f"and instructions uprobes can take)") from None
             raise
@@ -159,9 +160,12 @@ class PointCounter:
         self._elem(BPF_MAP_LOOKUP_ELEM, SKIP_SLOT, v)
         return int(struct.unpack("<q", v.raw)[0])
 
+    def detach(self, link: int) -> None:
+        """Remove a link's probes (they stop trapping one by one as the close goes)."""
+        close_fd(link)
+
     def close(self) -> None:
         for fd in (self.prog, self.map):
             if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                close_fd(fd)
         self.map = self.prog = -1

@@ -85,8 +85,9 @@ ANCHORS = TallyKind(
           ("near", pa.uint64())),
 )
 
-# Loops' headers counted beside their procedure's entry in the same windows (analysis/trips.py): per
-# procedure entry and point (the entry itself, or a loop header), the hits counted and the windows.
+# Loops' headers and hot blocks counted beside their procedure's entry in the same windows
+# (analysis/trips.py): per procedure entry and point (the entry itself, a loop header or a block's
+# first instruction), the hits counted and the windows.
 # Only the ratios between one entry's points mean anything: each window counted them all together.
 TRIPS = TallyKind(
     "trips", "tw",
