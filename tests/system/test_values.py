@@ -101,12 +101,16 @@ def test_invariants_point_at_the_semi_invariant_operands(recorded: Path) -> None
     assert scale[0]["save"] > 0
     assert scale[0]["source"].startswith("values.c:")
     # offset_of(k) sees k = 5 from one call site only: found per call site, not overall.
-    # Per call site it is always 5 (truth 1.0; overall 0.5). site_b passes 40 other values: the
-    # per-call-site hotlist (N = 64) keeps every pair and its estimate is exact; with many more
-    # values at site_b its sampling error grows (docs/benchmarks.md, hotlist accuracy).
+    # Per call site it is always 5 (truth 1.0; overall 0.5). P(5 | site) is the pair's count over
+    # the instruction's values times the site's share of the procedure's samples, both estimates:
+    # 0.947-1.0 in twenty recordings at 08f03b4, with a standard error of about 0.045 (prob_low
+    # about 0.09 under prob); 0.898 twice in about thirty with trip windows of the entry alone, an
+    # estimate still within two standard errors. So, as above, within three of the truth.
     # (The hotlist of all callers may list it too, at a noisy estimate of its true 51%.)
     site = [i for i in items if i["where"].startswith("offset_of") and i["value"] == "5" and i["call_site"]]
-    assert site and site[0]["call_site"] and site[0]["prob"] > 0.9, site
+    assert site and site[0]["call_site"], site
+    se = (site[0]["prob"] - site[0]["prob_low"]) / 2
+    assert site[0]["prob"] >= 1.0 - (3 * se + 0.02) and site[0]["prob"] > 0.75, site
 
 
 def test_the_interpreter_agrees_with_exact_mode(program: Path, tmp_path: Path) -> None:
