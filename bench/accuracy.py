@@ -13,10 +13,11 @@ of edge executions within 10% (DCPI: 58%); how much of the samples off by
 more than 15% were marked low confidence; and the analysis time.
 
 The designs are measured from the same recordings (default `record` settings): calc as it is
-(loop counters, anchors and trip windows where they hold, the model elsewhere), calc without
-paths, calc without the trip windows' ratios, calc with DCPI's estimator, calc without any
-measured evidence (the first design, DCPI's issue points), and the naive estimator (a block's
-samples over its instructions). The blocks whose counts came from trip windows are reported
+(loop counters, anchors, trip windows and moving arguments where they hold, the model elsewhere),
+calc without paths, calc without what the trip windows measured (their ratios, and how far
+arguments move per entry), calc with DCPI's estimator, calc without any measured evidence (the
+first design, DCPI's issue points), and the naive estimator (a block's samples over its
+instructions). The blocks whose counts came from trip windows are reported
 apart, against the same blocks' counts without them.
 
 With ``--repeat N`` the programs that read the suite's input read it N times over (the kernels and
@@ -67,7 +68,7 @@ def callgrind_counts(p: Program, args: list[str], tmp: Path) -> Any:
 DESIGNS = ("calc", "nopaths", "notrips", "dcpi", "first", "naive")
 DESIGN_NAMES = {"calc": "calc (anchors, loop counters, paths, then the model)",
                 "nopaths": "calc without paths (anchors, loop counters, then the model)",
-                "notrips": "calc without trip windows (the ratios of loop headers to entries)",
+                "notrips": "calc without trip windows (their ratios, and arguments' moves per entry)",
                 "dcpi": "calc --estimator dcpi",
                 "first": "first design (issue points, DCPI)", "naive": "naive (block samples / instructions, CPI 1)"}
 

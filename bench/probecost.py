@@ -1,8 +1,11 @@
 """What a uprobe hit costs the probed task: a loop calls a trivial function N times, alone, under an
 exact counter at the function's entry (anchors) and under a sampler that takes a register at every
-hit (goal probes); the task's own CPU (user + system, from wait4) over N, rounds alternated.
+hit (goal probes); the task's own CPU (user + system, from wait4) over N, rounds alternated. The
+function's entry is single-stepped at a hit; ``counter-emulated`` counts the loop's conditional
+jump instead, which the kernel emulates (images/disasm.uprobe_emulated): what trip windows and
+anchors pay where a block or an entry has such an instruction.
 
-    python bench/probecost.py                 # 200,000 calls, 5 rounds (as root)
+    python bench/probecost.py [--save-as NAME]   # 200,000 calls, 5 rounds (as root)
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ int main(int argc, char **argv) {
 """
 
 
-def one(exe: Path, entry: int, n: int, how: str) -> float:
-    """The task's CPU seconds for ``n`` calls under ``how``: none, counter or sampler."""
+def one(exe: Path, entry: int, n: int, how: str, branch: int = 0) -> float:
+    """The task's CPU seconds for ``n`` calls under ``how``: none, counter, counter-emulated (at
+    file offset ``branch``) or sampler."""
     from cyclescope.collect import kernel
     from cyclescope.collect.session import online_cpus
     from cyclescope.perf.abi import X86_REGS_USER_MASK, X86Reg
@@ -47,8 +51,8 @@ def one(exe: Path, entry: int, n: int, how: str) -> float:
     fds: list[int] = []
     rings: list[Any] = []
     try:
-        if how == "counter":
-            fds.append(kernel.open_uprobe_counter(pmu, str(exe), entry, pid, -1))
+        if how in ("counter", "counter-emulated"):
+            fds.append(kernel.open_uprobe_counter(pmu, str(exe), entry if how == "counter" else branch, pid, -1))
             kernel.ioctl_enable(fds[0])
         elif how == "sampler":
             assert X86_REGS_USER_MASK & (1 << X86Reg.DI)
@@ -68,10 +72,31 @@ def one(exe: Path, entry: int, n: int, how: str) -> float:
             kernel.close_fd(fd)
 
 
+def loop_branch(exe: Path) -> int:
+    """The file offset of main's loop branch: its first conditional jump backwards (run once a call)."""
+    from elftools.elf.elffile import ELFFile
+
+    from cyclescope.images.disasm import disassemble, read_code, uprobe_emulated
+    from cyclescope.images.elf import read_load_info
+
+    with open(exe, "rb") as f:
+        sym = next(x for x in ELFFile(f).get_section_by_name(".symtab").iter_symbols() if x.name == "main")
+    start, end = int(sym["st_value"]), int(sym["st_value"] + sym["st_size"])
+    for ins in disassemble(read_code(str(exe), start, end), start):
+        t = ins.direct_target
+        if ins.mnemonic.startswith("j") and ins.mnemonic != "jmp" and t is not None and t < ins.address:
+            assert uprobe_emulated(ins.raw), ins.text
+            off = read_load_info(str(exe)).file_offset(ins.address)
+            assert off is not None
+            return off
+    raise SystemExit("no loop branch found in main")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--save-as", default="probecost", help="bench/out/NAME.json")
     a = ap.parse_args()
     from cyclescope.images.elf import read_load_info
 
@@ -85,15 +110,16 @@ def main() -> None:
     vaddr = next(int(line.split()[0], 16) for line in nm.splitlines() if line.endswith(" T f"))
     entry = read_load_info(str(exe)).file_offset(vaddr)
     assert entry is not None
-    cpu: dict[str, list[float]] = {"none": [], "counter": [], "sampler": []}
+    branch = loop_branch(exe)
+    cpu: dict[str, list[float]] = {"none": [], "counter": [], "counter-emulated": [], "sampler": []}
     for _ in range(a.rounds):
         for how in cpu:
-            cpu[how].append(one(exe, entry, a.calls, how))
+            cpu[how].append(one(exe, entry, a.calls, how, branch))
     per_hit = {h: [(c - b) / a.calls * 1e6 for c, b in zip(cpu[h], cpu["none"], strict=True)]
-               for h in ("counter", "sampler")}
+               for h in ("counter", "counter-emulated", "sampler")}
     for h, v in per_hit.items():
-        print(f"{h:8s} {median(v):.2f} us a hit [{min(v):.2f}, {max(v):.2f}] over {a.rounds} rounds")
-    print(f"saved {save('probecost', {'machine': machine(), 'calls': a.calls, 'cpu_s': cpu, 'us_per_hit': per_hit})}")
+        print(f"{h:16s} {median(v):.2f} us a hit [{min(v):.2f}, {max(v):.2f}] over {a.rounds} rounds")
+    print(f"saved {save(a.save_as, {'machine': machine(), 'calls': a.calls, 'cpu_s': cpu, 'us_per_hit': per_hit})}")
 
 
 if __name__ == "__main__":

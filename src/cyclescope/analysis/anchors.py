@@ -127,19 +127,26 @@ class Anchor:
     nwindows: int = 0
     cost_s: float = 0.0  # estimated trap time spent so far (status)
     total_windows: int = 0  # windows over the run (status)
+    # A hit's cost where the entry's first instruction is one the kernel emulates (a push: 0.5 us
+    # against 14-17 us single-stepped on the Xeons; images/disasm.uprobe_emulated); None: the set's
+    emulated_hit_s: float | None = None
+
+    def hit_s(self, hit_cost_s: float) -> float:
+        return self.emulated_hit_s or hit_cost_s
 
     def share(self, budget: float, hit_cost_s: float = HIT_COST_S) -> float:
         """The share of the time this anchor may count for its traps to cost ``budget`` of a CPU."""
         if self.rate is None or self.rate <= 0:
             return 1.0
-        return min(1.0, budget / (self.rate * hit_cost_s))
+        return min(1.0, budget / (self.rate * self.hit_s(hit_cost_s)))
 
 
-def hit_cost() -> float:
-    """A hit's cost on this machine, as the anchors' budget charges it (collect/clock.charged_hit_s)."""
+def hit_cost(emulated: bool = False) -> float:
+    """A hit's cost on this machine, as the anchors' budget charges it (collect/clock.charged_hit_s),
+    at an instruction the kernel single-steps or (``emulated``) one it emulates."""
     from cyclescope.collect.clock import charged_hit_s
 
-    return charged_hit_s(HIT_COST_S, AFTER_TRAP_S)
+    return charged_hit_s(HIT_COST_S, AFTER_TRAP_S, emulated)
 
 
 def allocate(budget: float, anchors: list[Anchor], hit_cost_s: float = HIT_COST_S) -> dict[int, float]:
@@ -157,7 +164,7 @@ def allocate(budget: float, anchors: list[Anchor], hit_cost_s: float = HIT_COST_
         return float(a.seen) + 1.0
 
     def need(a: Anchor) -> float:
-        return 1.25 * a.rate * hit_cost_s if a.rate is not None and a.rate > 0 else float("inf")
+        return 1.25 * a.rate * a.hit_s(hit_cost_s) if a.rate is not None and a.rate > 0 else float("inf")
 
     left, todo = budget, sorted(anchors, key=lambda a: need(a) / weight(a))
     total = sum(weight(a) for a in todo)
@@ -246,9 +253,11 @@ class AnchorSet:
 
     def __init__(self, per_task: bool, image_key: Callable[[int], str], budget: float = DEFAULT_BUDGET,
                  probes: Any = None, cpus: tuple[int, ...] = (), clock: Callable[[], int] | None = None,
-                 rng: random.Random | None = None, hit_cost_s: float = HIT_COST_S) -> None:
+                 rng: random.Random | None = None, hit_cost_s: float = HIT_COST_S,
+                 emulated_hit_cost_s: float | None = None) -> None:
         self.per_task = per_task
         self.hit_cost_s = hit_cost_s  # a hit's cost to the probed task (uprobe_hit_cost on this machine)
+        self.emulated_hit_cost_s = emulated_hit_cost_s  # at an entry the kernel emulates (None: as any)
         self.image_key = image_key
         self.budget = budget
         self.probes = probes
@@ -273,12 +282,29 @@ class AnchorSet:
                     and len(self.anchors) < MAX_ANCHORS)
 
     def place(self, img: int, start: int, end: int, path: str | None, file_offset: int | None) -> None:
+        cheap = self._emulated_hit_s(path, file_offset) if path is not None and file_offset is not None else None
         with self.lock:
             if path is None or file_offset is None:
                 self.refused.add((img, start))
-            elif len(self.anchors) < MAX_ANCHORS:
-                self.anchors.setdefault((img, start), Anchor(img, start, end, path, file_offset))
+            elif len(self.anchors) < MAX_ANCHORS and (img, start) not in self.anchors:
+                self.anchors[(img, start)] = Anchor(img, start, end, path, file_offset, emulated_hit_s=cheap)
                 self.kick.set()
+
+    def _emulated_hit_s(self, path: str, file_offset: int) -> float | None:
+        """What a hit at this entry costs if the kernel emulates its first instruction, else None."""
+        from cyclescope.images.disasm import uprobe_emulated
+
+        if self.emulated_hit_cost_s is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                f.seek(file_offset)
+                first = f.read(2)
+        except OSError:
+            return None
+        if uprobe_emulated(first):
+            return self.emulated_hit_cost_s
+        return None
 
     # --- windows -------------------------------------------------------------------------------
     def _open(self, a: Anchor, tids: frozenset[int] | None, cpus: tuple[int, ...]) -> bool:
@@ -357,8 +383,8 @@ class AnchorSet:
         now = self.clock()
         with self.lock:
             w.hits += hits
-            a.cost_s += hits * self.hit_cost_s
-        t.spent += hits * self.hit_cost_s
+            a.cost_s += hits * a.hit_s(self.hit_cost_s)
+        t.spent += hits * a.hit_s(self.hit_cost_s)
         over = t.spent >= t.cap
         span = now - w.start
         since = (now - (w.read_at or w.start)) / 1e9
@@ -395,7 +421,7 @@ class AnchorSet:
                     # anchor placed at the first drain (then a second in) otherwise waited a
                     # third of a second for its next window, past the end of a program of
                     # 1.3 s (difference.c's mix: 6 entries seen, and the model's count).
-                    part = min(t.parts[id(a)], 1.25 * a.rate * self.hit_cost_s)
+                    part = min(t.parts[id(a)], 1.25 * a.rate * a.hit_s(self.hit_cost_s))
                     a.credit = min(a.credit + a.share(part, self.hit_cost_s) * (now - t.started) / 1e9, MAX_CREDIT_S)
         self._retire(a)
         t.wait = min(t.wait, TICK_S)  # the next window may open at once (a cheap anchor's)
@@ -483,7 +509,7 @@ class AnchorSet:
                 except OSError:
                     late = 0
                 with self.lock:
-                    a.cost_s += max(0, late) * self.hit_cost_s
+                    a.cost_s += max(0, late) * a.hit_s(self.hit_cost_s)
                 self.probes.close(fd)
                 with self.lock:
                     self.closes -= 1
@@ -500,7 +526,7 @@ class AnchorSet:
                     w = a.window
                     w.end = now
                     w.hits += hits
-                    a.cost_s += hits * self.hit_cost_s
+                    a.cost_s += hits * a.hit_s(self.hit_cost_s)
                     a.window = None
                     if not w.probe:
                         _tally(a, w, now)
@@ -633,7 +659,7 @@ class AnchorProcessor:
         from cyclescope.collect.session import online_cpus
 
         self.set = AnchorSet(ctx.per_task, lambda i: ctx.table[i].key, self.budget, Probes(), online_cpus(),
-                             hit_cost_s=hit_cost())
+                             hit_cost_s=hit_cost(), emulated_hit_cost_s=hit_cost(emulated=True))
         # The budget accrues from the recording's start, not from the first anchor's placement (at
         # the first drain): the cap's, and each anchor's share once its rate is known.
         self.set.started = self.set.clock()

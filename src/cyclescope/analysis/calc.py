@@ -25,6 +25,7 @@ from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estim
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.loops import Loop
 from cyclescope.analysis.paths import PathBlock
+from cyclescope.analysis.progress import ProgressStats
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
 from cyclescope.images.cache import Cache
@@ -114,6 +115,7 @@ def calc_procedure(
     anchor: AnchorStats | None = None,
     outcomes: dict[int, dict[int, float]] | None = None,
     trips: dict[int, tuple[int, int]] | None = None,
+    progress: dict[int, ProgressStats] | None = None,
 ) -> Calc:
     from cyclescope.images.disasm import disassemble
 
@@ -152,6 +154,8 @@ def calc_procedure(
     measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
     if anchor is not None:
         mnotes += _anchored(cfg, s_cyc, anchor, period_cycles, measured)
+    if progress:
+        mnotes += _progressed(cfg, progress, period_cycles, measured)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     if trips:  # loop headers from their exact ratios to a measured point counted in the same windows
         by_ratio, rnotes = _by_ratios(cfg, trips, measured, freq)
@@ -465,6 +469,32 @@ def _paths(cfg: CFG, classes: Classes, freq: Frequencies, measured: dict[int, Me
             continue  # no observed path reaches it, yet its samples say it ran: calc's count stays
         out[b] = Measured(float(f[b]) * k, "low", "paths", f"{seen} branches' outcomes, scaled by {why}")
     return out, []
+
+
+def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: float | None,
+                measured: dict[int, Measured]) -> list[str]:
+    """The entry block's frequency from an argument that moves forward through the run
+    (analysis/progress.py), added to ``measured`` where it is surer than what is there (an anchor
+    of a short entry is low confidence: its traps' disturbance makes it low). Notes where it
+    cannot be used."""
+    from cyclescope.analysis.progress import entries_from_progress
+
+    if not period_cycles or not cfg.blocks:
+        return []
+    entry = next((e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0), None)
+    if entry is None:
+        return []
+    est, why_not = entries_from_progress(progress)
+    if est is None:
+        return [why_not] if why_not else []
+    if any(e.src >= 0 for e in cfg.in_edges(entry)):
+        return [f"entry at {cfg.blocks[entry].start:#x} heads a loop: its count from a moving argument "
+                f"({est.entries:,.0f} entries) does not give the block's"]
+    m = measured.get(entry)
+    if m is not None and _RANK[m.confidence] >= _RANK[est.confidence]:
+        return []
+    measured[entry] = Measured(est.entries / period_cycles, est.confidence, "progress", est.why)
+    return []
 
 
 MIN_ANCHOR_HITS = 10  # entries counted in windows before an anchor is used (Poisson error ~ 1/sqrt)

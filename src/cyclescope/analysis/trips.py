@@ -20,7 +20,14 @@ TRIPS: mergeable by addition like the rest); calc carries whichever of the point
 count (an anchor, a loop counter) to the others by the ratios (analysis/calc.py, method
 ``trip-window``).
 
-Cost: every hit traps (the anchors' hit cost, 6-17 us on these machines), so a loop run hundreds
+Where each point is probed: at the first instruction of its block that the kernel emulates at a
+hit (a conditional jump, a push: images/disasm.uprobe_emulated; loopcount.block_site), else at the
+block's first. An emulated hit costs 0.41 us against 14.3 us single-stepped on the Xeon with AMX
+(bench/probecost.py), so a window counts about thirty times the executions for the same traps.
+The first point's hits also keep the registers that move with an argument, and a procedure whose
+argument moves forward gets every other window for its entry alone: analysis/progress.py.
+
+Cost: every hit traps (0.4-17 us on these machines, by the instruction), so a loop run hundreds
 of millions of times a second runs at the traps' pace while a window is open. Windows are short
 and spread over the run at random steps so that the traps stay within BUDGET_SHARE of the anchors'
 budget of one CPU (a token bucket over the time since the recording began: the first window opens
@@ -30,9 +37,10 @@ file.
 
 What the sums weigh: the ratios change with a program's phases (xz's hash chains grow as its
 dictionary fills), and each window counts the phase it falls in, in proportion to what it counts.
-Where traps set the pace a window holds a few executions (about 140 hits in 2 ms on the Xeons);
-where the loop does not run (xz's first milliseconds, empty chains) a window counts untrapped
-entries by the thousand and outweighs many others. Windows also cut executions at their edges.
+Where traps set the pace a window holds a few executions (about 140 hits in 2 ms on the Xeons
+where single-stepped, 5,000 where emulated); where the loop does not run (xz's first
+milliseconds, empty chains) a window counts untrapped entries by the thousand and outweighs many
+others. Windows also cut executions at their edges.
 calc's confidence asks for windows as well as hits (MEDIUM_WINDOWS, HIGH_WINDOWS).
 """
 
@@ -42,7 +50,7 @@ import errno
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,6 +65,11 @@ POINTS_AFTER = 100  # the procedure's samples (since its anchor) before its poin
 # match finder runs 26 trips per entry over the first MB of the suite's input, 34 over the whole);
 # windows of 10 ms spent a short run's budget in its first half second.
 WINDOW_S = 0.002
+# A window of an entry alone (analysis/progress.py) is shorter: it measures a move per entry, which
+# changes with the run's phases (xz's: 5-9 positions per entry over most tenths of the suite's
+# input, 16.6 over one), so many short windows sample them better than a few long ones; an entry
+# probed where the kernel emulates the hit counts a few hundred in half a millisecond.
+STRIDE_WINDOW_S = 0.0005
 BUDGET_SHARE = 1.0  # of the anchors' budget (a share of one CPU)
 ALLOWANCE = 0.003  # trap seconds granted ahead of time: the first window opens at once, the others are paced
 # What a window costs the probed program beyond its hits' traps, charged to the budget with them:
@@ -65,6 +78,11 @@ ALLOWANCE = 0.003  # trap seconds granted ahead of time: the first window opens 
 # nothing; about 4 ms a window, of which the hits are about 1. Where the rest goes was not found
 # (windows over instructions that never run cost nothing measurable; a hit costs what it is charged).
 WINDOW_COST_S = 0.003
+# ... where every point of the window is probed at an instruction the kernel emulates (0.5 us a hit
+# against 14-17 us single-stepped): a window of 2 ms over one such point of tests/programs/progress.c
+# (5,100-5,500 hits) slowed the program by 2.3-2.9 ms, its hits' traps and no more (a window over a
+# single-stepped point, 150 hits, by 1.8-2.8 ms: the traps fill the window either way).
+EMULATED_WINDOW_COST_S = 0.001
 JITTER = 0.5  # the wait before a window is drawn from [1 - JITTER, 1 + JITTER] times the budget's pace
 IDLE_S = 0.25  # the longest sleep when nothing can be counted yet
 MIN_GAP_S = 0.05  # the shortest time between two windows
@@ -94,6 +112,15 @@ class Target:
     total_windows: int = 0
     failed: str | None = None
     core: int = 0  # the entry and the loop headers: points[:core] (the rest are sampled blocks)
+    # analysis/progress.py: the arguments' widths (None: not followed), and per argument the windows
+    # that counted two entries or more, their entries - 1 and moves, and those whose move went back
+    argwidth: np.ndarray | None = None
+    site_args: np.ndarray | None = None  # int8 per argument: the register holding it at the entry's probe
+    emulated: list[bool] = field(default_factory=list)  # per point: its probe's hit is emulated (cheap)
+    progress: np.ndarray = field(default_factory=lambda: np.zeros((4, 6), np.float64))
+    stride_windows: int = 0  # windows of the entry alone (for its arguments' moves), and their entries
+    stride_entries: int = 0
+    turns: int = 0
 
 
 def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray,
@@ -138,6 +165,7 @@ class TripWindows:
         self.per_task = True
         self.image_key: Any = lambda i: str(i)
         self.hit_cost_s = 6.5e-6
+        self.emulated_hit_s = 6.5e-6  # at a probe the kernel emulates (bind measures both)
         self.spent_s = 0.0
         self.started = time.monotonic()
         self._stop = threading.Event()
@@ -151,6 +179,7 @@ class TripWindows:
         self.per_task = ctx.per_task
         self.image_key = lambda i: ctx.table[i].key
         self.hit_cost_s = hit_cost()
+        self.emulated_hit_s = hit_cost(emulated=True)
         self.started = time.monotonic()
 
     # --- choosing ------------------------------------------------------------------------------
@@ -177,12 +206,21 @@ class TripWindows:
                     seen += np.bincount(k[k >= 0], minlength=len(seen))[: len(seen)]
                 if seen.sum() < POINTS_AFTER:
                     continue
-                points, offsets = points_of(key[1], file_offset, table.headers, table.depth, table.blocks, seen)
+                points, _ = points_of(key[1], file_offset, table.headers, table.depth, table.blocks, seen)
                 del self._block_samples[key]
                 if len(points) < 2:
                     continue
                 core = len(points_of(key[1], file_offset, table.headers, table.depth)[0])  # entry, headers
-                t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64), core=core)
+                # Each block is probed where the kernel emulates the hit, if it can (loopcount.block_site)
+                site = dict(zip(table.blocks.tolist(), table.sites.tolist(), strict=True))
+                cheap = dict(zip(table.blocks.tolist(), table.site_emulated.tolist(), strict=True))
+                offsets = [file_offset + (site.get(p, p) - key[1]) for p in points]
+                t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64), core=core,
+                           emulated=[bool(cheap.get(p, False)) for p in points])
+                if len(table.args):  # which registers hold the arguments where the entry is probed
+                    k = int(np.searchsorted(table.addrs, np.uint64(site.get(key[1], key[1]))))
+                    if k < len(table.addrs) and int(table.addrs[k]) == site.get(key[1], key[1]):
+                        t.argwidth, t.site_args = table.argwidth.copy(), table.args[k].copy()
                 with self.lock:
                     self.targets[key] = t
             if self.per_task and m is not None and m.any():  # the process that sampled it last
@@ -223,17 +261,35 @@ class TripWindows:
         self._window(t)
         return MIN_GAP_S
 
+    def _stride_turn(self, t: Target) -> bool:
+        """Is this window of ``t`` one of its entry alone? Every other one, while an argument of the
+        procedure moves forward (analysis/progress.py) and its windows have counted fewer than
+        ENOUGH_STEPS entries: with its loop headers and blocks trapping too, a window of a short
+        entry holds a few dozen entries (xz's match finder runs 37 header runs each); alone, a few
+        hundred in STRIDE_WINDOW_S. Per task only: system-wide a window counts every process mapping
+        the file, and their registers do not mix."""
+        from cyclescope.analysis.progress import ENOUGH_STEPS
+
+        if t.argwidth is None or not self.per_task or t.stride_entries >= ENOUGH_STEPS:
+            return False
+        counter = getattr(self.loops, "counter", None)
+        if counter is None or not counter.moving(t.img, t.entry):
+            return False
+        t.turns += 1
+        return t.turns % 2 == 1
+
     def _window(self, t: Target) -> None:
         from cyclescope.collect.pointcount import GATE
 
-        n = len(t.points)
+        alone = self._stride_turn(t)
+        n = 1 if alone else len(t.points)
         # Gated while the link's probes are installed one by one (the first would count alone),
         # and again before the close removes them one by one (the module's docstring).
         self.counter.zero(n, GATE)
         try:
-            link = self.counter.attach(t.path, t.offsets, t.pid if self.per_task else 0)
+            link = self.counter.attach(t.path, t.offsets[:n], t.pid if self.per_task else 0)
         except CycleScopeError as e:
-            if t.total_windows == 0 and 1 < t.core < len(t.points):
+            if t.total_windows == 0 and 1 < t.core < len(t.points) and not alone:
                 # An instruction uprobes refuse (the kernel does not say which): the sampled blocks'
                 # first instructions go, the entry and the loop headers are tried at the next window.
                 with self.lock:
@@ -251,18 +307,40 @@ class TripWindows:
         try:
             passed = GATE - self.counter.skip_left()  # hits while the probes were being installed
             self.counter.set_skip(0)
-            self._stop.wait(WINDOW_S)
+            self._stop.wait(STRIDE_WINDOW_S if alone else WINDOW_S)
             self.counter.set_skip(GATE)
         finally:
             self.counter.detach(link)
         passed += GATE - self.counter.skip_left()  # and while they were being removed
         got = self.counter.counts(n)
+        moves = None
+        if t.argwidth is not None and t.site_args is not None and self.per_task and got[0] >= 2:
+            moves = _moves(t.argwidth, t.site_args, *self.counter.first_regs())  # one process's entries
         with self.lock:
             assert t.hits is not None
-            t.hits += got
-            t.windows += 1
-            t.total_windows += 1
-            self.spent_s += float(got.sum() + passed) * self.hit_cost_s + WINDOW_COST_S
+            if moves is not None:
+                held = ~np.isnan(moves)
+                fwd = held & (moves >= 0)
+                t.progress[0] += held
+                t.progress[1] += np.where(fwd, float(got[0] - 1), 0.0)
+                t.progress[2] += np.where(fwd, moves, 0.0)
+                t.progress[3] += held & ~fwd
+            if alone:
+                t.stride_windows += 1
+                t.stride_entries += int(got[0])
+            else:  # the ratios: only windows that counted every point together
+                t.hits += got
+                t.windows += 1
+                t.total_windows += 1
+            cheap = len(t.emulated) >= n and all(t.emulated[:n])
+            self.spent_s += self._cost(t, got, passed) + (EMULATED_WINDOW_COST_S if cheap else WINDOW_COST_S)
+
+    def _cost(self, t: Target, got: np.ndarray, passed: int) -> float:
+        """The traps of a window's hits: each point's at its probe's cost (emulated or not), the
+        hits that passed the gate at the dearest of them."""
+        cheap = np.array((t.emulated + [False] * len(got))[: len(got)], bool)
+        per = np.where(cheap, self.emulated_hit_s, self.hit_cost_s)
+        return float(np.dot(got.astype(np.float64), per)) + passed * float(per.max(initial=0.0))
 
     # --- the collector's side -----------------------------------------------------------------
     def take(self) -> Any:
@@ -290,6 +368,26 @@ class TripWindows:
                              "point": np.array(point, np.uint64), "hits": np.array(hits, np.uint64),
                              "windows": np.array(windows, np.uint64)})
 
+    def take_progress(self) -> Any:
+        """The windows' side of the arguments' moves since the last take, as a PROGRESS table."""
+        from cyclescope.db.tallies import PROGRESS, build
+
+        rows = []
+        with self.lock:
+            for t in self.targets.values():
+                if t.progress[0].any():
+                    rows += [(self.image_key(t.img), t.entry, a, t.progress[:, a].copy()) for a in range(6)]
+                    t.progress[:] = 0
+        z = np.zeros(len(rows))
+        return build(PROGRESS, {
+            "image": [r[0] for r in rows], "entry": np.array([r[1] for r in rows], np.uint64),
+            "arg": np.array([r[2] for r in rows], np.uint32), "pairs": z.astype(np.uint64), "delta": z,
+            "pair_period": z, "back": z.astype(np.uint64), "back_period": z,
+            "windows": np.array([r[3][0] for r in rows], np.uint64),
+            "window_steps": np.array([r[3][1] for r in rows], np.uint64),
+            "window_delta": np.array([r[3][2] for r in rows]),
+            "window_back": np.array([r[3][3] for r in rows], np.uint64)})
+
     def forget(self, pid: int, tid: int) -> None:
         if pid == tid:  # a process exited or exec'd: its targets wait for the next sample
             with self.lock:
@@ -303,10 +401,12 @@ class TripWindows:
             self._thread.join(timeout=5.0)
 
     def flush(self, db: Any, epoch: int, host: str) -> list[Any]:
-        from cyclescope.db.tallies import TRIPS, write_tally
+        from cyclescope.db.tallies import PROGRESS, TRIPS, write_tally
 
         t = self.take()
-        return [write_tally(db, epoch, host, TRIPS, t)] if t.num_rows else []
+        out = [write_tally(db, epoch, host, TRIPS, t)] if t.num_rows else []
+        pg = self.take_progress()
+        return out + ([write_tally(db, epoch, host, PROGRESS, pg)] if pg.num_rows else [])
 
     def close(self) -> None:
         self.finish()
@@ -319,17 +419,41 @@ class TripWindows:
     def summary(self) -> str | None:
         with self.lock:
             counted = [t for t in self.targets.values() if t.total_windows]
+            strided = [t for t in self.targets.values() if t.stride_windows]
             failed = [t.failed for t in self.targets.values() if t.failed]
             nwin = sum(t.total_windows for t in counted)
-        if not counted and not failed and self.error is None:
+            nstride = sum(t.stride_windows for t in strided)
+        if not counted and not strided and not failed and self.error is None:
             return None
         if self.error is not None:
             return f"trip windows: off ({self.error})"
         one = len(counted) == 1
-        line = (f"trip windows: the loops and hot blocks of {len(counted)} procedure{'' if one else 's'} counted "
-                f"beside {'its entry' if one else 'their entries'} in {nwin} window{'' if nwin == 1 else 's'} "
-                f"({self.spent_s:.2f} s of the programs' time charged to them)")
+        parts = []
+        if counted:
+            parts.append(f"the loops and hot blocks of {len(counted)} procedure{'' if one else 's'} counted beside "
+                         f"{'its entry' if one else 'their entries'} in {nwin} window{'' if nwin == 1 else 's'}")
+        if strided:
+            parts.append(f"the entr{'y' if len(strided) == 1 else 'ies'} of {len(strided)} with moving arguments "
+                         f"alone in {nstride}{' more' if counted else ''} window{'' if nstride == 1 else 's'}")
+        line = f"trip windows: {', '.join(parts) or 'nothing counted'} ({self.spent_s:.2f} s of the programs' time " \
+               "charged to them)"
         if failed:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line
 
+
+def _moves(width: np.ndarray, holders: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Each argument's move between a window's first and last counted entries, from the general
+    registers there (``holders``: analysis/progress.entry_args' code per argument at the probe);
+    NaN where no register holds it."""
+    from cyclescope.analysis.progress import W32, signed_moves
+
+    out = np.full(len(width), np.nan)
+    for a, (w, c) in enumerate(zip(width.tolist(), holders.tolist(), strict=True)):
+        if c < 0:
+            continue
+        r = c % W32
+        with np.errstate(over="ignore"):
+            d = last[r : r + 1] - first[r : r + 1]
+        out[a] = signed_moves(d, 32 if c >= W32 else int(w))[0]
+    return out

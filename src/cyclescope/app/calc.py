@@ -57,10 +57,10 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
                 outcomes_from: Profile | None = None, trip_windows: bool = True) -> Calc:
     """calc of one procedure of the selection; ``evidence=False``: from the samples and the model
     alone (the first design, DCPI's), leaving out loop counters, anchors and paths; ``paths=False``:
-    leaving out the paths only; ``trip_windows=False``: leaving out the trip windows' ratios only
-    (bench/accuracy.py's comparison); ``outcomes_from``: the branch outcomes of another profile's
-    recordings of the same binary (say, `record --values edges --exact interpret` of the same
-    program) instead of the selection's own."""
+    leaving out the paths only; ``trip_windows=False``: leaving out what the trip windows measured
+    only (their ratios, and how far arguments move per entry: bench/accuracy.py's comparison);
+    ``outcomes_from``: the branch outcomes of another profile's recordings of the same binary (say,
+    `record --values edges --exact interpret` of the same program) instead of the selection's own."""
     import numpy as np
 
     from cyclescope.analysis.calc import calc_procedure
@@ -99,6 +99,7 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
     stats = p.loop_stats(info.key, target.start, target.end) if evidence else {}
     anchor = p.anchor_stats(info.key, target.start) if evidence else None
     trips = p.trip_counts(info.key, target.start) if evidence and trip_windows else None
+    progress = p.progress_stats(info.key, target.start) if evidence and trip_windows else None
     outcomes = None
     if evidence and paths:
         if outcomes_from is None:
@@ -109,4 +110,4 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
             outcomes = outcomes_from.branch_outcomes(same[0]) if same else None
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(p, event), name_at, read, Cache(), info.key, mcpu, estimator,
-                          stats, profile_set.events[event].mean_period, anchor, outcomes, trips)
+                          stats, profile_set.events[event].mean_period, anchor, outcomes, trips, progress)

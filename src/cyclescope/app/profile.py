@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from cyclescope.analysis.anchors import AnchorStats
     from cyclescope.analysis.loopcount import LoopStats
+    from cyclescope.analysis.progress import ProgressStats
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
     from cyclescope.db.query import Engine, ProfileSet, Selection
@@ -136,6 +137,23 @@ class Profile:
         d = self._tally(TRIPS, image_key, "trip windows").to_pydict()
         return {int(p): (int(h), int(w)) for e, p, h, w in zip(d["entry"], d["point"], d["hits"], d["windows"],
                                                                strict=True) if e == entry}
+
+    def progress_stats(self, image_key: str, entry: int) -> dict[int, ProgressStats]:
+        """The moving arguments' tallies of the selection for the procedure entered at ``entry``:
+        argument (0-5: rdi, rsi, rdx, rcx, r8, r9) -> its sums (analysis/progress.py)."""
+        from cyclescope.analysis.progress import ProgressStats
+        from cyclescope.db.tallies import PROGRESS
+
+        d = self._tally(PROGRESS, image_key, "entry counts from moving arguments").to_pydict()
+        out = {}
+        for i, e in enumerate(d["entry"]):
+            if e == entry:
+                out[int(d["arg"][i])] = ProgressStats(
+                    pairs=int(d["pairs"][i]), delta=float(d["delta"][i]), pair_period=float(d["pair_period"][i]),
+                    back=int(d["back"][i]), back_period=float(d["back_period"][i]), windows=int(d["windows"][i]),
+                    window_steps=int(d["window_steps"][i]), window_delta=float(d["window_delta"][i]),
+                    window_back=int(d["window_back"][i]))
+        return out
 
     def branch_outcomes(self, info: ImageInfo) -> dict[int, dict[int, float]]:
         """Branch (ELF address) -> {where control went (ELF address): how often}, observed on the

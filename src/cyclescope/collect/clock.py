@@ -198,18 +198,39 @@ def _libc_function(name: str) -> tuple[str, int] | None:
     return (path, offset) if offset is not None else None
 
 
-def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
+def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3, emulated: bool = False) -> float | None:
     """Seconds of this thread's CPU a uprobe hit costs (the trap, counting mode), or None if it
-    cannot be measured: the C library's getppid called ``calls`` times without and with an exact
-    uprobe counter at its entry, alternately, the median of ``rounds`` (bench/probecost.py measures
-    the same on a compiled loop: 5.81 us on Zen 3, 15.97 us on a Xeon with AMX)."""
+    cannot be measured: a C library function called ``calls`` times without and with an exact
+    uprobe counter at its entry, alternately, the median of ``rounds``. getppid's entry (``mov``) is
+    single-stepped (bench/probecost.py measures the same on a compiled loop: 5.81 us on Zen 3,
+    15.97 us on a Xeon with AMX); with ``emulated``, getenv's (a ``push`` the kernel emulates:
+    images/disasm.uprobe_emulated; 0.48 us against 14.3 us on that Xeon)."""
+    import ctypes
+
     from cyclescope.collect import kernel
+    from cyclescope.images.disasm import uprobe_emulated
 
     pmu = kernel.uprobe_pmu_type()
-    where = _libc_function("getppid")
+    where = _libc_function("getenv" if emulated else "getppid")
     if pmu is None or where is None:
         return None
-    call = os.getppid
+    if emulated:
+        try:
+            with open(where[0], "rb") as f:
+                f.seek(where[1])
+                first = f.read(2)
+        except OSError:
+            return None
+        if not uprobe_emulated(first):
+            return None  # a C library whose getenv starts otherwise
+        getenv = ctypes.CDLL(None).getenv
+        getenv.restype = ctypes.c_char_p
+        name = b"CYCLESCOPE_UNSET_VARIABLE"
+
+        def call() -> object:
+            return getenv(name)
+    else:
+        call = os.getppid
     per_hit: list[float] = []
     for _ in range(rounds):
         t0 = time.thread_time_ns()
@@ -230,25 +251,32 @@ def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
         finally:
             kernel.close_fd(fd)
         if hits < calls // 2:
-            return None  # not this function's calls (a libc without a getppid of its own)
+            return None  # not this function's calls (a libc without a function of its own)
         per_hit.append((on - off) / hits / 1e9)
     per_hit.sort()
     cost = per_hit[len(per_hit) // 2]
-    return cost if 0.2e-6 < cost < 500e-6 else None
+    return cost if (0.02e-6 if emulated else 0.2e-6) < cost < 500e-6 else None
 
 
-def uprobe_hit_cost(cache_dir: Path | None) -> float | None:
+def uprobe_hit_cost(cache_dir: Path | None, emulated: bool = False) -> float | None:
     """measure_uprobe_hit_s, once per boot (about 0.05-0.15 s the first time)."""
-    return _per_boot(cache_dir, "uprobe-hit", measure_uprobe_hit_s)
+    return _per_boot(cache_dir, "uprobe-hit-emulated" if emulated else "uprobe-hit",
+                     lambda: measure_uprobe_hit_s(emulated=emulated))
 
 
-def charged_hit_s(at_least_s: float, extra_s: float) -> float:
+def charged_hit_s(at_least_s: float, extra_s: float, emulated: bool = False) -> float:
     """What a budget charges a uprobe hit on this machine: the trap as measured once per boot
     (uprobe_hit_cost) plus ``extra_s`` (what follows it, or the sample it writes), never less than
     ``at_least_s`` (the constant set on Zen 3). A Xeon with AMX traps in 16-17 us, 2.7 times Zen 3's:
     charged Zen 3's constants, its anchors spent about 2.5 times their budget and its goal probes
-    1.5 times (bench/out/probecost_intel1.json)."""
+    1.5 times (bench/out/probecost_intel1.json). A hit on an instruction the kernel emulates
+    (``emulated``) is charged its own trap as measured, plus ``extra_s``; where that cannot be
+    measured, as a single-stepped one."""
     from cyclescope.images.cache import Cache
 
+    if emulated:
+        cheap = uprobe_hit_cost(Cache().root, emulated=True)
+        if cheap:
+            return cheap + extra_s
     measured = uprobe_hit_cost(Cache().root)
     return max(at_least_s, measured + extra_s) if measured else at_least_s

@@ -95,6 +95,19 @@ TRIPS = TallyKind(
     sums=(("hits", pa.uint64()), ("windows", pa.uint64())),
 )
 
+# Arguments that move forward through a run (analysis/progress.py): per procedure entry and
+# argument register (0-5: rdi, rsi, rdx, rcx, r8, r9), from consecutive samples of a thread in the
+# procedure (the loop counters' side) the pairs whose move was known, their moves and time, and the
+# pairs that went back or jumped, with their time; from the trip windows' entry hits the windows,
+# their entries - 1 and moves, and the windows whose move went back. Sums of moves, never a value.
+PROGRESS = TallyKind(
+    "progress", "pg",
+    keys=(("image", pa.string()), ("entry", pa.uint64()), ("arg", pa.uint32())),
+    sums=(("pairs", pa.uint64()), ("delta", pa.float64()), ("pair_period", pa.float64()), ("back", pa.uint64()),
+          ("back_period", pa.float64()), ("windows", pa.uint64()), ("window_steps", pa.uint64()),
+          ("window_delta", pa.float64()), ("window_back", pa.uint64())),
+)
+
 # Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
 # the Unix epoch), process, thread and event, the samples and the sum of their periods (event
 # units: nanoseconds of CPU for the clock events).
@@ -106,7 +119,7 @@ TIMELINE = TallyKind(
     first="process",
 )
 
-KINDS = {k.name: k for k in (LOOPS, ANCHORS, TRIPS, TIMELINE)}
+KINDS = {k.name: k for k in (LOOPS, ANCHORS, TRIPS, PROGRESS, TIMELINE)}
 
 
 def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:

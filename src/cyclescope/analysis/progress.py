@@ -1,0 +1,246 @@
+"""Entry counts from arguments that progress: a hot procedure's count without a trap per entry.
+
+A procedure entered hundreds of thousands of times a second (a compressor's match finder, a
+parser's scanner) cannot be counted all the time (a uprobe hit costs 6-17 us on these machines),
+its anchor's windows buy a few samples on runs of seconds, and the model's count of it is off by
+factors where its loads stall (docs/benchmarks.md, "calc accuracy"). But such a procedure is often
+called with an argument that moves forward through the run: xz's ``hc_find_func(len_limit, pos,
+cur, ...)`` gets the stream position and a pointer into the input, one more at every call made for
+a new position. Two things then give its entry count:
+
+- How far the argument moves per entry, exactly: the trip windows (analysis/trips.py) already
+  count the entry in short windows; their BPF program (collect/pointcount.py) also keeps the
+  argument registers of the window's first and last counted entry, so that a window with E
+  entries gives (last - first) / (E - 1). Traps slow the program, not the argument.
+- How far it moved over the whole run, without a trap: every sample carries the user registers
+  (the loop counters take them), and at most instructions of the procedure some register still
+  holds what an argument register held at entry (``mov ebx, esi`` in the prologue, then never
+  written: a copy propagation over the CFG, ``entry_args``). Consecutive samples of one thread in
+  the procedure give the argument's move between the two calls they fell in; over the run the
+  moves add up to how far it went (the sum telescopes). Where it jumped back or far ahead (a new
+  buffer, a reset), the move is not known: the pair's time times the argument's rate elsewhere.
+
+Entries = total move / move per entry. What it assumes: the windows, spread over the run at
+random, see the run's mean move per entry (its phases weighted by their entries); calc says how
+many windows and entries the stride rests on, and keeps the count in medium confidence at most
+unless both sides rest on many. An argument that does not move (a struct pointer), or moves both
+ways (a hash, a chain link), is not used: most of its windows or pairs go back.
+
+Nothing but sums of moves and counts is stored (db/tallies.py PROGRESS): no value of a register.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cyclescope.perf.abi import GPRS
+
+if TYPE_CHECKING:
+    from cyclescope.analysis.cfg import CFG
+    from cyclescope.images.disasm import InsnInfo
+
+# The System V argument registers, in order: the ones whose entry values are followed.
+ARGS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
+NARGS = len(ARGS)
+CALLER_SAVED = frozenset({"rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"})
+W32 = 16  # added to a holder's column where it holds only the low 32 bits (``mov ebx, esi``)
+_COL = {r: i for i, r in enumerate(GPRS)}
+_R32 = {**{f"e{x}": f"r{x}" for x in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")},
+        **{f"r{n}d": f"r{n}" for n in range(8, 16)}}
+
+# A pair whose move per unit of time exceeds this many times the median of its drain's moving pairs
+# jumped (a new buffer): its move is not known, like a pair that went back. Real moves stay well
+# under it: xz's position between samples of its match finder ran at up to 16-32 times the median
+# rate (long matches skipped: pairs past 16 times held 4.8% of the move, none past 32), and at 16
+# the rate filled in for them took the run's total down by a tenth.
+JUMP = 64.0
+# Pairs moving forward (and few back) before the trip windows spend windows on an argument's move
+MIN_MOVING = 5
+# What a stride and a total need before calc uses them, for medium and high confidence: a window of
+# the entry alone (half a millisecond) holds a few hundred entries where the kernel emulates the
+# probed instruction, a few dozen where it single-steps it; a run of a second affords a few.
+MIN_WINDOWS, HIGH_WINDOWS = 3, 10
+MIN_STEPS, HIGH_STEPS = 100, 1000  # entries - 1, summed over the windows that counted two or more
+ENOUGH_STEPS = 2000  # past this, the trip windows count the entry alone no more
+MIN_PAIRS, HIGH_PAIRS = 20, 200
+MAX_BACK = 0.10  # of the windows, and of the pairs (with their time), that went back or jumped
+HIGH_BACK = 0.02
+
+
+def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndarray]:
+    """Per instruction and argument register, the register (its column in GPRS order) that holds
+    the argument's value at entry when the instruction is about to run, -1 where none surely does;
+    W32 added where only a 32-bit copy holds it. And each argument's width: 32 where a 32-bit copy
+    is all some instruction has (its moves are then taken modulo 2**32 everywhere), else 64.
+
+    A forward copy propagation: at entry each argument register holds itself; ``mov r64, r64``
+    copies a holding, ``mov r32, r32`` copies its low half; any other write, and a call for the
+    caller-saved registers, ends a holding; where paths meet, a register holds what it holds on
+    every path. Written by hand: it is the few lines a reaching-definitions pass would need, and
+    cfg.ReachingDefs answers one register at a time."""
+    n = len(cfg.insns)
+    out = np.full((n, NARGS), -1, np.int8)
+    widths = np.full(NARGS, 64, np.int8)
+    if not cfg.blocks or n == 0:
+        return out, widths
+    unknown = -1
+    start = [unknown] * 16  # per GPR column: the argument it holds (+NARGS: its low 32 bits), or -1
+    for a, r in enumerate(ARGS):
+        start[_COL[r]] = a
+    entry_blocks = {e.dst for e in cfg.out_edges(-1) if e.dst >= 0} if _has_entry(cfg) else {0}
+    state_in: list[list[int] | None] = [None] * len(cfg.blocks)
+    for b in entry_blocks:
+        state_in[b] = list(start)
+    work = sorted(entry_blocks)
+    while work:
+        b = work.pop(0)
+        st = state_in[b]
+        if st is None:
+            continue
+        cur = _transfer_block(cfg, infos, b, list(st), None)
+        for eid in cfg.blocks[b].succs:
+            d = cfg.edges[eid].dst
+            if d < 0:
+                continue
+            old = state_in[d]
+            new = list(cur) if old is None else [x if x == y else unknown for x, y in zip(old, cur, strict=True)]
+            if d in entry_blocks:  # entered from outside too: the entry's holdings meet the loop's
+                new = [x if x == y else unknown for x, y in zip(new, start, strict=True)]
+            if new != old:
+                state_in[d] = new
+                if d not in work:
+                    work.append(d)
+    for b in range(len(cfg.blocks)):
+        st = state_in[b]
+        if st is not None:
+            _transfer_block(cfg, infos, b, list(st), out)
+    for a in range(NARGS):
+        col = out[:, a]
+        if ((col >= W32) & (col >= 0)).any():
+            widths[a] = 32
+    return out, widths
+
+
+def _has_entry(cfg: CFG) -> bool:
+    return any(e.src == -1 for e in cfg.edges)
+
+
+def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], out: np.ndarray | None) -> list[int]:
+    blk = cfg.blocks[b]
+    for k in range(blk.first, blk.last + 1):
+        if out is not None:
+            for c, h in enumerate(st):
+                if h < 0:
+                    continue
+                a, half = h % NARGS, h >= NARGS
+                prev = int(out[k, a])
+                # a full copy is preferred to a low half
+                if prev < 0 or (prev >= W32 and not half):
+                    out[k, a] = c + (W32 if half else 0)
+        _transfer(cfg.insns[k], infos[k] if k < len(infos) else None, st)
+    return st
+
+
+def _transfer(ins: object, info: InsnInfo | None, st: list[int]) -> None:
+    m = getattr(ins, "mnemonic", "")
+    if m == "mov":
+        ops = [o.strip() for o in getattr(ins, "op_str", "").split(",")]
+        if len(ops) == 2:
+            d, s = ops
+            if d in _COL and s in _COL:
+                st[_COL[d]] = st[_COL[s]]
+                return
+            if d in _R32 and s in _R32:
+                h = st[_COL[_R32[s]]]
+                st[_COL[_R32[d]]] = (h % NARGS) + NARGS if h >= 0 else -1
+                return
+    if m == "call":
+        for r in CALLER_SAVED:
+            st[_COL[r]] = -1
+    if info is not None:
+        for r in info.writes:
+            c = _COL.get(r)
+            if c is not None and r != "rsp":
+                st[c] = -1
+
+
+def signed_moves(delta: np.ndarray, width: int) -> np.ndarray:
+    """Differences of uint64 values as signed numbers of ``width`` bits (float64)."""
+    if width == 32:
+        d = (delta & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        return np.where(d >= 1 << 31, d - (1 << 32), d).astype(np.float64)
+    return delta.view(np.int64).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class ProgressStats:
+    """One argument's tally (db/tallies.py PROGRESS), summed over the selection."""
+
+    pairs: int = 0  # consecutive samples of a thread in the procedure, the argument known at both, not back
+    delta: float = 0.0  # the argument's moves over them
+    pair_period: float = 0.0  # their time (event units)
+    back: int = 0  # pairs whose move went back or jumped
+    back_period: float = 0.0
+    windows: int = 0  # trip windows that counted two entries or more
+    window_steps: int = 0  # entries - 1 over the windows whose move was forward
+    window_delta: float = 0.0  # the move between their first and last entries
+    window_back: int = 0
+
+    @property
+    def stride(self) -> float | None:
+        return self.window_delta / self.window_steps if self.window_steps and self.window_delta > 0 else None
+
+    @property
+    def total(self) -> float:
+        """How far the argument moved over the run: the known moves, and the rate times the time
+        of the pairs whose move is not known."""
+        rate = self.delta / self.pair_period if self.pair_period > 0 else 0.0
+        return self.delta + rate * self.back_period
+
+
+@dataclass(frozen=True)
+class ProgressEstimate:
+    entries: float
+    confidence: str  # medium, high
+    arg: int
+    why: str
+
+
+def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEstimate | None, str | None]:
+    """The procedure's entry count from its best argument (most entries in the windows, then pairs),
+    or None with the reason none could be used (None when no argument was followed at all)."""
+    best: tuple[tuple[int, int, int], ProgressEstimate] | None = None
+    tried = []
+    for a, st in stats.items():
+        s = st.stride
+        allp = st.pairs + st.back
+        allw = st.windows
+        if s is None or st.pairs < MIN_PAIRS or allw < MIN_WINDOWS or st.window_steps < MIN_STEPS:
+            tried.append(a)
+            continue
+        back_p = st.back / allp if allp else 1.0
+        back_w = st.window_back / allw if allw else 1.0
+        if back_p > MAX_BACK or back_w > MAX_BACK or st.delta <= 0:
+            tried.append(a)
+            continue
+        high = (allw >= HIGH_WINDOWS and st.window_steps >= HIGH_STEPS and st.pairs >= HIGH_PAIRS
+                and back_p <= HIGH_BACK and back_w <= HIGH_BACK)
+        n = st.total / s
+        why = (f"argument {ARGS[a]} moved {st.total:,.0f} over the run ({st.pairs:,} pairs of samples in the procedure"
+               + (f", {st.back:,} of them jumping, filled in at its rate" if st.back else "")
+               + f") and {s:,.4g} per entry in {allw:,} trip windows ({st.window_steps + allw - st.window_back:,} "
+               "entries counted)")
+        est = ProgressEstimate(n, "high" if high else "medium", a, why)
+        rank = (1 if high else 0, st.window_steps, st.pairs)
+        if best is None or rank > best[0]:
+            best = (rank, est)
+    if best is not None:
+        return best[1], None
+    if not stats:
+        return None, None
+    return None, (f"entry count from moving arguments: none of {', '.join(ARGS[a] for a in sorted(tried))} moved "
+                  "steadily forward with enough windows and pairs")

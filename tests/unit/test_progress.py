@@ -1,0 +1,222 @@
+"""Entry counts from arguments that move forward (analysis/progress.py), with synthetic inputs:
+the copy propagation over hand-assembled code, the probe sites, the pairs of samples, the
+windows' moves, the estimate and its confidence, and calc's use of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cyclescope.analysis import progress as pg
+from cyclescope.analysis import trips as tw
+from cyclescope.analysis.loopcount import LoopCounter, loop_table, table_arrays, table_from_arrays
+from cyclescope.analysis.progress import ProgressStats, entries_from_progress
+from cyclescope.db.tallies import PROGRESS, merge
+from cyclescope.images.disasm import uprobe_emulated
+from cyclescope.perf.abi import GPRS
+from tests.unit.test_loops import FakeBinary, FakeSource
+from tests.unit.test_trips import FakeCounter, block, work
+
+COL = {r: i for i, r in enumerate(GPRS)}
+AT = 0x1000
+# f(rdi, rsi, rdx):        push rbx; mov ebx, esi; mov rax, rdi
+# 0x1006 (loop):            add rax, 1; cmp rax, rdx; jne 0x1006
+# 0x100f:                   call 0x2000; pop rbx; ret
+CODE = bytes.fromhex("53" "89f3" "4889f8" "4883c001" "4839d0" "75f7" "e8ec0f0000" "5b" "c3")
+
+
+def table():  # type: ignore[no-untyped-def]
+    return loop_table(CODE, AT, AT + len(CODE))
+
+
+def held(t, addr: int, arg: str) -> str | None:  # type: ignore[no-untyped-def]
+    k = int(np.searchsorted(t.addrs, addr))
+    c = int(t.args[k, pg.ARGS.index(arg)])
+    return None if c < 0 else GPRS[c % pg.W32] + ("/32" if c >= pg.W32 else "")
+
+
+def test_entry_values_are_followed_through_copies_until_written_or_clobbered() -> None:
+    t = table()
+    assert not t.empty and [int(h) for h in t.headers] == [0x1006]
+    assert held(t, 0x1000, "rsi") == "rsi" and held(t, 0x1000, "rdi") == "rdi"
+    # In the loop rsi still holds itself (preferred to rbx's low half); rdi too (rax is its copy,
+    # then written); rdx is read only.
+    assert held(t, 0x100A, "rsi") == "rsi" and held(t, 0x100A, "rdi") == "rdi" and held(t, 0x100A, "rdx") == "rdx"
+    # After the call the caller-saved registers are gone; rbx keeps the low half of rsi.
+    assert held(t, 0x1014, "rsi") == "rbx/32"
+    assert held(t, 0x1014, "rdi") is None and held(t, 0x1014, "rdx") is None
+    # An argument a 32-bit copy holds somewhere is taken modulo 2**32 everywhere.
+    assert t.argwidth.tolist() == [64, 32, 64, 64, 64, 64]
+    # The cache's arrays give the same table back.
+    again = table_from_arrays(table_arrays(t))
+    assert again is not None and np.array_equal(again.args, t.args) and np.array_equal(again.sites, t.sites)
+    # A cached table of another version, or arrays that do not make one, is analyzed again.
+    assert table_from_arrays({**table_arrays(t), "version": np.array([1])}) is None
+    broken = table_arrays(t)
+    del broken["sites"]
+    assert table_from_arrays(broken) is None
+
+
+def test_blocks_are_probed_where_the_kernel_emulates_the_hit() -> None:
+    emulated = {"41 57": True, "55": True, "75 10": True, "0f 85 00 00 00 00": True, "e8 00 00 00 00": True,
+                "eb 05": True, "90": True, "f2 e9 00 00 00 00": True,
+                "48 89 e5": False, "0f 1f 40 00": False, "66 90": False, "c3": False, "f3 0f 1e fa": False,
+                "ff e0": False, "48 50": False, "f3 90": False, "66 e8 00 00": False}
+    for raw, want in emulated.items():
+        assert uprobe_emulated(bytes.fromhex(raw.replace(" ", ""))) is want, raw
+    t = table()
+    sites = dict(zip(t.blocks.tolist(), zip(t.sites.tolist(), t.site_emulated.tolist(), strict=True), strict=True))
+    # the entry at its push, the loop at its jne (its first instruction is not emulated), the
+    # last block at its call
+    assert sites[0x1000] == (0x1000, True) and sites[0x1006] == (0x100D, True) and sites[0x100F] == (0x100F, True)
+    from cyclescope.analysis.loopcount import block_site
+    from cyclescope.images.disasm import disassemble
+
+    # Nothing emulated before a call (whose callee may not return): the block's first instruction.
+    insns = disassemble(bytes.fromhex("4889e5" "ffd0" "55"), 0x3000)  # mov rbp, rsp; call rax; push rbp
+    assert block_site(insns) == (0x3000, False)
+
+
+def counter() -> LoopCounter:
+    return LoopCounter(FakeSource(FakeBinary(CODE, AT)), lambda i: f"img{i}", True, background=False,
+                       analyze_after=1)
+
+
+def regs(rdi: int, rsi: int, rbx: int = 0) -> list[int]:
+    r = [0] * 16
+    r[COL["rdi"]], r[COL["rsi"]], r[COL["rbx"]], r[COL["rdx"]] = rdi, rsi, rbx, 77
+    return r
+
+
+def add(lc: LoopCounter, rows: list[tuple[int, int, int, list[int]]], period: float = 1000.0) -> None:
+    lc.add(np.array([r[0] for r in rows]), np.array([r[1] for r in rows], np.uint64), np.zeros(len(rows), np.int64),
+           np.ones(len(rows), np.int64), np.array([r[2] for r in rows], np.uint64), np.full(len(rows), period),
+           np.array([r[3] for r in rows], np.uint64))
+
+
+def test_pairs_of_samples_add_up_an_arguments_moves_across_drains() -> None:
+    lc = counter()
+    # Thread 7 in the procedure at positions 10, 40 (rsi; rbx's low half after the call), a sample
+    # elsewhere between (image 1 has nothing at 0x5000: it counts in the thread's time only), 70.
+    add(lc, [(7, 1, 0x100A, regs(5, 10)), (7, 2, 0x5000, regs(0, 0)), (7, 3, 0x1014, regs(5, 999, rbx=40))])
+    add(lc, [(7, 4, 0x100A, regs(5, 70)),
+             (7, 5, 0x100A, regs(5, 20)),  # back: a new stream; its move is not known
+             (8, 5, 0x1006, regs(9, 1 << 40))])  # another thread: its own sequence
+    lc.finish()
+    assert not lc.moving(1, AT)  # two moves forward: too few for windows to be spent on it
+    d = merge(PROGRESS, [lc.take_progress()]).to_pydict()
+    rows = {a: i for i, a in enumerate(d["arg"])}
+    rsi = rows[pg.ARGS.index("rsi")]
+    # 10 -> 40 over two periods (the sample elsewhere between), 40 -> 70 over one; 70 -> 20 back
+    assert d["pairs"][rsi] == 2 and d["delta"][rsi] == 60 and d["pair_period"][rsi] == 3000.0
+    assert d["back"][rsi] == 1 and d["back_period"][rsi] == 1000.0
+    # rdi (a struct pointer, say) does not move; no register holds it after the call (0x1014), so
+    # only the last pair of thread 7 knows it at both ends
+    rdi = rows[pg.ARGS.index("rdi")]
+    assert d["pairs"][rdi] == 1 and d["delta"][rdi] == 0
+    assert lc.take_progress().num_rows == 0  # taken
+    # The total: known moves, and the unknown one at the rate of the others.
+    st = ProgressStats(pairs=2, delta=60, pair_period=3000.0, back=1, back_period=1000.0)
+    assert st.total == pytest.approx(80.0)
+
+
+def test_a_jump_far_ahead_is_not_taken_as_a_move() -> None:
+    lc = counter()
+    rows = [(7, i, 0x100A, regs(5, 100 * i)) for i in range(1, 21)]
+    rows.append((7, 21, 0x100A, regs(5, 1_000_000)))  # a new buffer far above: 16 times the rate or more
+    add(lc, rows)
+    lc.finish()
+    assert lc.moving(1, AT)
+    d = merge(PROGRESS, [lc.take_progress()]).to_pydict()
+    rsi = d["arg"].index(pg.ARGS.index("rsi"))
+    assert d["pairs"][rsi] == 19 and d["delta"][rsi] == 1_900 and d["back"][rsi] == 1
+
+
+def stats(**kw: float) -> ProgressStats:
+    base: dict[str, float] = {"pairs": 500, "delta": 6_000_000.0, "pair_period": 1e9, "windows": 12,
+                              "window_steps": 2_400, "window_delta": 17_280.0}
+    return ProgressStats(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_the_estimate_is_the_total_move_over_the_move_per_entry() -> None:
+    est, why = entries_from_progress({1: stats()})
+    assert why is None and est is not None
+    assert est.entries == pytest.approx(6_000_000 / 7.2) and est.confidence == "high" and est.arg == 1
+    assert "argument rsi moved 6,000,000" in est.why and "7.2 per entry in 12 trip windows" in est.why
+    # Three windows: medium. Two, or too few entries in them: not used.
+    three = entries_from_progress({1: stats(windows=3, window_steps=400, window_delta=2_880.0)})[0]
+    assert three is not None and three.confidence == "medium"
+    assert entries_from_progress({1: stats(windows=2)})[0] is None
+    none, why = entries_from_progress({1: stats(window_steps=50)})
+    assert none is None and why is not None and "rsi" in why
+    # An argument that goes back too often (a hash, a chain link) is not used; the other one is.
+    est, _ = entries_from_progress({0: stats(back=200), 2: stats(delta=3_000_000.0)})
+    assert est is not None and est.arg == 2
+    assert entries_from_progress({0: stats(window_back=3)})[0] is None
+    # One that does not move (a struct pointer) has no stride.
+    assert entries_from_progress({0: stats(window_delta=0.0)})[0] is None
+    assert entries_from_progress({}) == (None, None)
+
+
+def test_calc_takes_the_entry_count_from_a_moving_argument() -> None:
+    # 6,000,000 / 7.2 entries; the loop's header counted 3,750 times per entry in the windows.
+    c = work(progress={1: stats()}, trips={0x1190: (400, 12), 0x11A0: (1_500_000, 12)})
+    entry, loop = block(c, 0x1190), block(c, 0x11A0)
+    assert c.freq.block_method[entry] == "progress" and c.freq.block_confidence[entry] == "high"
+    assert c.executions(entry) == pytest.approx(6_000_000 / 7.2, rel=0.01)
+    assert c.freq.block_method[loop] == "trip-window"
+    assert c.executions(loop) == pytest.approx(6_000_000 / 7.2 * 3750, rel=0.01)
+    assert c.evidence[entry].startswith("argument rsi moved")
+    # A surer anchor keeps the entry; a low-confidence one gives way.
+    from cyclescope.analysis.anchors import AnchorStats
+
+    weak = work(progress={1: stats(windows=3, window_steps=400, window_delta=2_880.0)},
+                anchor=AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10))
+    assert weak.freq.block_method[block(weak, 0x1190)] == "anchor"  # medium against medium: the anchor's
+    # Not enough: a note says why, the count is the model's.
+    few = work(progress={1: stats(windows=2)})
+    assert few.freq.block_method[block(few, 0x1190)] != "progress"
+    assert any("moving arguments" in n for n in few.notes)
+
+
+class RegsCounter(FakeCounter):
+    """A PointCounter whose first point's hits saw rsi go from 1,000 to 1,000 + 7 * (hits - 1)."""
+
+    def first_regs(self) -> tuple[np.ndarray, np.ndarray]:
+        first, last = np.zeros(16, np.uint64), np.zeros(16, np.uint64)
+        first[COL["rbx"]], last[COL["rbx"]] = 1_000, 1_000 + 7 * (self.per_window[0] - 1)
+        first[COL["rdi"]] = last[COL["rdi"]] = 0xABC
+        return first, last
+
+
+class Moving:
+    """The loop counter's side: the procedure's arguments move."""
+
+    def moving(self, img: int, start: int) -> bool:
+        return True
+
+
+def test_windows_of_the_entry_alone_measure_the_move_per_entry() -> None:
+    t = tw.TripWindows(anchors=None, loops=type("L", (), {"counter": Moving()})(), budget=1.0)
+    t.hit_cost_s, t.emulated_hit_s = 1e-5, 5e-7
+    t.counter = RegsCounter([101, 4_000])
+    t.image_key = lambda i: f"img{i}"
+    holders = np.full(6, -1, np.int8)
+    holders[pg.ARGS.index("rsi")] = COL["rbx"] + pg.W32  # rsi's low half in rbx where the entry is probed
+    holders[pg.ARGS.index("rdi")] = COL["rdi"]
+    target = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x41D], pid=42, hits=np.zeros(2, np.uint64),
+                       emulated=[True, True], argwidth=np.array([64, 32, 64, 64, 64, 64], np.int8), site_args=holders)
+    t.targets[(1, 0x1000)] = target
+    for _ in range(4):
+        t._window(target)
+    # Every other window counts the entry alone (first), the others every point: only those count
+    # in the ratios.
+    assert [a[1] for a in t.counter.attached] == [[0x400], [0x400, 0x41D]] * 2
+    assert target.stride_windows == 2 and target.windows == 2 and target.hits.tolist() == [202, 8_000]
+    d = merge(PROGRESS, [t.take_progress()]).to_pydict()
+    rsi, rdi = d["arg"].index(pg.ARGS.index("rsi")), d["arg"].index(pg.ARGS.index("rdi"))
+    assert d["windows"][rsi] == 4 and d["window_steps"][rsi] == 400 and d["window_delta"][rsi] == 2_800
+    assert d["window_delta"][rdi] == 0 and d["windows"][rdi] == 4  # held, not moving
+    assert [d["windows"][i] for i, a in enumerate(d["arg"]) if a not in (0, 1)] == [0, 0, 0, 0]
+    # Charged at the emulated hit's cost, with the lighter per-window charge.
+    assert t.spent_s == pytest.approx(2 * 101 * 5e-7 + 2 * 4_101 * 5e-7 + 4 * tw.EMULATED_WINDOW_COST_S)
