@@ -2,8 +2,9 @@
 exact counter at the function's entry (anchors) and under a sampler that takes a register at every
 hit (goal probes); the task's own CPU (user + system, from wait4) over N, rounds alternated. The
 function's entry is single-stepped at a hit; ``counter-emulated`` counts the loop's conditional
-jump instead, which the kernel emulates (images/disasm.uprobe_emulated): what trip windows and
-anchors pay where a block or an entry has such an instruction.
+jump instead, which the kernel emulates (images/disasm.uprobe_emulated): what trip windows, anchors
+and goal probes pay where a block or an entry has such an instruction (``sampler-emulated``: a
+sample with a register at each hit there).
 
     python bench/probecost.py [--save-as NAME]   # 200,000 calls, 5 rounds (as root)
 """
@@ -35,7 +36,7 @@ int main(int argc, char **argv) {
 
 def one(exe: Path, entry: int, n: int, how: str, branch: int = 0) -> float:
     """The task's CPU seconds for ``n`` calls under ``how``: none, counter, counter-emulated (at
-    file offset ``branch``) or sampler."""
+    file offset ``branch``), sampler or sampler-emulated."""
     from cyclescope.collect import kernel
     from cyclescope.collect.session import online_cpus
     from cyclescope.perf.abi import X86_REGS_USER_MASK, X86Reg
@@ -54,12 +55,13 @@ def one(exe: Path, entry: int, n: int, how: str, branch: int = 0) -> float:
         if how in ("counter", "counter-emulated"):
             fds.append(kernel.open_uprobe_counter(pmu, str(exe), entry if how == "counter" else branch, pid, -1))
             kernel.ioctl_enable(fds[0])
-        elif how == "sampler":
+        elif how in ("sampler", "sampler-emulated"):
             assert X86_REGS_USER_MASK & (1 << X86Reg.DI)
             for cpu in online_cpus():
                 owner = kernel.open_ring_owner(pid, cpu, True, 1 << 22)
                 rings.append(kernel.RingBuffer(owner, 1024))
-                fd = kernel.open_uprobe_sampler(pmu, str(exe), entry, pid, cpu, 1 << X86Reg.DI, True, True, 1 << 22)
+                fd = kernel.open_uprobe_sampler(pmu, str(exe), entry if how == "sampler" else branch, pid, cpu,
+                                                1 << X86Reg.DI, True, True, 1 << 22)
                 kernel.ioctl_set_output(fd, owner)
                 fds += [fd, owner]
         os.write(w, b"x")
@@ -111,12 +113,13 @@ def main() -> None:
     entry = read_load_info(str(exe)).file_offset(vaddr)
     assert entry is not None
     branch = loop_branch(exe)
-    cpu: dict[str, list[float]] = {"none": [], "counter": [], "counter-emulated": [], "sampler": []}
+    cpu: dict[str, list[float]] = {"none": [], "counter": [], "counter-emulated": [], "sampler": [],
+                                   "sampler-emulated": []}
     for _ in range(a.rounds):
         for how in cpu:
             cpu[how].append(one(exe, entry, a.calls, how, branch))
     per_hit = {h: [(c - b) / a.calls * 1e6 for c, b in zip(cpu[h], cpu["none"], strict=True)]
-               for h in ("counter", "counter-emulated", "sampler")}
+               for h in ("counter", "counter-emulated", "sampler", "sampler-emulated")}
     for h, v in per_hit.items():
         print(f"{h:16s} {median(v):.2f} us a hit [{min(v):.2f}, {max(v):.2f}] over {a.rounds} rounds")
     print(f"saved {save(a.save_as, {'machine': machine(), 'calls': a.calls, 'cpu_s': cpu, 'us_per_hit': per_hit})}")

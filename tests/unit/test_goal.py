@@ -242,3 +242,32 @@ def test_one_store_paired_with_two_loads_names_each_pair(tmp_path: Path) -> None
 """, tmp_path, {0: 64.0})
     store = [c for c in m.load_pairs() if m.cfg.insns[c.pair].address == AT]
     assert len(store) == 2 and len({c.reg for c in store}) == 2, [c.reg for c in store]
+
+
+def test_a_probe_moves_to_where_the_kernel_emulates_the_hit_while_the_value_stays(tmp_path: Path) -> None:
+    """app/specialize.probe_site: a value defined by the first `mov` is probed at the block's `jne`
+    (emulated: a fraction of a single-stepped hit's cost), the register unchanged in between; where
+    the register is written first, or a call comes first, at the instruction after the definition."""
+    from cyclescope.app.specialize import probe_site
+
+    m = model("""
+    mov rax, rdi
+    add rcx, 1
+    cmp rcx, rdx
+    jne 1f
+    mov rax, rsi
+1:  ret
+""", tmp_path, {})
+    live = [(k, "rax") for k in range(1, 5)]
+    assert probe_site(m, 1, "rax", live) == (3, True)  # the jne, same block, rax still the mov's
+    assert probe_site(m, 1, "rax", live[:1]) == (1, False)  # rax not held to the jne
+    m2 = model("""
+    mov rax, rdi
+    call 2f
+    cmp rax, rdx
+    jne 1f
+1:  ret
+2:  ret
+""", tmp_path, {})
+    assert probe_site(m2, 1, "rax", [(k, "rax") for k in range(1, 4)]) == (1, True)  # the call itself
+    assert probe_site(m2, 2, "rax", [(2, "rax")]) == (2, False)

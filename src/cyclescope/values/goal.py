@@ -52,6 +52,7 @@ class ProbeSpec:
     build_id: str | None
     rate: float  # executions per CPU-second of the profiled programs, in the plan's profile
     rate_confidence: str = "high"  # calc's confidence in the count the rate comes from
+    emulated: bool = False  # the instruction is one the kernel emulates at a hit (images/disasm.uprobe_emulated)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def read_plan(path: str | Path) -> Plan:
             if pr is not None and operands(str(pr["reg"])):
                 probe = ProbeSpec(int(pr["at"]), str(pr["reg"]), str(pr["path"]), int(pr["file_offset"]),
                                   str(pr["build_id"]) if pr.get("build_id") else None, float(pr["rate"]),
-                                  str(pr.get("rate_confidence", "high")))
+                                  str(pr.get("rate_confidence", "high")), bool(pr.get("emulated", False)))
             mems = None
             if p.get("mems") is not None:
                 m1, m2 = (MemOperand(str(b), str(i), int(sc), int(d), int(sz)) for b, i, sc, d, sz in p["mems"])

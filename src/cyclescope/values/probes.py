@@ -70,18 +70,20 @@ class Site:
     lost: float = 0.0  # the ring's lost hits put down to it (in proportion to its hits in the poll)
     opened: float = 0.0  # clock seconds
     state: str = "planned"  # planned, open, closed (why), or why it was not opened
+    emulated: bool = False  # the kernel emulates the probed instruction: a hit costs a fraction
 
     def cost(self, hit_cost_s: float = HIT_COST_S) -> float:
-        """Planned share of one CPU its traps take."""
+        """Planned share of one CPU its traps take, a hit costing ``hit_cost_s``."""
         return self.rate * hit_cost_s
 
 
-def hit_cost() -> float:
+def hit_cost(emulated: bool = False) -> float:
     """A sampled hit's cost on this machine, as the probes' budget charges it
-    (collect/clock.charged_hit_s)."""
+    (collect/clock.charged_hit_s), at an instruction the kernel single-steps or (``emulated``) one
+    it emulates."""
     from cyclescope.collect.clock import charged_hit_s
 
-    return charged_hit_s(HIT_COST_S, SAMPLE_EXTRA_S)
+    return charged_hit_s(HIT_COST_S, SAMPLE_EXTRA_S, emulated)
 
 
 class Kernel:
@@ -137,7 +139,7 @@ class ExactValues:
 
 def _sites(plan: Plan) -> list[Site]:
     return [Site(i, p.probe.path, p.probe.file_offset, p.probe.reg, p.probe.at, p.image, p.probe.rate,
-                 p.probe.rate_confidence == "low")
+                 p.probe.rate_confidence == "low", emulated=p.probe.emulated)
             for i, p in enumerate(plan.points) if p.probe is not None]
 
 
@@ -146,7 +148,8 @@ class GoalProbes:
     every CPU), polled at each drain, policed, closed."""
 
     def __init__(self, plan: Plan, budget: float = DEFAULT_BUDGET, kernel: Any = None,
-                 clock: Callable[[], float] = time.monotonic, hit_cost_s: float = HIT_COST_S) -> None:
+                 clock: Callable[[], float] = time.monotonic, hit_cost_s: float = HIT_COST_S,
+                 emulated_hit_cost_s: float | None = None) -> None:
         from cyclescope.perf.abi import X86_REGS_USER_MASK, Sample, regs_in_mask
         from cyclescope.perf.records import RecordDecoder, SampleLayout
         from cyclescope.values.insn import PERF_COLUMNS
@@ -154,6 +157,7 @@ class GoalProbes:
         self.plan = plan
         self.budget = budget
         self.hit_cost_s = hit_cost_s
+        self.emulated_hit_cost_s = emulated_hit_cost_s  # at a site the kernel emulates (None: as any)
         self.kernel = kernel
         self.clock = clock
         self.sites = _sites(plan)
@@ -183,6 +187,14 @@ class GoalProbes:
         self._closer: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def _hit_s(self, s: Site) -> float:
+        """What a hit at ``s`` costs: less where the kernel emulates the probed instruction."""
+        return self.emulated_hit_cost_s if s.emulated and self.emulated_hit_cost_s else self.hit_cost_s
+
+    def trap_s(self) -> float:
+        """The probes' traps so far, in seconds of the programs' time."""
+        return sum(s.hits * self._hit_s(s) for s in self.sites)
+
     # --- choosing -------------------------------------------------------------------------------
     def choose(self) -> list[Site]:
         """The sites to open: cheapest first while their planned traps fit the budget."""
@@ -193,10 +205,10 @@ class GoalProbes:
                 s.state = "switched off"
             elif s.rate <= 0 and self.budget < 1:
                 s.state = "rate unknown (calc had no count of the point)"
-            elif spent + s.cost(self.hit_cost_s) > self.budget:
+            elif spent + s.cost(self._hit_s(s)) > self.budget:
                 s.state = f"too costly ({s.rate:,.0f} executions/s{', calc guessed' if s.guess else ''})"
             else:
-                spent += s.cost(self.hit_cost_s)
+                spent += s.cost(self._hit_s(s))
                 chosen.append(s)
         return chosen
 
@@ -324,7 +336,7 @@ class GoalProbes:
         open_sites = [s for s in self.sites if s.state == "open"]
         share = self.budget / max(1, len(open_sites))
         for s in open_sites:
-            if (s.hits + s.lost) * self.hit_cost_s > share * (now - s.opened) + ALLOWANCE_S:
+            if (s.hits + s.lost) * self._hit_s(s) > share * (now - s.opened) + ALLOWANCE_S:
                 out.append(s.point)
                 rate = (s.hits + s.lost) / max(now - s.opened, 1e-9)
                 self.drop_site(s, f"closed: over budget ({rate:,.0f} hits/s)")
@@ -388,14 +400,14 @@ class GoalProbes:
         return {"probes": {f"{self.plan.points[s.point].procedure}:{s.reg}@{s.at:#x}": {"state": s.state,
                                                                                         "hits": s.hits}
                            for s in self.sites},
-                "hits": self.hits, "lost": self.lost, "trap_s": round(self.hits * self.hit_cost_s, 3)}
+                "hits": self.hits, "lost": self.lost, "trap_s": round(self.trap_s(), 3)}
 
     def summary(self) -> str | None:
         if not self.sites:
             return None
         probed = [s for s in self.sites if s.hits or s.state == "open" or s.state.startswith("closed")]
         line = (f"exact: {len(probed)} of {len(self.sites)} candidate(s) probed at every execution, "
-                f"{self.hits:,} hits (about {self.hits * self.hit_cost_s:.2f} s of the programs' time in traps)")
+                f"{self.hits:,} hits (about {self.trap_s():.2f} s of the programs' time in traps)")
         if self.lost:
             line += f", {self.lost:,} lost"
         others = {s.state for s in self.sites if s not in probed}

@@ -44,7 +44,8 @@ class ValueProcessor:
             from cyclescope.collect.session import online_cpus
             from cyclescope.values.probes import GoalProbes, hit_cost
 
-            self.probes = GoalProbes(goal.goal_plan, self.opts.goal_budget, hit_cost_s=hit_cost())
+            self.probes = GoalProbes(goal.goal_plan, self.opts.goal_budget, hit_cost_s=hit_cost(),
+                                     emulated_hit_cost_s=hit_cost(emulated=True))
             if self.probes.open(ctx.tasks, online_cpus(), ctx.on_exec):
                 self.capture.replan()
 
