@@ -315,7 +315,10 @@ class TripWindows:
         got = self.counter.counts(n)
         moves = None
         if t.argwidth is not None and t.site_args is not None and self.per_task and got[0] >= 2:
-            moves = _moves(t.argwidth, t.site_args, *self.counter.first_regs())  # one process's entries
+            try:
+                moves = _moves(t.argwidth, t.site_args, *self.counter.first_regs())  # one process's entries
+            except OSError:  # the registers' map unreadable: this window's counts still stand
+                moves = None
         with self.lock:
             assert t.hits is not None
             if moves is not None:
