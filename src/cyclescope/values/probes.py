@@ -78,11 +78,18 @@ class Site:
 
 
 def hit_cost(emulated: bool = False) -> float:
-    """A sampled hit's cost on this machine, as the probes' budget charges it
-    (collect/clock.charged_hit_s), at an instruction the kernel single-steps or (``emulated``) one
-    it emulates."""
-    from cyclescope.collect.clock import charged_hit_s
+    """A sampled hit's cost on this machine, as the probes' budget charges it: at an instruction the
+    kernel single-steps, collect/clock.charged_hit_s (the trap as measured and SAMPLE_EXTRA_S); at
+    one it emulates (``emulated``), a sampled hit as measured once per boot (the task's whole CPU,
+    sample and disturbance included: 0.67 us here on getenv's push, 0.58 us in bench/probecost.py's
+    loop), else as charged_hit_s charges an emulated trap with SAMPLE_EXTRA_S."""
+    from cyclescope.collect.clock import charged_hit_s, sampled_hit_cost
+    from cyclescope.images.cache import Cache
 
+    if emulated:
+        measured = sampled_hit_cost(Cache().root)
+        if measured:
+            return measured
     return charged_hit_s(HIT_COST_S, SAMPLE_EXTRA_S, emulated)
 
 
