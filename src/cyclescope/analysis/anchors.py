@@ -292,19 +292,11 @@ class AnchorSet:
 
     def _emulated_hit_s(self, path: str, file_offset: int) -> float | None:
         """What a hit at this entry costs if the kernel emulates its first instruction, else None."""
-        from cyclescope.images.disasm import uprobe_emulated
+        from cyclescope.images.disasm import uprobe_emulated_at
 
-        if self.emulated_hit_cost_s is None:
+        if self.emulated_hit_cost_s is None or not uprobe_emulated_at(path, file_offset):
             return None
-        try:
-            with open(path, "rb") as f:
-                f.seek(file_offset)
-                first = f.read(2)
-        except OSError:
-            return None
-        if uprobe_emulated(first):
-            return self.emulated_hit_cost_s
-        return None
+        return self.emulated_hit_cost_s
 
     # --- windows -------------------------------------------------------------------------------
     def _open(self, a: Anchor, tids: frozenset[int] | None, cpus: tuple[int, ...]) -> bool:

@@ -21,7 +21,7 @@ from cyclescope.analysis.anchors import NEAR_BYTES, AnchorStats, near_samples
 from cyclescope.analysis.cfg import CFG, ENTRY, Edge, build_cfg
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
-from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estimate_frequencies
+from cyclescope.analysis.frequency import MEASURED, SURETY, Frequencies, Measured, estimate_frequencies
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.loops import Loop
 from cyclescope.analysis.paths import PathBlock
@@ -289,7 +289,7 @@ def _by_trips(cfg: CFG, loops: list[Loop], stats: dict[int, LoopStats], freq: Fr
     return out
 
 
-_RANK = {"high": 2, "medium": 1, "low": 0}
+_RANK = SURETY
 _BY_RANK = {v: k for k, v in _RANK.items()}
 
 
@@ -471,6 +471,16 @@ def _paths(cfg: CFG, classes: Classes, freq: Frequencies, measured: dict[int, Me
     return out, []
 
 
+def _entry_block(cfg: CFG) -> int | None:
+    """The block the procedure's entry leads to (None: no blocks)."""
+    return next((e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0), None) if cfg.blocks else None
+
+
+def _heads_loop(cfg: CFG, block: int) -> bool:
+    """Is ``block`` entered from inside the procedure too (an entry count does not give its count)?"""
+    return any(e.src >= 0 for e in cfg.in_edges(block))
+
+
 def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: float | None,
                 measured: dict[int, Measured]) -> list[str]:
     """The entry block's frequency from an argument that moves forward through the run
@@ -479,15 +489,13 @@ def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: flo
     cannot be used."""
     from cyclescope.analysis.progress import entries_from_progress
 
-    if not period_cycles or not cfg.blocks:
-        return []
-    entry = next((e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0), None)
-    if entry is None:
+    entry = _entry_block(cfg)
+    if not period_cycles or entry is None:
         return []
     est, why_not = entries_from_progress(progress)
     if est is None:
         return [why_not] if why_not else []
-    if any(e.src >= 0 for e in cfg.in_edges(entry)):
+    if _heads_loop(cfg, entry):
         return [f"entry at {cfg.blocks[entry].start:#x} heads a loop: its count from a moving argument "
                 f"({est.entries:,.0f} entries) does not give the block's"]
     m = measured.get(entry)
@@ -515,12 +523,10 @@ def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float 
     """The entry block's frequency from the procedure's exact entry count (analysis/anchors.py),
     added to ``measured`` where it can be: the entry block is entered only from outside (not a loop
     header) and the windows saw enough entries and samples. Notes where it cannot."""
-    if not period_cycles or not cfg.blocks:
+    entry = _entry_block(cfg)
+    if not period_cycles or entry is None or entry in measured:
         return []
-    entry = next((e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0), None)
-    if entry is None or entry in measured:
-        return []
-    if any(e.src >= 0 for e in cfg.in_edges(entry)):
+    if _heads_loop(cfg, entry):
         return [f"entry at {cfg.blocks[entry].start:#x} heads a loop: its exact count ({a.hits:,} entries in "
                 f"{a.windows:,} windows) does not give the block's"]
     total = float(s_cyc.sum())

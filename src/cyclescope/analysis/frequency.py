@@ -42,7 +42,7 @@ CONFIDENCE_WEIGHT = {"high": 8, "medium": 3, "low": 1}
 # moves them last.
 MEASURED = ("loop-counter", "loop-trips", "trip-window", "anchor", "progress", "paths")
 MEASURED_WEIGHT = {"high": 256, "medium": 32, "low": 8}
-_SURETY = {"high": 2, "medium": 1, "low": 0}
+SURETY = {"high": 2, "medium": 1, "low": 0}  # confidences in order
 SHAPE_EXCESS = 0.2  # a block whose samples exceed the model's shape by less than this is stall-free
 MIN_BLOCK_M = 1.5  # cycles of (skidded) model a block needs for its ratio to mean anything
 MIN_BLOCK_POINTS = 3  # instructions carrying model cycles: with fewer, any shape "fits"
@@ -232,7 +232,7 @@ def estimate_frequencies(cfg: CFG, classes: Classes, model: ProcedureModel, samp
             # The surest measurement of the class; between equally sure ones, a direct one before a
             # trip window's (a ratio to another measured block, whose class may be this one: an
             # entry and the exit block after its loop), then the largest.
-            best = sorted(by_class[c], key=lambda m: (-_SURETY.get(m.confidence, 0), m.method == "trip-window",
+            best = sorted(by_class[c], key=lambda m: (-SURETY.get(m.confidence, 0), m.method == "trip-window",
                                                       -m.value))[0]
             estimates[c] = ClassEstimate(best.value, best.confidence, best.method, 0, 0, 1.0)
             continue

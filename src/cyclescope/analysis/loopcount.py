@@ -251,16 +251,13 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
 def block_site(insns: list[Any]) -> tuple[int, bool]:
     """Where to count a block's executions with a uprobe, and whether the kernel emulates the
     instruction there: the first instruction it emulates (a push, a relative jump or call, a
-    conditional jump: images/disasm.uprobe_emulated) up to the block's first call, whose callee
-    may not return, else the block's first. Every instruction of a block before it runs as often as
-    the first; an emulated hit costs 0.5 us against 14-17 us single-stepped on the Xeons."""
-    from cyclescope.images.disasm import uprobe_emulated
+    conditional jump: images/disasm.first_emulated) up to the block's first call, else the block's
+    first. An emulated hit costs 0.5 us against 14-17 us single-stepped on the Xeons."""
+    from cyclescope.images.disasm import first_emulated
 
-    for ins in insns:
-        if uprobe_emulated(ins.raw):
-            return int(ins.address), True
-        if ins.mnemonic == "call":
-            break
+    k = first_emulated(insns)
+    if k is not None:
+        return int(insns[k].address), True
     return (int(insns[0].address), False) if insns else (0, False)
 
 
@@ -865,18 +862,13 @@ class LoopCounter:
 
     def take_progress(self) -> Any:
         """The arguments' moves since the last take, as a PROGRESS tally table (db/tallies.py)."""
-        from cyclescope.db.tallies import PROGRESS, build
+        from cyclescope.analysis.progress import tally
 
         rows = [(self.image_key(i), e, a, v) for (i, e, a), v in self.progress.items() if v[0] or v[3]]
         self.progress = {}
-        z = np.zeros(len(rows))
-        return build(PROGRESS, {
-            "image": [r[0] for r in rows], "entry": np.array([r[1] for r in rows], np.uint64),
-            "arg": np.array([r[2] for r in rows], np.uint32),
-            "pairs": np.array([r[3][0] for r in rows], np.uint64), "delta": np.array([r[3][1] for r in rows]),
-            "pair_period": np.array([r[3][2] for r in rows]), "back": np.array([r[3][3] for r in rows], np.uint64),
-            "back_period": np.array([r[3][4] for r in rows]), "windows": z.astype(np.uint64),
-            "window_steps": z.astype(np.uint64), "window_delta": z, "window_back": z.astype(np.uint64)})
+        names = ("pairs", "delta", "pair_period", "back", "back_period")  # the order of the stats' arrays
+        return tally([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                     {n: [float(r[3][k]) for r in rows] for k, n in enumerate(names)})
 
     def _pairs(self, img: int, t: LoopTable, a: np.ndarray, bb: np.ndarray, same: np.ndarray, inner: np.ndarray,
                ix: np.ndarray, order: np.ndarray, b: _Batch) -> None:

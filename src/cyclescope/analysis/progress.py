@@ -37,20 +37,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cyclescope.analysis.cfg import ENTRY
+from cyclescope.analysis.loops import _R32, CALLER_SAVED
 from cyclescope.perf.abi import GPRS
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from cyclescope.analysis.cfg import CFG
-    from cyclescope.images.disasm import InsnInfo
+    from cyclescope.images.disasm import Insn, InsnInfo
 
 # The System V argument registers, in order: the ones whose entry values are followed.
 ARGS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 NARGS = len(ARGS)
-CALLER_SAVED = frozenset({"rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"})
 W32 = 16  # added to a holder's column where it holds only the low 32 bits (``mov ebx, esi``)
 _COL = {r: i for i, r in enumerate(GPRS)}
-_R32 = {**{f"e{x}": f"r{x}" for x in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")},
-        **{f"r{n}d": f"r{n}" for n in range(8, 16)}}
 
 # A pair whose move per unit of time exceeds this many times the median of its drain's moving pairs
 # jumped (a new buffer): its move is not known, like a pair that went back. Real moves stay well
@@ -91,7 +92,7 @@ def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndar
     start = [unknown] * 16  # per GPR column: the argument it holds (+NARGS: its low 32 bits), or -1
     for a, r in enumerate(ARGS):
         start[_COL[r]] = a
-    entry_blocks = {e.dst for e in cfg.out_edges(-1) if e.dst >= 0} if _has_entry(cfg) else {0}
+    entry_blocks = {e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0} or {0}
     state_in: list[list[int] | None] = [None] * len(cfg.blocks)
     for b in entry_blocks:
         state_in[b] = list(start)
@@ -125,10 +126,6 @@ def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndar
     return out, widths
 
 
-def _has_entry(cfg: CFG) -> bool:
-    return any(e.src == -1 for e in cfg.edges)
-
-
 def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], out: np.ndarray | None) -> list[int]:
     blk = cfg.blocks[b]
     for k in range(blk.first, blk.last + 1):
@@ -145,10 +142,10 @@ def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], 
     return st
 
 
-def _transfer(ins: object, info: InsnInfo | None, st: list[int]) -> None:
-    m = getattr(ins, "mnemonic", "")
+def _transfer(ins: Insn, info: InsnInfo | None, st: list[int]) -> None:
+    m = ins.mnemonic
     if m == "mov":
-        ops = [o.strip() for o in getattr(ins, "op_str", "").split(",")]
+        ops = [o.strip() for o in ins.op_str.split(",")]
         if len(ops) == 2:
             d, s = ops
             if d in _COL and s in _COL:
@@ -174,6 +171,20 @@ def signed_moves(delta: np.ndarray, width: int) -> np.ndarray:
         d = (delta & np.uint64(0xFFFFFFFF)).astype(np.int64)
         return np.where(d >= 1 << 31, d - (1 << 32), d).astype(np.float64)
     return delta.view(np.int64).astype(np.float64)
+
+
+def tally(image: list[str], entry: list[int], arg: list[int], sums: dict[str, list[float]]) -> pa.Table:
+    """A PROGRESS tally (db/tallies.py) from its keys and the sums one side measured (the loop
+    counter's pairs or the trip windows'); the other side's sums are zero."""
+    import pyarrow as pa
+
+    from cyclescope.db.tallies import PROGRESS, build
+
+    cols: dict[str, object] = {"image": image, "entry": np.array(entry, np.uint64), "arg": np.array(arg, np.uint32)}
+    for name, typ in PROGRESS.sums:
+        v = np.array(sums.get(name, np.zeros(len(image))), np.float64)
+        cols[name] = v if pa.types.is_floating(typ) else np.rint(v).astype(np.uint64)
+    return build(PROGRESS, cols)
 
 
 @dataclass(frozen=True)

@@ -335,15 +335,16 @@ class TripWindows:
                 t.hits += got
                 t.windows += 1
                 t.total_windows += 1
-            cheap = len(t.emulated) >= n and all(t.emulated[:n])
-            self.spent_s += self._cost(t, got, passed) + (EMULATED_WINDOW_COST_S if cheap else WINDOW_COST_S)
+            self.spent_s += self._cost(t, got, passed)
 
     def _cost(self, t: Target, got: np.ndarray, passed: int) -> float:
-        """The traps of a window's hits: each point's at its probe's cost (emulated or not), the
-        hits that passed the gate at the dearest of them."""
+        """What a window of the first ``len(got)`` points cost the program: each point's hits at its
+        probe's cost (emulated or not), the hits that passed the gate at the dearest of them, and
+        the window's own (WINDOW_COST_S, less where every probe is emulated)."""
         cheap = np.array((t.emulated + [False] * len(got))[: len(got)], bool)
         per = np.where(cheap, self.emulated_hit_s, self.hit_cost_s)
-        return float(np.dot(got.astype(np.float64), per)) + passed * float(per.max(initial=0.0))
+        own = EMULATED_WINDOW_COST_S if cheap.all() else WINDOW_COST_S
+        return float(np.dot(got.astype(np.float64), per)) + passed * float(per.max(initial=0.0)) + own
 
     # --- the collector's side -----------------------------------------------------------------
     def take(self) -> Any:
@@ -373,23 +374,17 @@ class TripWindows:
 
     def take_progress(self) -> Any:
         """The windows' side of the arguments' moves since the last take, as a PROGRESS table."""
-        from cyclescope.db.tallies import PROGRESS, build
+        from cyclescope.analysis.progress import NARGS, tally
 
         rows = []
         with self.lock:
             for t in self.targets.values():
                 if t.progress[0].any():
-                    rows += [(self.image_key(t.img), t.entry, a, t.progress[:, a].copy()) for a in range(6)]
+                    rows += [(self.image_key(t.img), t.entry, a, t.progress[:, a].copy()) for a in range(NARGS)]
                     t.progress[:] = 0
-        z = np.zeros(len(rows))
-        return build(PROGRESS, {
-            "image": [r[0] for r in rows], "entry": np.array([r[1] for r in rows], np.uint64),
-            "arg": np.array([r[2] for r in rows], np.uint32), "pairs": z.astype(np.uint64), "delta": z,
-            "pair_period": z, "back": z.astype(np.uint64), "back_period": z,
-            "windows": np.array([r[3][0] for r in rows], np.uint64),
-            "window_steps": np.array([r[3][1] for r in rows], np.uint64),
-            "window_delta": np.array([r[3][2] for r in rows]),
-            "window_back": np.array([r[3][3] for r in rows], np.uint64)})
+        names = ("windows", "window_steps", "window_delta", "window_back")  # the rows of Target.progress
+        return tally([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                     {n: [float(r[3][k]) for r in rows] for k, n in enumerate(names)})
 
     def forget(self, pid: int, tid: int) -> None:
         if pid == tid:  # a process exited or exec'd: its targets wait for the next sample

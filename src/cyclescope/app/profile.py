@@ -145,15 +145,8 @@ class Profile:
         from cyclescope.db.tallies import PROGRESS
 
         d = self._tally(PROGRESS, image_key, "entry counts from moving arguments").to_pydict()
-        out = {}
-        for i, e in enumerate(d["entry"]):
-            if e == entry:
-                out[int(d["arg"][i])] = ProgressStats(
-                    pairs=int(d["pairs"][i]), delta=float(d["delta"][i]), pair_period=float(d["pair_period"][i]),
-                    back=int(d["back"][i]), back_period=float(d["back_period"][i]), windows=int(d["windows"][i]),
-                    window_steps=int(d["window_steps"][i]), window_delta=float(d["window_delta"][i]),
-                    window_back=int(d["window_back"][i]))
-        return out
+        return {int(d["arg"][i]): ProgressStats(**{n: d[n][i] for n in PROGRESS.sum_names})
+                for i, e in enumerate(d["entry"]) if e == entry}
 
     def branch_outcomes(self, info: ImageInfo) -> dict[int, dict[int, float]]:
         """Branch (ELF address) -> {where control went (ELF address): how often}, observed on the

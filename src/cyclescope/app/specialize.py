@@ -47,18 +47,15 @@ def probe_site(m: GoalModel, k: int, reg: str, live: list[tuple[int, str]]) -> t
     conditional jump, a push: images/disasm.uprobe_emulated; 0.4 us a hit against 14 us
     single-stepped on the Xeons), as long as the register still holds the value there (``live``),
     else ``k``. Every instruction of a block before a call runs as often as the first."""
-    from cyclescope.images.disasm import uprobe_emulated
+    from cyclescope.images.disasm import first_emulated
 
     held = set(live)
     insns, block_of = m.cfg.insns, m.cfg.block_of
-    j = k
-    while j < len(insns) and block_of[j] == block_of[k] and (j, reg) in held:
-        if uprobe_emulated(insns[j].raw):
-            return j, True
-        if insns[j].mnemonic == "call":
-            break
-        j += 1
-    return k, False
+    end = k
+    while end < len(insns) and block_of[end] == block_of[k] and (end, reg) in held:
+        end += 1
+    j = first_emulated(insns[k:end])
+    return (k + j, True) if j is not None else (k, False)
 
 
 def goal_model(c: Calc) -> GoalModel:

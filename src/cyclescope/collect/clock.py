@@ -198,6 +198,39 @@ def _libc_function(name: str) -> tuple[str, int] | None:
     return (path, offset) if offset is not None else None
 
 
+def _probed_call(emulated: bool) -> tuple[tuple[str, int], Callable[[], object]] | None:
+    """The C library function the hit costs are measured on, where its entry is (file, offset) and
+    a call of it: getppid, whose entry (``mov``) the kernel single-steps, or with ``emulated``
+    getenv, whose entry (``push``) it emulates (images/disasm.uprobe_emulated). None where there is
+    no such function (a libc whose getenv starts otherwise)."""
+    from cyclescope.images.disasm import uprobe_emulated_at
+
+    where = _libc_function("getenv" if emulated else "getppid")
+    if where is None:
+        return None
+    if not emulated:
+        return where, os.getppid
+    if not uprobe_emulated_at(*where):
+        return None
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    return where, lambda: getenv(b"CYCLESCOPE_UNSET_VARIABLE")
+
+
+def _thread_ns(call: Callable[[], object], calls: int) -> int:
+    """This thread's CPU time for ``calls`` calls of ``call``."""
+    t0 = time.thread_time_ns()
+    for _ in range(calls):
+        call()
+    return time.thread_time_ns() - t0
+
+
+def _median_within(per_hit: list[float], lowest: float) -> float | None:
+    per_hit.sort()
+    cost = per_hit[len(per_hit) // 2]
+    return cost if lowest < cost < 500e-6 else None
+
+
 def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3, emulated: bool = False) -> float | None:
     """Seconds of this thread's CPU a uprobe hit costs (the trap, counting mode), or None if it
     cannot be measured: a C library function called ``calls`` times without and with an exact
@@ -205,57 +238,30 @@ def measure_uprobe_hit_s(calls: int = 3000, rounds: int = 3, emulated: bool = Fa
     single-stepped (bench/probecost.py measures the same on a compiled loop: 5.81 us on Zen 3,
     15.97 us on a Xeon with AMX); with ``emulated``, getenv's (a ``push`` the kernel emulates:
     images/disasm.uprobe_emulated; 0.48 us against 14.3 us on that Xeon)."""
-    import ctypes
-
     from cyclescope.collect import kernel
-    from cyclescope.images.disasm import uprobe_emulated
 
     pmu = kernel.uprobe_pmu_type()
-    where = _libc_function("getenv" if emulated else "getppid")
-    if pmu is None or where is None:
+    probed = _probed_call(emulated)
+    if pmu is None or probed is None:
         return None
-    if emulated:
-        try:
-            with open(where[0], "rb") as f:
-                f.seek(where[1])
-                first = f.read(2)
-        except OSError:
-            return None
-        if not uprobe_emulated(first):
-            return None  # a C library whose getenv starts otherwise
-        getenv = ctypes.CDLL(None).getenv
-        getenv.restype = ctypes.c_char_p
-        name = b"CYCLESCOPE_UNSET_VARIABLE"
-
-        def call() -> object:
-            return getenv(name)
-    else:
-        call = os.getppid
+    where, call = probed
     per_hit: list[float] = []
     for _ in range(rounds):
-        t0 = time.thread_time_ns()
-        for _ in range(calls):
-            call()
-        off = time.thread_time_ns() - t0
+        off = _thread_ns(call, calls)
         try:
             fd = kernel.open_uprobe_counter(pmu, where[0], where[1], 0, -1)
         except (OSError, kernel.PerfOpenError):
             return None
         try:
             kernel.ioctl_enable(fd)
-            t0 = time.thread_time_ns()
-            for _ in range(calls):
-                call()
-            on = time.thread_time_ns() - t0
+            on = _thread_ns(call, calls)
             hits = kernel.read_counter(fd)[0]
         finally:
             kernel.close_fd(fd)
         if hits < calls // 2:
             return None  # not this function's calls (a libc without a function of its own)
         per_hit.append((on - off) / hits / 1e9)
-    per_hit.sort()
-    cost = per_hit[len(per_hit) // 2]
-    return cost if (0.02e-6 if emulated else 0.2e-6) < cost < 500e-6 else None
+    return _median_within(per_hit, 0.02e-6 if emulated else 0.2e-6)
 
 
 def measure_sampled_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
@@ -264,33 +270,18 @@ def measure_sampled_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
     ``push``, called ``calls`` times without and with a sampler on this thread, alternately, the
     median of ``rounds``; None if it cannot be measured (0.58 us on a Xeon with AMX, bench/probecost.py,
     against 0.41 us counting only)."""
-    import ctypes
-
     from cyclescope.collect import kernel
-    from cyclescope.images.disasm import uprobe_emulated
     from cyclescope.perf.abi import X86Reg
 
     pmu = kernel.uprobe_pmu_type()
-    where = _libc_function("getenv")
-    if pmu is None or where is None:
+    probed = _probed_call(True)
+    if pmu is None or probed is None:
         return None
-    try:
-        with open(where[0], "rb") as f:
-            f.seek(where[1])
-            if not uprobe_emulated(f.read(2)):
-                return None
-    except OSError:
-        return None
-    getenv = ctypes.CDLL(None).getenv
-    getenv.restype = ctypes.c_char_p
-    name = b"CYCLESCOPE_UNSET_VARIABLE"
+    where, call = probed
     pages = 256  # 1 MiB: every sample of a round fits (about 80 bytes each)
     per_hit: list[float] = []
     for _ in range(rounds):
-        t0 = time.thread_time_ns()
-        for _ in range(calls):
-            getenv(name)
-        off = time.thread_time_ns() - t0
+        off = _thread_ns(call, calls)
         try:
             fd = kernel.open_uprobe_sampler(pmu, where[0], where[1], 0, -1, 1 << int(X86Reg.DI), False, False,
                                             pages * kernel.PAGE_SIZE)
@@ -300,10 +291,7 @@ def measure_sampled_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
         try:
             ring = kernel.RingBuffer(fd, pages)
             kernel.ioctl_enable(fd)
-            t0 = time.thread_time_ns()
-            for _ in range(calls):
-                getenv(name)
-            on = time.thread_time_ns() - t0
+            on = _thread_ns(call, calls)
             got = len(ring.read())
         except OSError:
             return None
@@ -314,9 +302,7 @@ def measure_sampled_hit_s(calls: int = 3000, rounds: int = 3) -> float | None:
         if got < calls * 40:  # the samples did not land: not measured
             return None
         per_hit.append((on - off) / calls / 1e9)
-    per_hit.sort()
-    cost = per_hit[len(per_hit) // 2]
-    return cost if 0.02e-6 < cost < 500e-6 else None
+    return _median_within(per_hit, 0.02e-6)
 
 
 def sampled_hit_cost(cache_dir: Path | None) -> float | None:

@@ -62,7 +62,7 @@ def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> 
     return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
 
 
-def program(map_fd: int, args_fd: int) -> bytes:
+def program(map_fd: int, regs_fd: int) -> bytes:
     """if (atomic_fetch_add(&counts[SKIP], -1) > 0) return 0;  (the first hits of a window pass)
     slot = bpf_get_attach_cookie(ctx); old = atomic_fetch_add(&counts[slot], 1);
     if (slot == 0) {  (the first point: a procedure's entry)
@@ -88,7 +88,7 @@ def program(map_fd: int, args_fd: int) -> bytes:
         _insn(0x55, 7, 0, len(first) + len(last) + 9, 0),  # if slot != 0 goto out
         _insn(0xBF, 8, 1),  # r8 = the entry's count before this hit
         _insn(0x62, 10, 0, -4, 0),  # *(u32 *)(r10 - 4) = 0
-        *lookup(args_fd),
+        *lookup(regs_fd),
         _insn(0x15, 0, 0, len(first) + len(last) + 1, 0),  # if r0 == NULL goto out
         _insn(0x55, 8, 0, len(first), 0),  # if the entry was counted before goto last
         *first, *last, *out,
@@ -99,7 +99,7 @@ def program(map_fd: int, args_fd: int) -> bytes:
         _insn(0xBF, 7, 0),  # r7 = the slot
         _insn(0x63, 10, 0, -4),  # *(u32 *)(r10 - 4) = w0: the key
         *lookup(map_fd),
-        _insn(0x15, 0, 0, len(tail) - 2 + 2, 0),  # if r0 == NULL goto out
+        _insn(0x15, 0, 0, len(tail), 0),  # if r0 == NULL goto out (past the two below, to tail's end but two)
         _insn(0xB7, 1, imm=1), _insn(0xDB, 0, 1, 0, 0x01),  # r1 = atomic_fetch_add((u64 *)r0, 1)
         *tail,
     ]
@@ -119,12 +119,12 @@ class PointCounter:
     file, ``counts`` reads the slots. One window at a time: ``zero`` before each."""
 
     def __init__(self) -> None:
-        self.map = self.prog = self.args_map = -1
+        self.map = self.prog = self.regs_map = -1
         try:
             self.map = _bpf(BPF_MAP_CREATE, struct.pack("<IIII", BPF_MAP_TYPE_ARRAY, 4, 8, SLOTS) + bytes(112))
-            self.args_map = _bpf(BPF_MAP_CREATE, struct.pack("<IIII", BPF_MAP_TYPE_ARRAY, 4, REGS_BYTES, 1)
+            self.regs_map = _bpf(BPF_MAP_CREATE, struct.pack("<IIII", BPF_MAP_TYPE_ARRAY, 4, REGS_BYTES, 1)
                                  + bytes(112))
-            code = program(self.map, self.args_map)
+            code = program(self.map, self.regs_map)
             code_buf = ctypes.create_string_buffer(code, len(code))
             lic, log = ctypes.create_string_buffer(b"GPL"), ctypes.create_string_buffer(1 << 14)
             attr = struct.pack("<IIQQIIQII16sII", BPF_PROG_TYPE_KPROBE, len(code) // 8, ctypes.addressof(code_buf),
@@ -162,9 +162,10 @@ class PointCounter:
                                       f"and instructions uprobes can take)") from None
             raise
 
-    def _elem(self, cmd: int, slot: int, value: ctypes.Array[ctypes.c_char]) -> None:
+    def _elem(self, cmd: int, slot: int, value: ctypes.Array[ctypes.c_char], map_fd: int | None = None) -> None:
         key = ctypes.c_uint32(slot)
-        _bpf(cmd, struct.pack("<IIQQQ", self.map, 0, ctypes.addressof(key), ctypes.addressof(value), 0))
+        _bpf(cmd, struct.pack("<IIQQQ", self.map if map_fd is None else map_fd, 0, ctypes.addressof(key),
+                              ctypes.addressof(value), 0))
 
     def zero(self, n: int, skip: int = 0) -> None:
         """Counts of the first ``n`` slots to zero; the next ``skip`` hits (of any point) pass
@@ -196,9 +197,7 @@ class PointCounter:
         """The general registers (perf/abi.GPRS order) at the first point's first and last counted
         hits since the counts were zeroed (meaningful where it counted two hits or more)."""
         v = ctypes.create_string_buffer(REGS_BYTES)
-        key = ctypes.c_uint32(0)
-        _bpf(BPF_MAP_LOOKUP_ELEM, struct.pack("<IIQQQ", self.args_map, 0, ctypes.addressof(key),
-                                              ctypes.addressof(v), 0))
+        self._elem(BPF_MAP_LOOKUP_ELEM, 0, v, self.regs_map)
         a = np.frombuffer(v.raw, np.uint64)
         n = len(GPR_OFFSETS)
         return a[:n].copy(), a[n:].copy()
@@ -208,7 +207,7 @@ class PointCounter:
         close_fd(link)
 
     def close(self) -> None:
-        for fd in (self.prog, self.map, self.args_map):
+        for fd in (self.prog, self.map, self.regs_map):
             if fd >= 0:
                 close_fd(fd)
-        self.map = self.prog = self.args_map = -1
+        self.map = self.prog = self.regs_map = -1

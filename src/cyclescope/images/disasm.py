@@ -80,6 +80,29 @@ def uprobe_emulated(raw: bytes) -> bool:
     return i == 0 and op == 0x41 and len(raw) > 1 and 0x50 <= raw[1] <= 0x57
 
 
+def uprobe_emulated_at(path: str, file_offset: int) -> bool:
+    """uprobe_emulated of the instruction at ``file_offset`` of ``path`` (False where it cannot be
+    read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(file_offset)
+            return uprobe_emulated(f.read(2))  # the opcode and the byte after (0x0f 0x8x, REX + push)
+    except OSError:
+        return False
+
+
+def first_emulated(insns: Sequence[Insn]) -> int | None:
+    """The index of the first of ``insns`` (straight-line code: a block, or part of one) that the
+    kernel emulates at a uprobe hit, up to the first call, whose callee may not return; None if
+    none. Every instruction before it runs as often as the first."""
+    for k, ins in enumerate(insns):
+        if uprobe_emulated(ins.raw):
+            return k
+        if ins.mnemonic == "call":
+            break
+    return None
+
+
 def read_code(path: str, start: int, end: int, info: ElfInfo | None = None) -> bytes:
     """Bytes of [start, end) (ELF virtual addresses) from the file at ``path``."""
     info = info or read_load_info(path)
