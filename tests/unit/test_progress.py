@@ -132,9 +132,18 @@ def test_a_jump_far_ahead_is_not_taken_as_a_move() -> None:
     assert d["pairs"][rsi] == 19 and d["delta"][rsi] == 1_900 and d["back"][rsi] == 1
 
 
+def windows(moves: list[tuple[int, float]]) -> dict[str, float]:
+    """The trip windows' sums of a PROGRESS tally from each window's (steps, move)."""
+    s = np.array([m[0] for m in moves], np.float64)
+    d = np.array([m[1] for m in moves], np.float64)
+    return {"windows": len(moves), "window_steps": float(s.sum()), "window_delta": float(d.sum()),
+            "window_delta_sq": float(d @ d), "window_steps_sq": float(s @ s), "window_cross": float(d @ s)}
+
+
 def stats(**kw: float) -> ProgressStats:
-    base: dict[str, float] = {"pairs": 500, "delta": 6_000_000.0, "pair_period": 1e9, "windows": 12,
-                              "window_steps": 2_400, "window_delta": 17_280.0}
+    # 12 windows of 200 steps, 7.2 per step, within 2% of each other
+    base: dict[str, float] = {"pairs": 500, "delta": 6_000_000.0, "pair_period": 1e9,
+                              **windows([(200, 1440.0 * (1.02 if k % 2 else 0.98)) for k in range(12)])}
     return ProgressStats(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -144,7 +153,7 @@ def test_the_estimate_is_the_total_move_over_the_move_per_entry() -> None:
     assert est.entries == pytest.approx(6_000_000 / 7.2) and est.confidence == "high" and est.arg == 1
     assert "argument rsi moved 6,000,000" in est.why and "7.2 per entry in 12 trip windows" in est.why
     # Three windows: medium. Two, or too few entries in them: not used.
-    three = entries_from_progress({1: stats(windows=3, window_steps=400, window_delta=2_880.0)})[0]
+    three = entries_from_progress({1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]))})[0]
     assert three is not None and three.confidence == "medium"
     assert entries_from_progress({1: stats(windows=2)})[0] is None
     none, why = entries_from_progress({1: stats(window_steps=50)})
@@ -156,6 +165,25 @@ def test_the_estimate_is_the_total_move_over_the_move_per_entry() -> None:
     # One that does not move (a struct pointer) has no stride.
     assert entries_from_progress({0: stats(window_delta=0.0)})[0] is None
     assert entries_from_progress({}) == (None, None)
+
+
+def test_windows_that_disagree_on_the_stride_lower_its_confidence_or_leave_it_out() -> None:
+    # The stride's relative standard error: windows within 2% of each other give about 0.6%.
+    assert stats().stride_error == pytest.approx(0.02 / np.sqrt(12), rel=0.05)
+    # One window in twelve that held a long gap (the argument moved by 20 times as much): 7.2 per
+    # step elsewhere, and the stride rests on that one window; not used.
+    gap = stats(**windows([(200, 1440.0)] * 11 + [(200, 28_800.0)]))
+    err = gap.stride_error
+    assert err is not None and err > pg.MEDIUM_ERROR
+    none, why = entries_from_progress({1: gap})
+    assert none is None and why is not None and "disagree" in why and "rsi" in why
+    # Between the two bounds: medium. Tallies older than the sums of squares: as before (not known).
+    mid = stats(**windows([(200, 1440.0 * (1.2 if k % 2 else 0.8)) for k in range(12)]))
+    assert pg.HIGH_ERROR < (mid.stride_error or 0) <= pg.MEDIUM_ERROR
+    est = entries_from_progress({1: mid})[0]
+    assert est is not None and est.confidence == "medium" and "relative standard error" in est.why
+    old = stats(window_delta_sq=0.0, window_steps_sq=0.0, window_cross=0.0)
+    assert old.stride_error is None and entries_from_progress({1: old})[0] is not None
 
 
 def test_calc_takes_the_entry_count_from_a_moving_argument() -> None:

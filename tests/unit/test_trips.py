@@ -170,3 +170,23 @@ def test_windows_keep_to_the_budget_and_tally_by_addition(monkeypatch: pytest.Mo
     # A target whose process is gone (forget) waits for the next sample to name one.
     t.forget(42, 42)
     assert t.targets[(1, 0x1000)].pid == 0 and t._step() == tw.IDLE_S
+
+
+def test_windows_go_to_procedures_as_their_samples_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tw, "WINDOW_S", 0.0)
+    t = tw.TripWindows(anchors=None, loops=None, budget=0.01)
+    t.hit_cost_s = 1e-5
+    t.counter = FakeCounter([10, 400])
+    hot = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x410], pid=42, hits=np.zeros(2, np.uint64),
+                    seen=900.0)
+    cold = tw.Target(1, 0x2000, "/bin/x", [0x2000, 0x2010], [0x800, 0x810], pid=42, hits=np.zeros(2, np.uint64),
+                     seen=100.0)
+    t.targets[(1, 0x1000)], t.targets[(1, 0x2000)] = hot, cold
+    for _ in range(50):
+        t.spent_s = 0.0  # the budget is not what is tested here
+        t._step()
+    # Each window costs the same: the hot procedure, nine times the samples, gets nine in ten of them
+    # (each got one first: a procedure with nothing spent goes first).
+    assert cold.total_windows >= 1 and hot.total_windows + cold.total_windows == 50
+    assert hot.total_windows == pytest.approx(45, abs=1)
+    assert hot.spent_s / hot.seen == pytest.approx(cold.spent_s / cold.seen, rel=0.25)

@@ -68,6 +68,9 @@ MIN_WINDOWS, HIGH_WINDOWS = 3, 10
 MIN_STEPS, HIGH_STEPS = 100, 1000  # entries - 1, summed over the windows that counted two or more
 ENOUGH_STEPS = 2000  # past this, the trip windows count the entry alone no more
 MIN_PAIRS, HIGH_PAIRS = 20, 200
+# The stride's relative standard error (ProgressStats.stride_error) up to which it is used, and up to
+# which its count can be high confidence (the total's error is far smaller: hundreds of pairs add up)
+MEDIUM_ERROR, HIGH_ERROR = 0.10, 0.04
 MAX_BACK = 0.10  # of the windows, and of the pairs (with their time), that went back or jumped
 HIGH_BACK = 0.02
 
@@ -200,10 +203,32 @@ class ProgressStats:
     window_steps: int = 0  # entries - 1 over the windows whose move was forward
     window_delta: float = 0.0  # the move between their first and last entries
     window_back: int = 0
+    # over the same windows: sums of squares of their moves and of their steps, and of the products
+    # (0 in tallies older than them: the stride's error is then not known)
+    window_delta_sq: float = 0.0
+    window_steps_sq: float = 0.0
+    window_cross: float = 0.0
 
     @property
     def stride(self) -> float | None:
         return self.window_delta / self.window_steps if self.window_steps and self.window_delta > 0 else None
+
+    @property
+    def stride_error(self) -> float | None:
+        """The stride's relative standard error, from how far its windows disagree: the ratio
+        estimator's, sum((d_k - R s_k)^2) / (n (n - 1) mean(s)^2), over the n windows whose move
+        went forward (d_k their moves, s_k their steps, R the stride). None where not known.
+
+        The moves between entries are heavy-tailed where an argument moves by thousands between
+        two calls now and then (xz's match finder is not called while a long match is skipped): one
+        window that holds such a gap moves the stride by half, and the count with it."""
+        n = self.windows - self.window_back
+        r = self.stride
+        if r is None or n < 2 or self.window_steps_sq <= 0:
+            return None
+        resid = self.window_delta_sq - 2 * r * self.window_cross + r * r * self.window_steps_sq
+        mean_steps = self.window_steps / n
+        return float(np.sqrt(max(resid, 0.0) / (n * (n - 1)))) / mean_steps / r
 
     @property
     def total(self) -> float:
@@ -226,6 +251,7 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
     or None with the reason none could be used (None when no argument was followed at all)."""
     best: tuple[tuple[int, int, int], ProgressEstimate] | None = None
     tried = []
+    disagree: list[tuple[int, float]] = []
     for a, st in stats.items():
         s = st.stride
         allp = st.pairs + st.back
@@ -235,16 +261,20 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
             continue
         back_p = st.back / allp if allp else 1.0
         back_w = st.window_back / allw if allw else 1.0
+        err = st.stride_error
         if back_p > MAX_BACK or back_w > MAX_BACK or st.delta <= 0:
             tried.append(a)
             continue
+        if err is not None and err > MEDIUM_ERROR:
+            disagree.append((a, err))
+            continue
         high = (allw >= HIGH_WINDOWS and st.window_steps >= HIGH_STEPS and st.pairs >= HIGH_PAIRS
-                and back_p <= HIGH_BACK and back_w <= HIGH_BACK)
+                and back_p <= HIGH_BACK and back_w <= HIGH_BACK and err is not None and err <= HIGH_ERROR)
         n = st.total / s
         why = (f"argument {ARGS[a]} moved {st.total:,.0f} over the run ({st.pairs:,} pairs of samples in the procedure"
                + (f", {st.back:,} of them jumping, filled in at its rate" if st.back else "")
                + f") and {s:,.4g} per entry in {allw:,} trip windows ({st.window_steps + allw - st.window_back:,} "
-               "entries counted)")
+               "entries counted" + (f", relative standard error {err:.0%}" if err is not None else "") + ")")
         est = ProgressEstimate(n, "high" if high else "medium", a, why)
         rank = (1 if high else 0, st.window_steps, st.pairs)
         if best is None or rank > best[0]:
@@ -253,5 +283,10 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
         return best[1], None
     if not stats:
         return None, None
+    if disagree:
+        a, err = min(disagree, key=lambda x: x[1])
+        return None, (f"entry count from moving arguments: the trip windows disagree on how far {ARGS[a]} moves per "
+                      f"entry (relative standard error {err:.0%}; {MEDIUM_ERROR:.0%} at most is used): more windows "
+                      "are needed")
     return None, (f"entry count from moving arguments: none of {', '.join(ARGS[a] for a in sorted(tried))} moved "
                   "steadily forward with enough windows and pairs")

@@ -31,7 +31,9 @@ Cost: every hit traps (0.4-17 us on these machines, by the instruction), so a lo
 of millions of times a second runs at the traps' pace while a window is open. Windows are short
 and spread over the run at random steps so that the traps stay within BUDGET_SHARE of the anchors'
 budget of one CPU (a token bucket over the time since the recording began: the first window opens
-at once, the next when the budget has paid for the last). Per task (``record -- CMD``, ``-p``), a
+at once, the next when the budget has paid for the last). Each window goes to the procedure whose
+windows have cost least per sample it took (_claim), so that a procedure holding most of the
+samples gets most of the windows. Per task (``record -- CMD``, ``-p``), a
 window counts the process that sampled the procedure last; system-wide, every process mapping the
 file.
 
@@ -70,6 +72,17 @@ WINDOW_S = 0.002
 # input, 16.6 over one), so many short windows sample them better than a few long ones; an entry
 # probed where the kernel emulates the hit counts a few hundred in half a millisecond.
 STRIDE_WINDOW_S = 0.0005
+# Past ENOUGH_STEPS entries (analysis/progress.py) a moving entry still gets one window alone in this
+# many of its turns, so that its moves per entry sample the whole run and not only its start (xz's
+# windows saw 6.5-7.0 positions per entry over its first seconds, against 7.35 over the run).
+STRIDE_LATER = 4
+# A window that follows an argument ends at an entry (TripWindows._next_entry): it counts on for up
+# to TAIL_S until the entry runs again, looking without a pause for the first TAIL_SPIN_S (a look is
+# one bpf(2) call, about 2 us; entries come every few microseconds under traps), then every
+# TAIL_STEP_S.
+TAIL_S = 0.02
+TAIL_SPIN_S = 0.001
+TAIL_STEP_S = 0.0002
 BUDGET_SHARE = 1.0  # of the anchors' budget (a share of one CPU)
 ALLOWANCE = 0.003  # trap seconds granted ahead of time: the first window opens at once, the others are paced
 # What a window costs the probed program beyond its hits' traps, charged to the budget with them:
@@ -96,6 +109,11 @@ MEDIUM_WINDOWS = 3
 HIGH_WINDOWS = 10
 
 
+# The rows of Target.progress: the trip windows' side of a PROGRESS tally (db/tallies.py)
+PROGRESS_ROWS = ("windows", "window_steps", "window_delta", "window_back", "window_delta_sq", "window_steps_sq",
+                 "window_cross")
+
+
 @dataclass
 class Target:
     """One procedure's points: its entry first, then loop headers, then hot blocks (vaddrs in the
@@ -117,10 +135,12 @@ class Target:
     argwidth: np.ndarray | None = None
     site_args: np.ndarray | None = None  # int8 per argument: the register holding it at the entry's probe
     emulated: list[bool] = field(default_factory=list)  # per point: its probe's hit is emulated (cheap)
-    progress: np.ndarray = field(default_factory=lambda: np.zeros((4, 6), np.float64))
+    progress: np.ndarray = field(default_factory=lambda: np.zeros((len(PROGRESS_ROWS), 6), np.float64))
     stride_windows: int = 0  # windows of the entry alone (for its arguments' moves), and their entries
     stride_entries: int = 0
     turns: int = 0
+    seen: float = 0.0  # the procedure's samples since it got its anchor: its claim on the windows
+    spent_s: float = 0.0  # what its windows cost the program (charged to the budget)
 
 
 def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray,
@@ -170,7 +190,6 @@ class TripWindows:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._next = 0
         self.rng = random.Random()
 
     def bind(self, ctx: Any) -> None:
@@ -216,13 +235,15 @@ class TripWindows:
                 cheap = dict(zip(table.blocks.tolist(), table.site_emulated.tolist(), strict=True))
                 offsets = [file_offset + (site.get(p, p) - key[1]) for p in points]
                 t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64), core=core,
-                           emulated=[bool(cheap.get(p, False)) for p in points])
+                           emulated=[bool(cheap.get(p, False)) for p in points], seen=float(seen.sum()))
                 if len(table.args):  # which registers hold the arguments where the entry is probed
                     k = int(np.searchsorted(table.addrs, np.uint64(site.get(key[1], key[1]))))
                     if k < len(table.addrs) and int(table.addrs[k]) == site.get(key[1], key[1]):
                         t.argwidth, t.site_args = table.argwidth.copy(), table.args[k].copy()
                 with self.lock:
                     self.targets[key] = t
+            elif m is not None:
+                t.seen += float(np.count_nonzero(m))
             if self.per_task and m is not None and m.any():  # the process that sampled it last
                 t.pid = int(d.samples["pid"][m][-1])
         if self.targets and self._thread is None:
@@ -256,27 +277,25 @@ class TripWindows:
         owed = self.spent_s - ALLOWANCE - self.budget * elapsed
         if owed > 0:
             return max(MIN_GAP_S, owed / self.budget * self.rng.uniform(1.0 - JITTER, 1.0 + JITTER))
-        t = ready[self._next % len(ready)]
-        self._next += 1
-        self._window(t)
+        self._window(min(ready, key=_claim))
         return MIN_GAP_S
 
     def _stride_turn(self, t: Target) -> bool:
-        """Is this window of ``t`` one of its entry alone? Every other one, while an argument of the
+        """Is this window of ``t`` one of its entry alone? Every other one while an argument of the
         procedure moves forward (analysis/progress.py) and its windows have counted fewer than
-        ENOUGH_STEPS entries: with its loop headers and blocks trapping too, a window of a short
-        entry holds a few dozen entries (xz's match finder runs 37 header runs each); alone, a few
-        hundred in STRIDE_WINDOW_S. Per task only: system-wide a window counts every process mapping
+        ENOUGH_STEPS entries, one in STRIDE_LATER after that: with its loop headers and blocks
+        trapping too, a window of a short entry holds a few dozen entries (xz's match finder runs 37
+        header runs each); alone, a few hundred in STRIDE_WINDOW_S. Per task only: system-wide a window counts every process mapping
         the file, and their registers do not mix."""
         from cyclescope.analysis.progress import ENOUGH_STEPS
 
-        if t.argwidth is None or not self.per_task or t.stride_entries >= ENOUGH_STEPS:
+        if t.argwidth is None or not self.per_task:
             return False
         counter = getattr(self.loops, "counter", None)
         if counter is None or not counter.moving(t.img, t.entry):
             return False
         t.turns += 1
-        return t.turns % 2 == 1
+        return t.turns % (2 if t.stride_entries < ENOUGH_STEPS else STRIDE_LATER) == 1
 
     def _window(self, t: Target) -> None:
         from cyclescope.collect.pointcount import GATE
@@ -308,6 +327,8 @@ class TripWindows:
             passed = GATE - self.counter.skip_left()  # hits while the probes were being installed
             self.counter.set_skip(0)
             self._stop.wait(STRIDE_WINDOW_S if alone else WINDOW_S)
+            if t.argwidth is not None and self.per_task:
+                self._next_entry()
             self.counter.set_skip(GATE)
         finally:
             self.counter.detach(link)
@@ -324,10 +345,15 @@ class TripWindows:
             if moves is not None:
                 held = ~np.isnan(moves)
                 fwd = held & (moves >= 0)
+                steps = np.where(fwd, float(got[0] - 1), 0.0)
+                moved = np.where(fwd, moves, 0.0)
                 t.progress[0] += held
-                t.progress[1] += np.where(fwd, float(got[0] - 1), 0.0)
-                t.progress[2] += np.where(fwd, moves, 0.0)
+                t.progress[1] += steps
+                t.progress[2] += moved
                 t.progress[3] += held & ~fwd
+                t.progress[4] += moved * moved  # how far the windows agree (ProgressStats.stride_error)
+                t.progress[5] += steps * steps
+                t.progress[6] += moved * steps
             if alone:
                 t.stride_windows += 1
                 t.stride_entries += int(got[0])
@@ -335,7 +361,30 @@ class TripWindows:
                 t.hits += got
                 t.windows += 1
                 t.total_windows += 1
-            self.spent_s += self._cost(t, got, passed)
+            cost = self._cost(t, got, passed)
+            t.spent_s += cost
+            self.spent_s += cost
+
+    def _next_entry(self) -> None:
+        """Count on until the entry runs once more after the window's time, or TAIL_S has passed.
+
+        An argument's move per entry is measured from the registers of the window's first and last
+        counted entries, so it covers the intervals between entries that began and ended inside the
+        window. A window of fixed length mostly leaves out the intervals longer than itself, and
+        those are where the argument moves most (xz's match finder is not entered while long
+        matches are skipped: its windows measured 5.2-6.5 positions per entry against 7.35 over the
+        run). Ending the window at an entry instead keeps every interval that began in it, which is
+        a share of the intervals that does not depend on their lengths."""
+        before = int(self.counter.counts(1)[0])
+        if before == 0:
+            return
+        start = time.monotonic()
+        while int(self.counter.counts(1)[0]) == before:
+            waited = time.monotonic() - start
+            if waited >= TAIL_S or self._stop.is_set():
+                return
+            if waited > TAIL_SPIN_S:  # a long interval: no need to look every few microseconds
+                time.sleep(TAIL_STEP_S)
 
     def _cost(self, t: Target, got: np.ndarray, passed: int) -> float:
         """What a window of the first ``len(got)`` points cost the program: each point's hits at its
@@ -382,9 +431,8 @@ class TripWindows:
                 if t.progress[0].any():
                     rows += [(self.image_key(t.img), t.entry, a, t.progress[:, a].copy()) for a in range(NARGS)]
                     t.progress[:] = 0
-        names = ("windows", "window_steps", "window_delta", "window_back")  # the rows of Target.progress
         return tally([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                     {n: [float(r[3][k]) for r in rows] for k, n in enumerate(names)})
+                     {n: [float(r[3][k]) for r in rows] for k, n in enumerate(PROGRESS_ROWS)})
 
     def forget(self, pid: int, tid: int) -> None:
         if pid == tid:  # a process exited or exec'd: its targets wait for the next sample
@@ -438,6 +486,15 @@ class TripWindows:
         if failed:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line
+
+
+def _claim(t: Target) -> float:
+    """Which procedure the next window counts: the one whose windows cost least per sample it took,
+    so that the budget goes to procedures as their samples do (calc's errors are weighed by samples:
+    xz's match finder holds three quarters of its samples, and counted in turn with five other
+    procedures it got one to three windows in a run of 4 s). A new procedure, nothing spent yet, is
+    counted first."""
+    return t.spent_s / max(t.seen, 1.0)
 
 
 def _moves(width: np.ndarray, holders: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:

@@ -105,7 +105,8 @@ PROGRESS = TallyKind(
     keys=(("image", pa.string()), ("entry", pa.uint64()), ("arg", pa.uint32())),
     sums=(("pairs", pa.uint64()), ("delta", pa.float64()), ("pair_period", pa.float64()), ("back", pa.uint64()),
           ("back_period", pa.float64()), ("windows", pa.uint64()), ("window_steps", pa.uint64()),
-          ("window_delta", pa.float64()), ("window_back", pa.uint64())),
+          ("window_delta", pa.float64()), ("window_back", pa.uint64()), ("window_delta_sq", pa.float64()),
+          ("window_steps_sq", pa.float64()), ("window_cross", pa.float64())),
 )
 
 # Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
