@@ -13,9 +13,8 @@ With ``--old SRC``, each run also records with the `record` of another source tr
 worktree of the previous commit), alternated, and both are analyzed by this tree's calc.
 
 Per procedure and run: the anchor's windows and window samples, its count / exact (leaving out the
-samples where traps return, when the recording tallied them: AnchorStats.entries), the rest of the
-image's samples in the windows and the count by that control / exact
-(AnchorStats.entries_by_control), calc's entry count / exact and its method, and the model's (calc without
+samples where traps return, when the recording tallied them: AnchorStats.entries), the same
+without that correction, calc's entry count / exact and its method, and the model's (calc without
 loop counters, anchors or paths) / exact.
 
 Usage: python bench/anchorlong.py [--programs xz,zstd,lzip] [--repeat 3] [--runs 3] [--top 4] [--old SRC]
@@ -64,8 +63,6 @@ def record(db: Path, exe: Path, args: list[str], src: Path | None) -> None:
 
 def analyze(db: Path, image: str) -> dict[str, dict[str, float | str | None]]:
     """Per anchored procedure (name): its entry, tallies and the estimates of its entry count."""
-    from dataclasses import replace
-
     from cyclescope.analysis.anchors import near_samples
     from cyclescope.app.calc import calc_target
 
@@ -75,7 +72,6 @@ def analyze(db: Path, image: str) -> dict[str, dict[str, float | str | None]]:
         a = profile.anchor_stats(t.info.key, t.start)
         if a is None or not a.hits:
             continue
-        a = replace(a, image_samples=float(profile.with_event(ev).image_totals().get(t.info.key, 0)))
         c = calc_target(profile, t, ev, None)
         first = calc_target(profile, t, ev, None, evidence=False)
         col = c.events.index(ev)
@@ -84,7 +80,6 @@ def analyze(db: Path, image: str) -> dict[str, dict[str, float | str | None]]:
         out[t.name] = {"entry": t.start, "samples": samples, "hits": a.hits, "window_samples": a.samples,
                        "near": a.near, "windows": a.windows, "anchor": a.entries(samples, near),
                        "uncorrected": a.hits / a.samples * samples if a.samples else None,
-                       "others": a.others, "control": a.entries_by_control(samples),
                        "calc": c.executions(entry.id), "calc_method": c.freq.block_method[entry.id],
                        "calc_confidence": c.freq.block_confidence[entry.id],
                        "model": first.executions(entry.id)}
@@ -136,7 +131,7 @@ def main() -> None:
         results[p.name] = {"exact": exact, "runs": found}
         print(f"{p.name} ({' '.join(pargs)}):")
         print(f"  {'procedure':34s} {'exact':>12s} {'who':4s} {'windows':>8s} {'win smp':>8s} {'anchor':>16s} "
-              f"{'win others':>10s} {'control':>16s} {'calc':>16s} {'model':>8s}  calc's method")
+              f"{'uncorrected':>16s} {'calc':>16s} {'model':>8s}  calc's method")
         for name in sorted(entries, key=lambda n: -exact.get(n, 0)):
             ex = exact.get(name)
             if not ex:
@@ -145,11 +140,11 @@ def main() -> None:
                 rows = found[k].get(name, [])
 
                 def ratios(key: str, rows: list[dict] = rows, ex: int = ex) -> str:
-                    return " ".join(f"{r[key] / ex:.2f}" if r.get(key) else "-" for r in rows)
+                    return " ".join(f"{r[key] / ex:.2f}" if r[key] else "-" for r in rows)
 
                 print(f"  {name[:34]:34s} {ex:12,d} {k:4s} {sum(r['windows'] for r in rows):8d} "
                       f"{sum(r['window_samples'] for r in rows):8d} {ratios('anchor'):>16s} "
-                      f"{sum(r.get('others', 0) for r in rows):10d} {ratios('control'):>16s} {ratios('calc'):>16s} "
+                      f"{ratios('uncorrected'):>16s} {ratios('calc'):>16s} "
                       f"{statistics.median([r['model'] / ex for r in rows if r['model']] or [float('nan')]):8.2f}  "
                       + ",".join(f"{r['calc_method']}/{r['calc_confidence']}" for r in rows))
     path = save(args.save_as, {"machine": machine(), "args": vars(args), "programs": results})

@@ -95,7 +95,6 @@ def test_a_rare_entry_is_counted_all_the_time_and_its_samples_match_its_windows(
     d = tab.to_pydict()
     assert d["image"] == ["img1"] and d["entry"] == [0x1000]
     assert d["samples"] == [10]
-    assert d["others"] == [5]  # the image's other samples in the same windows: the control
     assert d["hits"][0] == pytest.approx(200, abs=6)  # a second of entries on each CPU
     assert d["counted_s"][0] == pytest.approx(1.0, rel=0.01) and d["windows"][0] == 1
     s.stop()
@@ -250,10 +249,6 @@ def test_per_task_windows_count_only_the_threads_that_ran_the_procedure() -> Non
     s.add(np.array([5, 99, 6], np.int64), np.array([t0 + 5 * MS] * 3, np.int64), np.ones(3, np.int64),
           np.full(3, 0x1004, np.uint64))
     assert s.anchors[(1, 0x1000)].samples == 2
-    # The control, the image's samples outside the procedure, counts the same threads only.
-    s.add(np.array([5, 99], np.int64), np.array([t0 + 6 * MS] * 2, np.int64), np.ones(2, np.int64),
-          np.full(2, 0x2004, np.uint64))
-    assert s.anchors[(1, 0x1000)].others == 1 and s.anchors[(1, 0x1000)].samples == 2
 
 
 def test_a_probe_the_kernel_refuses_marks_the_anchor_failed() -> None:
@@ -277,11 +272,9 @@ def test_anchor_tallies_merge_by_addition_and_give_entries() -> None:
 
     t1 = build(ANCHORS, {"image": ["k"], "entry": np.array([16], np.uint64), "hits": np.array([30], np.uint64),
                          "samples": np.array([100], np.uint64), "counted_s": np.array([1.0]),
-                         "windows": np.array([4], np.uint64), "near": np.array([5], np.uint64),
-                         "others": np.array([60], np.uint64)})
+                         "windows": np.array([4], np.uint64), "near": np.array([5], np.uint64)})
     d = merge(ANCHORS, [t1, t1]).to_pydict()
     assert d["hits"] == [60] and d["samples"] == [200] and d["windows"] == [8] and d["near"] == [10]
-    assert d["others"] == [120]
     st = AnchorStats(hits=60, samples=200, counted_s=2.0, windows=8)
     assert st.entries(10_000) == pytest.approx(3000.0) and st.confidence == "high"
     # The samples where traps return, tallied apart, are left out on both sides: 60 entries per
@@ -290,12 +283,6 @@ def test_anchor_tallies_merge_by_addition_and_give_entries() -> None:
     assert near.entries(10_000, 500) == pytest.approx(60 / 190 * 9_500)
     assert AnchorStats(hits=6, samples=4, counted_s=1.0, windows=1, near=4).entries(100, 4) is None
     assert AnchorStats(0, 0, 0.0, 0).entries(100) is None
-    # By the control: 60 entries per 120 samples of the rest of the image in the windows, times the
-    # rest of the image's 30,000 - 10,000 samples in the profile; none without those samples.
-    ctl = AnchorStats(hits=60, samples=200, counted_s=2.0, windows=8, others=120, image_samples=30_000.0)
-    assert ctl.entries_by_control(10_000) == pytest.approx(60 / 120 * 20_000)
-    assert st.entries_by_control(10_000) is None
-    assert AnchorStats(60, 200, 2.0, 8, others=5, image_samples=9_000.0).entries_by_control(10_000) is None
 
 
 def test_calc_takes_the_entry_count_from_an_anchor() -> None:
@@ -326,14 +313,6 @@ def test_calc_takes_the_entry_count_from_an_anchor() -> None:
                         mcpu=MCPU, anchor=short)
     assert c3.freq.block_method[entry.id] == "anchor" and c3.freq.block_confidence[entry.id] == "low"
     assert c3.executions(entry.id) == pytest.approx(50_000 / 151 * total, rel=0.01)
-    # With the rest of the image's samples in the same windows, those are the clock: 50,000 entries
-    # per 400 of them, times the 1,698 the rest of the image took in the whole profile (2,000 - 302).
-    ctl = AnchorStats(hits=50_000, samples=151, counted_s=1.0, windows=10, others=400, image_samples=2_000.0)
-    c4 = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0,
-                        mcpu=MCPU, anchor=ctl)
-    assert c4.freq.block_method[entry.id] == "anchor" and c4.freq.block_confidence[entry.id] == "low"
-    assert c4.executions(entry.id) == pytest.approx(50_000 / 400 * (2_000 - total), rel=0.01)
-    assert "the rest of the image" in c4.evidence[entry.id]
 
 
 def test_stop_ends_every_window_and_closes_every_probe() -> None:

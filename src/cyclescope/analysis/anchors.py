@@ -123,7 +123,6 @@ class Anchor:
     hits: int = 0
     samples: int = 0
     near: int = 0  # of those, at the first bytes after the entry (NEAR_BYTES), where traps return
-    others: int = 0  # the same tasks' samples in the same windows, in the image outside the procedure
     counted_ns: int = 0
     nwindows: int = 0
     cost_s: float = 0.0  # estimated trap time spent so far (status)
@@ -533,16 +532,14 @@ class AnchorSet:
         with self.lock:
             anchors = list(self.anchors.values())
         for a in anchors:
-            here = img == a.img
-            if not here.any():
+            m = (img == a.img) & (off >= a.start) & (off < a.end)
+            if not m.any():
                 continue
-            m = here & (off >= a.start) & (off < a.end)
-            rest = here & ~m  # the image's other samples: the control (AnchorStats.entries_by_control)
             t = time_ns[m].astype(np.int64)
             th = tid[m].astype(np.int64)
             with self.lock:
                 a.seen += len(t)
-                if self.per_task and len(t):  # each thread's latest sample here (per thread, not per sample)
+                if self.per_task:  # each thread's latest sample here (per thread, not per sample)
                     order = np.lexsort((t, th))
                     ths, ts = th[order], t[order]
                     last = np.r_[ths[1:] != ths[:-1], True]
@@ -551,33 +548,26 @@ class AnchorSet:
                             a.tids[x] = y
                 if not a.windows:
                     continue
-                inside = self._in_windows(a, t, th)
+                starts = np.array([w.start for w in a.windows], np.int64)
+                ends = np.array([w.end if w.end is not None else np.iinfo(np.int64).max for w in a.windows],
+                                np.int64)
+                k = np.searchsorted(starts, t, side="right") - 1
+                inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
+                if self.per_task:  # a window counts only the threads it probed (per window, not per sample)
+                    wins = list(a.windows)
+                    for wi in distinct(k[inside]).tolist():
+                        w = wins[wi]
+                        if w.tids is not None:
+                            sel = inside & (k == wi)
+                            inside[sel] = np.isin(th[sel], np.fromiter(w.tids, np.int64, len(w.tids)))
                 a.samples += int(inside.sum())
                 a.near += int((inside & (off[m].astype(np.int64) < a.start + NEAR_BYTES)).sum())
-                a.others += int(self._in_windows(a, time_ns[rest].astype(np.int64),
-                                                 tid[rest].astype(np.int64)).sum())
-
-    def _in_windows(self, a: Anchor, t: np.ndarray, th: np.ndarray) -> np.ndarray:
-        """Which of the samples (times ``t``, threads ``th``) fall in ``a``'s windows and, per task,
-        were taken by a thread the window probed (under the set's lock)."""
-        starts = np.array([w.start for w in a.windows], np.int64)
-        ends = np.array([w.end if w.end is not None else np.iinfo(np.int64).max for w in a.windows], np.int64)
-        k = np.searchsorted(starts, t, side="right") - 1
-        inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
-        if self.per_task:  # a window counts only the threads it probed (per window, not per sample)
-            wins = list(a.windows)
-            for wi in distinct(k[inside]).tolist():
-                w = wins[wi]
-                if w.tids is not None:
-                    sel = inside & (k == wi)
-                    inside[sel] = np.isin(th[sel], np.fromiter(w.tids, np.int64, len(w.tids)))
-        return inside
 
     def take(self) -> Any:
         """The tallies since the last take, as an ANCHORS table (db/tallies.py)."""
         from cyclescope.db.tallies import ANCHORS, build
 
-        rows: list[tuple[str, int, int, int, int, int, int, int]] = []
+        rows: list[tuple[str, int, int, int, int, int, int]] = []
         now = self.clock()
         with self.lock:
             for a in self.anchors.values():
@@ -585,14 +575,13 @@ class AnchorSet:
                     _tally(a, a.window, now)  # a window that goes on: what it counted so far
                 if a.hits or a.samples or a.nwindows:
                     rows.append((self.image_key(a.img), a.start, a.hits, a.samples, a.counted_ns, a.nwindows,
-                                 a.near, a.others))
-                a.hits = a.samples = a.counted_ns = a.nwindows = a.near = a.others = 0
-        cols = list(zip(*rows, strict=True)) if rows else [()] * 8
+                                 a.near))
+                a.hits = a.samples = a.counted_ns = a.nwindows = a.near = 0
+        cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), (), (), ()]
         return build(ANCHORS, {"image": list(cols[0]), "entry": np.array(cols[1], np.uint64),
                                "hits": np.array(cols[2], np.uint64), "samples": np.array(cols[3], np.uint64),
                                "counted_s": np.array(cols[4], np.float64) / 1e9,
-                               "windows": np.array(cols[5], np.uint64), "near": np.array(cols[6], np.uint64),
-                               "others": np.array(cols[7], np.uint64)})
+                               "windows": np.array(cols[5], np.uint64), "near": np.array(cols[6], np.uint64)})
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -611,24 +600,6 @@ class AnchorStats:
     counted_s: float
     windows: int
     near: int = 0  # of ``samples``, those in the entry's first NEAR_BYTES (0 in tallies older than it)
-    others: int = 0  # the same tasks' samples in the windows, in the image outside the procedure (0: older)
-    image_samples: float = 0.0  # the profile's samples of the time event in the whole image (set by calc)
-
-    def entries_by_control(self, procedure_samples: float) -> float | None:
-        """Entries over the whole profile: hits per sample the rest of the image took in the windows,
-        times the rest of the image's samples in the profile (None: no such samples).
-
-        The control for a short entry: each trap slows the procedure itself (the caches and
-        predictors the kernel disturbed: 0.16-0.93 us a hit, bench/anchorbias.py), so that an entry
-        of a few hundred nanoseconds takes up to twice its time in the windows and ``entries``
-        counts it at half; the rest of the image runs as fast in the windows as outside them, and
-        runs as many times per entry (xz's encoder around its match finder), so that its samples
-        measure how far the program went in the windows. Its own assumption: the procedure's
-        share of the image's work is the same in the windows as in the run (random windows)."""
-        rest = self.image_samples - procedure_samples
-        if self.others <= 0 or rest <= 0:
-            return None
-        return self.hits / self.others * rest
 
     def entries(self, procedure_samples: float, procedure_near: float = 0.0) -> float | None:
         """Entries over the whole profile: hits per window sample times the procedure's samples.

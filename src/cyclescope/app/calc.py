@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from cyclescope.analysis.estimators import ESTIMATORS as ESTIMATORS  # for the command lines' options
@@ -99,8 +98,6 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
 
     stats = p.loop_stats(info.key, target.start, target.end) if evidence else {}
     anchor = p.anchor_stats(info.key, target.start) if evidence else None
-    if anchor is not None and anchor.others:  # the control's other side (AnchorStats.entries_by_control)
-        anchor = replace(anchor, image_samples=float(p.with_event(event).image_totals().get(info.key, 0)))
     trips = p.trip_counts(info.key, target.start) if evidence and trip_windows else None
     progress = p.progress_stats(info.key, target.start) if evidence and trip_windows else None
     outcomes = None

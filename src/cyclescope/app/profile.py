@@ -125,7 +125,7 @@ class Profile:
             if e == entry:
                 return AnchorStats(hits=int(d["hits"][i]), samples=int(d["samples"][i]),
                                    counted_s=float(d["counted_s"][i]), windows=int(d["windows"][i]),
-                                   near=int(d["near"][i]), others=int(d["others"][i]))
+                                   near=int(d["near"][i]))
         return None
 
     def trip_counts(self, image_key: str, entry: int) -> dict[int, tuple[int, int]]:

@@ -77,13 +77,12 @@ LOOPS = TallyKind(
 
 # Exact counts of procedures' entries in windows (analysis/anchors.py): per procedure entry, the
 # uprobe's hits, the procedure's own samples of the time event taken in the same windows by the
-# same tasks, the time counted, the windows, the samples of those at the entry's first bytes (near)
-# and the same tasks' samples in the same windows in the image outside the procedure (others).
+# same tasks, the time counted and the windows.
 ANCHORS = TallyKind(
     "anchors", "an",
     keys=(("image", pa.string()), ("entry", pa.uint64())),
     sums=(("hits", pa.uint64()), ("samples", pa.uint64()), ("counted_s", pa.float64()), ("windows", pa.uint64()),
-          ("near", pa.uint64()), ("others", pa.uint64())),
+          ("near", pa.uint64())),
 )
 
 # Loops' headers and hot blocks counted beside their procedure's entry in the same windows
