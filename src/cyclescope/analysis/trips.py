@@ -285,8 +285,8 @@ class TripWindows:
         procedure moves forward (analysis/progress.py) and its windows have counted fewer than
         ENOUGH_STEPS entries, one in STRIDE_LATER after that: with its loop headers and blocks
         trapping too, a window of a short entry holds a few dozen entries (xz's match finder runs 37
-        header runs each); alone, a few hundred in STRIDE_WINDOW_S. Per task only: system-wide a window counts every process mapping
-        the file, and their registers do not mix."""
+        header runs each); alone, a few hundred in STRIDE_WINDOW_S. Per task only: system-wide a
+        window counts every process mapping the file, and their registers do not mix."""
         from cyclescope.analysis.progress import ENOUGH_STEPS
 
         if t.argwidth is None or not self.per_task:
