@@ -27,3 +27,21 @@ def test_note_rows_run_on_instead_of_widening_their_column() -> None:
         "     14  ret\n"
         "         one in the last column widens it           as a cell\n"
     )
+
+
+def test_a_name_longer_than_the_cap_runs_on_in_its_row_and_is_never_cut() -> None:
+    from cyclescope.report.render import PLAIN_WRAP_MAX
+
+    long = "std::variant<" + "parquet::arrow::ListPathNode<int>, " * 40 + ">"
+    t = Table([Col("samples"), Col("procedure", "left", wrap=True), Col("image", "left", wrap=True)], [
+        ["10", "main", "/bin/x"],
+        ["5", long, "/lib/libarrow.so"],
+        ["1", "helper", "/bin/x"],
+    ])
+    out = io.StringIO()
+    write_table(t, out, tty=False)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "samples  procedure  image"
+    assert lines[1] == "     10  main       /bin/x" and lines[3] == "      1  helper     /bin/x"
+    assert lines[2] == f"      5  {long}  /lib/libarrow.so"  # whole, in its own row only
+    assert len(long) > PLAIN_WRAP_MAX

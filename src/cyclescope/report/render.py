@@ -19,6 +19,12 @@ class Col:
     wrap: bool = False  # a long free-text column (names): ellipsis on a terminal, never cut in a pipe
 
 
+# In a pipe a free-text column is as wide as its cells up to this; a longer cell runs on in its own
+# row instead of padding every row to its width (a C++ template's name of 2,722 characters in
+# libarrow made every line of `prof`'s output as long).
+PLAIN_WRAP_MAX = 80
+
+
 @dataclass
 class Table:
     cols: list[Col]
@@ -70,7 +76,7 @@ def _write_plain(t: Table, out: TextIO) -> None:
     notes = [_note_at(t, r) for r in t.rows]
     for r, note in zip(t.rows, notes, strict=True):
         for i, cell in enumerate(r):
-            if i != note:
+            if i != note and (len(cell) <= PLAIN_WRAP_MAX or not t.cols[i].wrap):
                 widths[i] = max(widths[i], len(cell))
 
     last = len(t.cols) - 1
