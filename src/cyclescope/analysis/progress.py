@@ -62,11 +62,11 @@ JUMP = 64.0
 # Pairs moving forward (and few back) before the trip windows spend windows on an argument's move
 MIN_MOVING = 5
 # What a stride and a total need before calc uses them, for medium and high confidence: a window of
-# the entry alone (half a millisecond) holds a few hundred entries where the kernel emulates the
-# probed instruction, a few dozen where it single-steps it; a run of a second affords a few.
+# the entry alone (2 ms) holds several hundred entries where the kernel emulates the probed
+# instruction, a few dozen where it single-steps it; a run of a second affords a few.
 MIN_WINDOWS, HIGH_WINDOWS = 3, 10
 MIN_STEPS, HIGH_STEPS = 100, 1000  # entries - 1, summed over the windows that counted two or more
-ENOUGH_STEPS = 2000  # past this, the trip windows count the entry alone no more
+ENOUGH_STEPS = 10_000  # past this, the trip windows count the entry alone less often (trips.STRIDE_LATER)
 MIN_PAIRS, HIGH_PAIRS = 20, 200
 # The stride's relative standard error (ProgressStats.stride_error) up to which it is used, and up to
 # which its count can be high confidence (the total's error is far smaller: hundreds of pairs add up)

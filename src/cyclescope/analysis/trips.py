@@ -67,11 +67,12 @@ POINTS_AFTER = 100  # the procedure's samples (since its anchor) before its poin
 # match finder runs 26 trips per entry over the first MB of the suite's input, 34 over the whole);
 # windows of 10 ms spent a short run's budget in its first half second.
 WINDOW_S = 0.002
-# A window of an entry alone (analysis/progress.py) is shorter: it measures a move per entry, which
-# changes with the run's phases (xz's: 5-9 positions per entry over most tenths of the suite's
-# input, 16.6 over one), so many short windows sample them better than a few long ones; an entry
-# probed where the kernel emulates the hit counts a few hundred in half a millisecond.
-STRIDE_WINDOW_S = 0.0005
+# A window of an entry alone (analysis/progress.py) as long: it measures a move per entry, and the
+# moves between entries are heavy-tailed (xz's match finder is not called while a long match is
+# skipped), so what the stride's error needs is many intervals, and a window's own cost
+# (EMULATED_WINDOW_COST_S) is most of what it is charged: at 2 ms an entry probed where the kernel
+# emulates the hit counts about 600 (xz) for 1.3 ms charged, four times what 0.5 ms counted for 1.1.
+STRIDE_WINDOW_S = 0.002
 # Past ENOUGH_STEPS entries (analysis/progress.py) a moving entry still gets one window alone in this
 # many of its turns, so that its moves per entry sample the whole run and not only its start (xz's
 # windows saw 6.5-7.0 positions per entry over its first seconds, against 7.35 over the run).
