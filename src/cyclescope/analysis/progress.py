@@ -8,10 +8,12 @@ called with an argument that moves forward through the run: xz's ``hc_find_func(
 cur, ...)`` gets the stream position and a pointer into the input, one more at every call made for
 a new position. Two things then give its entry count:
 
-- How far the argument moves per entry, exactly: the trip windows (analysis/trips.py) already
-  count the entry in short windows; their BPF program (collect/pointcount.py) also keeps the
+- How far the argument moves per entry, exactly: the trip windows (analysis/trips.py) count the
+  entry alone in every other window; their BPF program (collect/pointcount.py) also keeps the
   argument registers of the window's first and last counted entry, so that a window with E
-  entries gives (last - first) / (E - 1). Traps slow the program, not the argument.
+  entries gives (last - first) / (E - 1). Such a window ends at an entry, so that it keeps the
+  long intervals between entries as often as the short ones. Traps slow the program, not the
+  argument.
 - How far it moved over the whole run, without a trap: every sample carries the user registers
   (the loop counters take them), and at most instructions of the procedure some register still
   holds what an argument register held at entry (``mov ebx, esi`` in the prologue, then never

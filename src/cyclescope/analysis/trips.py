@@ -25,7 +25,8 @@ hit (a conditional jump, a push: images/disasm.uprobe_emulated; loopcount.block_
 block's first. An emulated hit costs 0.41 us against 14.3 us single-stepped on the Xeon with AMX
 (bench/probecost.py), so a window counts about thirty times the executions for the same traps.
 The first point's hits also keep the registers that move with an argument, and a procedure whose
-argument moves forward gets every other window for its entry alone: analysis/progress.py.
+argument moves forward gets every other window for its entry alone, which ends at an entry and
+measures how far the argument moves per entry: analysis/progress.py.
 
 Cost: every hit traps (0.4-17 us on these machines, by the instruction), so a loop run hundreds
 of millions of times a second runs at the traps' pace while a window is open. Windows are short
@@ -77,12 +78,13 @@ STRIDE_WINDOW_S = 0.002
 # many of its turns, so that its moves per entry sample the whole run and not only its start (xz's
 # windows saw 6.5-7.0 positions per entry over its first seconds, against 7.35 over the run).
 STRIDE_LATER = 4
-# A window that follows an argument ends at an entry (TripWindows._next_entry): it counts on for up
-# to TAIL_S until the entry runs again, looking without a pause for the first TAIL_SPIN_S (a look is
+# A window of the entry alone ends at an entry (TripWindows._next_entry): it counts on for up to
+# TAIL_S until the entry runs again, looking without a pause for the first TAIL_SPIN_S (a look is
 # one bpf(2) call, about 2 us; entries come every few microseconds under traps), then every
-# TAIL_STEP_S.
+# TAIL_STEP_S (the collector's own CPU: a millisecond of looking at each window cost more than the
+# windows' own work).
 TAIL_S = 0.02
-TAIL_SPIN_S = 0.001
+TAIL_SPIN_S = 0.0002
 TAIL_STEP_S = 0.0002
 BUDGET_SHARE = 1.0  # of the anchors' budget (a share of one CPU)
 ALLOWANCE = 0.003  # trap seconds granted ahead of time: the first window opens at once, the others are paced
@@ -328,7 +330,7 @@ class TripWindows:
             passed = GATE - self.counter.skip_left()  # hits while the probes were being installed
             self.counter.set_skip(0)
             self._stop.wait(STRIDE_WINDOW_S if alone else WINDOW_S)
-            if t.argwidth is not None and self.per_task:
+            if alone:
                 self._next_entry()
             self.counter.set_skip(GATE)
         finally:
@@ -336,7 +338,12 @@ class TripWindows:
         passed += GATE - self.counter.skip_left()  # and while they were being removed
         got = self.counter.counts(n)
         moves = None
-        if t.argwidth is not None and t.site_args is not None and self.per_task and got[0] >= 2:
+        # Only a window of the entry alone measures a move per entry: it ends at an entry
+        # (_next_entry); a window of all the points has a fixed length, and made longer the same way
+        # it kept every point trapping for up to TAIL_S where the entry is rare, at a cost the
+        # budget's charge per window does not cover (bench/overhead.py: the default at 1.25 times
+        # plain sampling's extra CPU, 1.22 times the same without trip windows).
+        if alone and t.argwidth is not None and t.site_args is not None and got[0] >= 2:
             try:
                 moves = _moves(t.argwidth, t.site_args, *self.counter.first_regs())  # one process's entries
             except OSError:  # the registers' map unreadable: this window's counts still stand
@@ -375,7 +382,8 @@ class TripWindows:
         those are where the argument moves most (xz's match finder is not entered while long
         matches are skipped: its windows measured 5.2-6.5 positions per entry against 7.35 over the
         run). Ending the window at an entry instead keeps every interval that began in it, which is
-        a share of the intervals that does not depend on their lengths."""
+        a share of the intervals that does not depend on their lengths. An interval longer than
+        TAIL_S is still left out (the window ends without it, as a window of fixed length did)."""
         before = int(self.counter.counts(1)[0])
         if before == 0:
             return
@@ -493,8 +501,8 @@ def _claim(t: Target) -> float:
     """Which procedure the next window counts: the one whose windows cost least per sample it took,
     so that the budget goes to procedures as their samples do (calc's errors are weighed by samples:
     xz's match finder holds three quarters of its samples, and counted in turn with five other
-    procedures it got one to three windows in a run of 4 s). A new procedure, nothing spent yet, is
-    counted first."""
+    procedures it got two to four windows in three runs of 4 s; six to nine now). A new procedure,
+    nothing spent yet, is counted first."""
     return t.spent_s / max(t.seen, 1.0)
 
 
