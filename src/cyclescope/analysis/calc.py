@@ -25,7 +25,7 @@ from cyclescope.analysis.frequency import MEASURED, SURETY, Frequencies, Measure
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.loops import Loop
 from cyclescope.analysis.paths import PathBlock
-from cyclescope.analysis.progress import ProgressStats
+from cyclescope.analysis.progress import ProgressStats, entries_from_progress
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
 from cyclescope.images.cache import Cache
@@ -487,8 +487,6 @@ def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: flo
     (analysis/progress.py), added to ``measured`` where it is surer than what is there (an anchor
     of a short entry is low confidence: its traps' disturbance makes it low). Notes where it
     cannot be used."""
-    from cyclescope.analysis.progress import entries_from_progress
-
     entry = _entry_block(cfg)
     if not period_cycles or entry is None:
         return []

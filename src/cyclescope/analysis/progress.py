@@ -24,9 +24,11 @@ a new position. Two things then give its entry count:
 
 Entries = total move / move per entry. What it assumes: the windows, spread over the run at
 random, see the run's mean move per entry (its phases weighted by their entries); calc says how
-many windows and entries the stride rests on, and keeps the count in medium confidence at most
-unless both sides rest on many. An argument that does not move (a struct pointer), or moves both
-ways (a hash, a chain link), is not used: most of its windows or pairs go back.
+many windows and entries the stride rests on and how far they disagree (its relative standard
+error), leaves the count out where they disagree by over MEDIUM_ERROR, and keeps it in low
+confidence below TRUST_WINDOWS windows, medium unless both sides rest on many. An argument that
+does not move (a struct pointer), or moves both ways (a hash, a chain link), is not used: most of
+its windows or pairs go back.
 
 Nothing but sums of moves and counts is stored (db/tallies.py PROGRESS): no value of a register.
 """

@@ -75,8 +75,9 @@ WINDOW_S = 0.002
 # emulates the hit counts about 600 (xz) for 1.3 ms charged, four times what 0.5 ms counted for 1.1.
 STRIDE_WINDOW_S = 0.002
 # Past ENOUGH_STEPS entries (analysis/progress.py) a moving entry still gets one window alone in this
-# many of its turns, so that its moves per entry sample the whole run and not only its start (xz's
-# windows saw 6.5-7.0 positions per entry over its first seconds, against 7.35 over the run).
+# many of its turns, so that its moves per entry sample the whole run and not only its start (the
+# run's phases move them: xz's 5-9 positions per entry over most tenths of the suite's input, 16.6
+# over one).
 STRIDE_LATER = 4
 # A window of the entry alone ends at an entry (TripWindows._next_entry): it counts on for up to
 # TAIL_S until the entry runs again, looking without a pause for the first TAIL_SPIN_S (a look is

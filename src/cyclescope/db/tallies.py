@@ -99,7 +99,8 @@ TRIPS = TallyKind(
 # argument register (0-5: rdi, rsi, rdx, rcx, r8, r9), from consecutive samples of a thread in the
 # procedure (the loop counters' side) the pairs whose move was known, their moves and time, and the
 # pairs that went back or jumped, with their time; from the trip windows' entry hits the windows,
-# their entries - 1 and moves, and the windows whose move went back. Sums of moves, never a value.
+# their entries - 1 and moves, the windows whose move went back, and the sums of squares and products
+# of the windows' moves and steps (the stride's error). Sums of moves, never a value.
 PROGRESS = TallyKind(
     "progress", "pg",
     keys=(("image", pa.string()), ("entry", pa.uint64()), ("arg", pa.uint32())),
