@@ -14,7 +14,7 @@ import pytest
 from cyclescope.collect import ebpf
 from cyclescope.collect.ebpf import KEY_DTYPE, MAX_KERNEL, VAL_DTYPE, Drained, to_rows
 from cyclescope.collect.stacks import StackAggregator
-from cyclescope.collect.unwind import BP, FRAME_POINTER, IP, SP, Unwinder
+from cyclescope.collect.unwind import BP, FRAME_POINTER, IP, SP, TRAMPOLINE_RETURN, Unwinder
 from cyclescope.errors import UsageError
 from cyclescope.perf.abi import MISC_KERNEL, MISC_USER, PERF_CONTEXT_KERNEL, PERF_CONTEXT_USER
 
@@ -154,6 +154,31 @@ def test_jit_frames_are_walked_by_frame_pointer_or_as_cpython_trampolines() -> N
     # Neither guess lands in mapped code: the walk stops at the JIT frame.
     assert Unwinder(jit_tables).unwind(jit_proc(), regs(JIT + 0x6, sp, 0), stack(sp, {sp + 8: 0x42})) == (
         [JIT + 0x6], "no-cfi")
+
+
+def test_a_cpython_trampoline_is_known_by_its_code_not_by_a_stale_frame_pointer() -> None:
+    """A JIT leaf with an rbp frame returns into a CPython trampoline, whose rbp (restored from the
+    leaf's frame) points at a frame further up: read as a frame pointer, it would skip the frames
+    between. The trampoline's code says how to step over it."""
+    sp = 0x7FFF0000
+    stale = sp + 0x100
+    st = stack(sp, {sp + 0x10: stale, sp + 0x18: JIT + 0x106, sp + 0x28: LIB + 0x30, stale + 8: LIB + 0x50})
+    proc = SimpleNamespace(**vars(jit_proc()), pid=4242)
+    code = {JIT + 0x104: TRAMPOLINE_RETURN}
+    reads: list[tuple[int, int, int]] = []
+
+    def read(pid: int, addr: int, size: int) -> bytes | None:
+        reads.append((pid, addr, size))
+        return code.get(addr)
+
+    u = Unwinder(jit_tables, code=read)
+    assert u.unwind(proc, regs(JIT + 0x40, sp, sp + 0x10), st) == ([JIT + 0x40, JIT + 0x106, LIB + 0x30], "no-cfi")
+    assert reads == [(4242, JIT + 0x104, 7)]  # only the caller's frame (a return address) is read
+    u.unwind(proc, regs(JIT + 0x40, sp, sp + 0x10), st)
+    assert len(reads) == 1  # once per address
+    # Code that cannot be read (the process is gone) or is not a trampoline: the frame pointer first.
+    assert Unwinder(jit_tables, code=lambda *a: None).unwind(proc, regs(JIT + 0x40, sp, sp + 0x10), st) == (
+        [JIT + 0x40, JIT + 0x106, LIB + 0x50], "no-cfi")
 
 
 def test_max_kernel_matches_the_program() -> None:

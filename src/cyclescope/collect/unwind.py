@@ -49,12 +49,17 @@ MAX_PENDING = 8192  # samples waiting for a table (8 KiB each at most: 64 MiB)
 
 
 PENDING = object()
-# What the loader gives for JIT code (an image named by /tmp/perf-PID.map): no CFI, but frame
-# pointers. JITs that publish a perf map keep an rbp frame in their code so that perf's
-# frame-pointer walk passes through it (CPython 3.12's -X perf trampolines are `push %rbp; mov
-# %rsp,%rbp; call *%rcx`; V8, the JVM and LuaJIT's maps likewise), so the walk steps over such a
-# frame by its rbp and goes on with CFI in the interpreter below.
+# What the loader gives for JIT code (an image named by /tmp/perf-PID.map): no CFI. V8, the JVM
+# and LuaJIT keep an rbp frame in their code so that perf's frame-pointer walk passes through it;
+# the walk steps over such a frame by its rbp and goes on with CFI below (Unwinder._jit_step).
 FRAME_POINTER = object()
+# CPython's perf trampoline (Python/asm_trampoline.S, 3.12 and 3.13 with -X perf), one copy per
+# code object: `sub $8,%rsp; call *%rcx; add $8,%rsp; ret`. It keeps no rbp frame: rbp holds
+# whatever the interpreter left there, which may point at a frame further up, so a frame-pointer
+# guess there can skip frames (the caller's Python frames went missing from 14 of 356 stacks in one
+# run). A return address into one is the 7 bytes `call *%rcx` (ff d1) before it and `add $8,%rsp;
+# ret` (48 83 c4 08 c3) at it; profile.bpf.c checks the same bytes.
+TRAMPOLINE_RETURN = bytes.fromhex("ffd1" "4883c408c3")
 
 
 @dataclass
@@ -76,10 +81,14 @@ class Unwinder:
     """Walks user stack snapshots. tables(image, pid) gives an image's CfiTable, None (it has
     none), or PENDING (still loading); pid is a process that maps it."""
 
-    def __init__(self, tables: Callable[[int, int], object], max_depth: int = MAX_DEPTH) -> None:
+    def __init__(self, tables: Callable[[int, int], object], max_depth: int = MAX_DEPTH,
+                 code: Callable[[int, int, int], bytes | None] | None = None) -> None:
         self.tables = tables
         self.max_depth = max_depth
         self.stats = UnwindStats()
+        # code(pid, address, size): the process's bytes there, or None (gone, unmapped, not ours).
+        self.code = code if code is not None else read_code
+        self._trampolines: dict[tuple[int, int], bool] = {}  # (pid, return address) -> into one
 
     def unwind(self, proc: ProcessState, regs: list[int], stack: bytes,
                loading_stops: bool = False) -> tuple[list[int], str] | None:
@@ -115,7 +124,7 @@ class Unwinder:
                 reason = "loading"
                 break
             if got is FRAME_POINTER:
-                step = self._jit_step(pc, sp, bp, read, proc)
+                step = self._jit_step(pc, sp, bp, read, proc, not first and self._trampoline(pid, pc))
                 if step is None:
                     reason = "no-cfi"
                     break
@@ -177,15 +186,28 @@ class Unwinder:
             first = False
         return frames, reason
 
+    def _trampoline(self, pid: int, ra: int) -> bool:
+        """Whether return address ``ra`` of process ``pid`` is in a CPython perf trampoline (its
+        code read once per address; False where it cannot be read)."""
+        key = (pid, ra)
+        got = self._trampolines.get(key)
+        if got is None:
+            got = bool(pid) and self.code(pid, ra - 2, len(TRAMPOLINE_RETURN)) == TRAMPOLINE_RETURN
+            if len(self._trampolines) >= 1 << 16:
+                self._trampolines.clear()
+            self._trampolines[key] = got
+        return got
+
     @staticmethod
     def _jit_step(pc: int, sp: int, bp: int | None, read: Callable[[int], int | None],
-                  proc: ProcessState) -> tuple[int, int, int | None] | None:
-        """The caller's (pc, sp, bp) of a frame in JIT code, which has no CFI: by its frame
-        pointer where rbp points into the stack at a return address into mapped code (V8, the
-        JVM, LuaJIT's maps); else as CPython's perf trampolines (3.12 and 3.13, `-X perf`) lay out
-        their frame, `sub $8, %rsp; call *%rcx`: the return address 8 bytes above the callee's
-        CFA, rbp untouched. Each guess is taken only if the return address it reads is in an
-        image of the process; None when neither is."""
+                  proc: ProcessState, trampoline: bool = False) -> tuple[int, int, int | None] | None:
+        """The caller's (pc, sp, bp) of a frame in JIT code, which has no CFI. In a CPython perf
+        trampoline (``trampoline``: its code was read) as it lays out its frame, `sub $8, %rsp;
+        call *%rcx`: the return address 8 bytes above the callee's CFA, rbp untouched. Elsewhere
+        first by its frame pointer, where rbp points into the stack at a return address into
+        mapped code (V8, the JVM, LuaJIT's maps), then as a trampoline (the leaf frame, or code
+        that could not be read). Each guess is taken only if the return address it reads is in an
+        image of the process; None when none is."""
 
         def mapped(a: int | None) -> bool:
             if not a:
@@ -193,7 +215,7 @@ class Unwinder:
             j = bisect.bisect_right(proc.starts, a) - 1
             return j >= 0 and a < proc.ends[j] and proc.images[j] > 0
 
-        if bp is not None and bp >= sp and not bp & 7:
+        if not trampoline and bp is not None and bp >= sp and not bp & 7:
             ra = read(bp + 8)
             if mapped(ra):
                 assert ra is not None
@@ -203,6 +225,14 @@ class Unwinder:
             assert ra is not None
             return ra, sp + 16, bp
         return None
+
+
+def read_code(pid: int, address: int, size: int) -> bytes | None:
+    """``size`` bytes of process ``pid`` at ``address`` (process_vm_readv); None where they cannot
+    be read."""
+    from cyclescope.collect.procmem import ProcessMemory
+
+    return ProcessMemory(pid, max(size, 16)).read(address, size)
 
 
 class TableLoader:

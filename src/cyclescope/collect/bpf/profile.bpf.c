@@ -364,9 +364,11 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
  * the callback once: unrolled searches made the program too complex to load). Per frame: find the
  * mapping of its pc (phase 1, a binary search), then the row in force (phase 2, another), then step
  * to the caller. Code in no image described (JIT code) is stepped over as collect/unwind.py's
- * _jit_step does: by its frame pointer where rbp points into the stack at a return address into an
- * image (V8, the JVM, LuaJIT's maps), else as CPython's perf trampolines lay out their frame (`sub
- * $8, %rsp; call *%rcx`: the return address 8 bytes above the callee's CFA, rbp untouched); each
+ * _jit_step does: a return address into a CPython perf trampoline (known by its code: `call *%rcx`
+ * before it, `add $8, %rsp; ret` at it) as the trampoline lays out its frame (`sub $8, %rsp; call
+ * *%rcx`: the return address 8 bytes above the callee's CFA, rbp untouched, and not a frame pointer:
+ * read as one it can skip frames); other JIT code by its frame pointer where rbp points into the
+ * stack at a return address into an image (V8, the JVM, LuaJIT's maps), else as a trampoline. Each
  * guess is taken only if its return address is in an image described (the same search, "probe").
  */
 enum { UW_NEW_FRAME, UW_FIND_MAP, UW_FIND_ROW, UW_STEP };
@@ -439,10 +441,25 @@ static __always_inline void uw_find(struct uw_walk *w, struct uw_proc *p, __u64 
 	w->phase = UW_FIND_MAP + w->unk;
 }
 
-/* Guess the caller of JIT code: first by its frame pointer, if rbp may point at a frame. */
+/* The 7 bytes around a return address into a CPython perf trampoline (collect/unwind.py's
+ * TRAMPOLINE_RETURN), from 2 bytes before it, little-endian. */
+#define TRAMPOLINE_RETURN 0x00c308c48348d1ffULL
+#define TRAMPOLINE_MASK 0x00ffffffffffffffULL
+
+/* Whether the frame's pc, a return address (not the leaf's pc), is into a CPython trampoline. */
+static __always_inline int uw_trampoline(struct uw_walk *w)
+{
+	__u64 code = 0;
+	if (w->n < 2 || bpf_probe_read_user(&code, sizeof(code), (void *)(w->pc - 2)))
+		return 0;
+	return (code & TRAMPOLINE_MASK) == TRAMPOLINE_RETURN;
+}
+
+/* Guess the caller of JIT code: in a CPython trampoline as it lays out its frame; elsewhere first
+ * by its frame pointer, if rbp may point at a frame. */
 static __always_inline void uw_guess(struct uw_walk *w, struct uw_proc *p)
 {
-	if (w->bp && w->bp >= w->sp && !(w->bp & 7)) {
+	if (!uw_trampoline(w) && w->bp && w->bp >= w->sp && !(w->bp & 7)) {
 		w->probe = UW_PROBE_FP + w->unk;
 		w->cand_sp = w->bp + 16;
 		w->cand_bp = read_ptr(w->bp);
