@@ -7,13 +7,16 @@ run. Two ways of naming Python frames, alternated:
   (the rings, whose unwinder walks the JIT frames the perf map names; 3.12 and 3.13
   write the perf map that names their trampolines; 3.11 has no such option);
 - bpf: `record --collector bpf --no-loop-counts -g fp -F 2000 -- pythonX.Y` (no option: the eBPF
-  program reads the frames from the interpreter's memory; 3.10 to 3.13).
+  program reads the frames from the interpreter's memory; 3.10 to 3.13);
+- bpf-dwarf: the same with `-g dwarf`: the program walks the native stack with unwind rows too, and
+  each run of the evaluation loop gets its Python frames among the native ones, down to `_start`.
 From `export collapsed`: each function's share of the samples under the three (its frames
 inclusive), the error against the truth in points, how complete the stacks are (perfmap: the
-share of samples under `py::main` whose outermost frame is `_start`; bpf: whose outermost is
-`py::<module>`), the share of samples with Python frames, and of frames no image names.
+share of samples under `py::main` whose outermost frame is `_start`, bpf-dwarf likewise; bpf:
+whose outermost is `py::<module>`), the share of samples with Python frames, and of frames no image names.
 
-Usage: python bench/pyframes.py [--rounds 3] [--iterations 300] [--modes perfmap,bpf]
+Usage: python bench/pyframes.py [--rounds 3] [--iterations 300] [--modes perfmap,bpf,bpf-dwarf]
+       [--save-as NAME]
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def interpreters(mode: str) -> list[tuple[str, str, list[str]]]:
 def one(mode: str, exe: str, flags: list[str], iterations: int, tmp: Path) -> dict[str, Any]:
     db = tmp / "db"
     shutil.rmtree(db, ignore_errors=True)
-    how = ["--collector", "perf", "-g", "dwarf,32768"] if mode == "perfmap" else ["--collector", "bpf", "-g", "fp"]
+    how = {"perfmap": ["--collector", "perf", "-g", "dwarf,32768"], "bpf": ["--collector", "bpf", "-g", "fp"],
+           "bpf-dwarf": ["--collector", "bpf", "-g", "dwarf"]}[mode]
     r = run(cyclescope_cmd("record", "--db", str(db), "-q", "--no-loop-counts", *how, "-F", "2000",
                            "--", exe, *flags, str(PROGRAM), str(iterations), "--time"))
     if r.returncode != 0:
@@ -70,7 +74,7 @@ def one(mode: str, exe: str, flags: list[str], iterations: int, tmp: Path) -> di
     frames = sum(len(s.split(";")) * n for s, n in stacks.items())
     unnamed = sum(sum(1 for f in s.split(";") if f.startswith(("[unknown]", "perf-")) or ".map+" in f) * n
                   for s, n in stacks.items())
-    root = "_start" if mode == "perfmap" else f"py::<module>{tag}"
+    root = f"py::<module>{tag}" if mode == "bpf" else "_start"
     named = sum(n for _, n in under_main) / total if total else 0.0
     out: dict[str, Any] = {"samples": total, "truth": truth, "named": named,
                            "unnamed_frames": unnamed / frames if frames else 0.0}
@@ -85,7 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=300)
-    ap.add_argument("--modes", default="perfmap,bpf")
+    ap.add_argument("--modes", default="perfmap,bpf,bpf-dwarf")
+    ap.add_argument("--save-as", default="pyframes")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cs-bench-py-"))
     runs = [(m, v, exe, flags) for m in args.modes.split(",") for v, exe, flags in interpreters(m)]
@@ -110,12 +115,12 @@ def main() -> None:
             continue
         err = [abs(e) for r in rs for e in r["error_points"].values()]
         complete = fmt_spread([100 * r["complete"] for r in rs], "%", 1)
-        root = "_start" if m == "perfmap" else "<module>"
+        root = "<module>" if m == "bpf" else "_start"
         lines.append(f"{label}: worst share error {max(err):.2f} points, per function "
                      f"{fmt_spread(err, ' points', 2)}; stacks from {root} {complete}; samples with Python "
                      f"frames {fmt_spread([100 * r['named'] for r in rs], '%', 1)}; "
                      f"unnamed frames {fmt_spread([100 * r['unnamed_frames'] for r in rs], '%', 2)}")
-    path = save("pyframes", {"machine": machine(), "args": vars(args), "rows": rows, "lines": lines})
+    path = save(args.save_as, {"machine": machine(), "args": vars(args), "rows": rows, "lines": lines})
     print("\n".join(lines))
     print(f"raw data: {path}")
 

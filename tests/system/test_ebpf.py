@@ -155,6 +155,36 @@ def test_python_frames_read_from_the_interpreter_without_x_perf(python: str, tmp
 
 
 @pytest.mark.usefixtures("bpf_loads")
+@pytest.mark.parametrize("python", interpreters_without_perf_maps())
+def test_python_frames_sit_among_the_native_frames_with_dwarf_stacks(python: str, tmp_path: Path) -> None:
+    """With -g dwarf the native walk is whole: each run of the evaluation loop gets its own Python
+    frames, and the stack goes on from the interpreter's C frames down to _start."""
+    db = tmp_path / "db"
+    # A first, short recording builds the interpreter's unwind rows into the tests' fresh cache
+    # (libpython: most of a second, walked by frame pointers meanwhile).
+    for rounds, at in (("20", tmp_path / "warm"), ("300", db)):
+        cs("record", "--db", str(at), "-q", "--collector", "bpf", "--no-loop-counts", "-g", "dwarf", "--",
+           python, str(PROGRAMS / "pyshares.py"), rounds, timeout=300)
+    st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+    script = str(PROGRAMS / "pyshares.py")
+    named = {tuple(s.split(";")): n for s, n in st.items() if f"py::seventy:{script}" in s.split(";")}
+    total = sum(named.values())
+    assert total > 100, st.most_common(3)
+    whole = sum(n for f, n in named.items() if f[0] == "_start")
+    assert whole > 0.9 * total, sorted(((n, ";".join(f)) for f, n in named.items() if f[0] != "_start"),
+                                       reverse=True)[:2]
+    for f in named:
+        if f[0] != "_start":
+            continue
+        i, j, k = (f.index(f"py::{x}:{script}") for x in ("<module>", "main", "seventy"))
+        assert i < j < k, f  # root first: the module, main, seventy
+        assert "PyEval_EvalCode" in f[:i]  # the interpreter's C frames below the module
+        # 3.10 runs the loop once per Python call: the interpreter's C frames between main and
+        # seventy; later versions run both in one (main, then seventy).
+        assert (not f[k - 1].startswith("py::")) if "3.10" in python else f[k - 1] == f[j], f
+
+
+@pytest.mark.usefixtures("bpf_loads")
 def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_path: Path) -> None:
     """System-wide, drains are a second apart: a process mapping an interpreter brings the drain
     that describes it forward, and the samples of its last drain keep their Python frames (its exit

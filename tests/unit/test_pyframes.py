@@ -18,8 +18,10 @@ import pytest
 from cyclescope.collect import pyframes
 from cyclescope.collect.pyframes import (
     OFFSETS,
+    PY_ENTRY,
     SLOT_BITS,
     PythonFrames,
+    interleave,
     line_at,
     line_ranges,
     line_ranges_310,
@@ -208,3 +210,33 @@ def test_python_frames_replace_the_interpreter_from_its_innermost_loop() -> None
     assert splice(native, py, EV, (0x1000, 0x2000)) == ((LIB, 0x10), (EV, 0x1005), *py)
     # The native walk never reached the loop (no frame pointers): the sampled frame, then Python.
     assert splice(((LIB, 0x10), (0, 0)), py, EV, (0x1000, 0x2000)) == ((LIB, 0x10), *py)
+
+
+def test_each_run_of_the_loop_gets_its_own_python_frames_among_the_native_ones() -> None:
+    EV, LIB, PY = 3, 4, 9
+    inner, outer = ((PY, 1), (PY, 2)), ((PY, 3),)  # two runs of the loop, innermost first
+    native = ((LIB, 0x10), (EV, 0x1005), (LIB, 0x20), (EV, 0x1008), (LIB, 0x30), (LIB, 0x40))
+    assert interleave(native, [inner, outer], EV, (0x1000, 0x2000)) == (
+        (LIB, 0x10), (EV, 0x1005), *inner, (LIB, 0x20), (EV, 0x1008), *outer, (LIB, 0x30), (LIB, 0x40))
+    # Not one native frame of the loop per run (a walk cut short, frame-pointer guesses): none.
+    assert interleave(native[:2], [inner, outer], EV, (0x1000, 0x2000)) is None
+    assert interleave(native, [], EV, (0x1000, 0x2000)) is None
+
+
+def test_runs_are_told_by_the_programs_entry_bit_and_fall_back_to_a_splice() -> None:
+    EV, LIB = 3, 4
+    p = SimpleNamespace(eval_image=EV, eval_range=(0x1000, 0x2000))
+    named = {0x100: (9, 1), 0x200: (9, 2), 0x300: (9, 3)}
+    pf = object.__new__(PythonFrames)
+    pf.procs = {7: p}  # type: ignore[assignment]
+    pf.frames = lambda pid, py: tuple(named[c & ~PY_ENTRY] for c in py[::2])  # type: ignore[method-assign]
+    native = ((LIB, 0x10), (EV, 0x1005), (LIB, 0x20), (EV, 0x1008), (LIB, 0x30))
+    # (code, instruction) pairs innermost first; bit 0 of a code object: the outermost of a run.
+    raw = (0x100, 0, 0x200 | PY_ENTRY, 0, 0x300 | PY_ENTRY, 0)
+    assert pf.stack(7, native, raw) == (
+        (LIB, 0x10), (EV, 0x1005), (9, 1), (9, 2), (LIB, 0x20), (EV, 0x1008), (9, 3), (LIB, 0x30))
+    # The last run unfinished (the walk stopped at MAX_PY frames): the splice of old.
+    assert pf.stack(7, native, (*raw[:4], 0x300, 0)) == ((LIB, 0x10), (EV, 0x1005), (9, 1), (9, 2), (9, 3))
+    # Runs and native loop frames that do not match: the splice too.
+    assert pf.stack(7, native[:2], raw) == ((LIB, 0x10), (EV, 0x1005), (9, 1), (9, 2), (9, 3))
+    assert pf.stack(8, native, raw) == native  # a process not described

@@ -47,34 +47,37 @@ if TYPE_CHECKING:
 
 # offsetof() in CPython's structures (x86-64, release builds), per (major, minor).
 # 3.10: frame_instr is f_lasti (an int, in code units), code_qualname is co_name, code_adaptive
-# the size of the code object (the head read), frame_owner -1 (no shim frames).
+# the size of the code object (the head read), frame_owner -1 (no shim frames). frame_entry: 3.11's
+# is_entry (the outermost frame of a run of the evaluation loop); 3.12 and 3.13 mark a run's end
+# with a shim frame, and in 3.10 every frame is a run of its own.
 OFFSETS: dict[tuple[int, int], dict[str, int]] = {
     (3, 10): dict(runtime_interpreters_head=32, interp_threads_head=8, tstate_next=8, tstate_tid=176,
                   tstate_cframe=-1, current_frame=24, frame_code=32, frame_instr=96, frame_previous=24,
-                  frame_owner=-1, code_adaptive=176, code_qualname=112, code_filename=104, code_firstlineno=40,
-                  code_linetable=120, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
-                  ascii_size=48, compact_size=72),
+                  frame_owner=-1, frame_entry=-1, code_adaptive=176, code_qualname=112,
+                  code_filename=104, code_firstlineno=40, code_linetable=120, bytes_size=16,
+                  bytes_sval=32, unicode_state=32, unicode_length=16, ascii_size=48, compact_size=72),
     (3, 11): dict(runtime_interpreters_head=40, interp_threads_head=16, tstate_next=8, tstate_tid=160,
                   tstate_cframe=56, current_frame=8, frame_code=32, frame_instr=56, frame_previous=48,
-                  frame_owner=69, code_adaptive=184, code_qualname=128, code_filename=112, code_firstlineno=72,
-                  code_linetable=136, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
-                  ascii_size=48, compact_size=72),
+                  frame_owner=69, frame_entry=68, code_adaptive=184, code_qualname=128,
+                  code_filename=112, code_firstlineno=72, code_linetable=136, bytes_size=16,
+                  bytes_sval=32, unicode_state=32, unicode_length=16, ascii_size=48, compact_size=72),
     (3, 12): dict(runtime_interpreters_head=40, interp_threads_head=72, tstate_next=8, tstate_tid=144,
                   tstate_cframe=56, current_frame=0, frame_code=0, frame_instr=56, frame_previous=8,
-                  frame_owner=70, code_adaptive=192, code_qualname=128, code_filename=112, code_firstlineno=68,
-                  code_linetable=136, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
-                  ascii_size=40, compact_size=56),
+                  frame_owner=70, frame_entry=-1, code_adaptive=192, code_qualname=128,
+                  code_filename=112, code_firstlineno=68, code_linetable=136, bytes_size=16,
+                  bytes_sval=32, unicode_state=32, unicode_length=16, ascii_size=40, compact_size=56),
     (3, 13): dict(runtime_interpreters_head=632, interp_threads_head=7344, tstate_next=8, tstate_tid=160,
                   tstate_cframe=-1, current_frame=72, frame_code=0, frame_instr=56, frame_previous=8,
-                  frame_owner=70, code_adaptive=200, code_qualname=128, code_filename=112, code_firstlineno=68,
-                  code_linetable=136, bytes_size=16, bytes_sval=32, unicode_state=32, unicode_length=16,
-                  ascii_size=40, compact_size=56),
+                  frame_owner=70, frame_entry=-1, code_adaptive=200, code_qualname=128,
+                  code_filename=112, code_firstlineno=68, code_linetable=136, bytes_size=16,
+                  bytes_sval=32, unicode_state=32, unicode_length=16, ascii_size=40, compact_size=56),
 }
 PY_IMAGE = re.compile(r"(?:^|/)(?:libpython|python)3\.(\d+)[^/]*$")
 SLOT_BITS = 24  # a code object's range in its process's image: offset = slot << SLOT_BITS | line
 EVAL = "_PyEval_EvalFrameDefault"
 PY_PROC = struct.Struct("<Q10I")  # profile.bpf.c's struct py_proc
 NO_OFFSET = 0xFFFFFFFF
+PY_ENTRY = 1  # profile.bpf.c's: bit 0 of a frame's code object marks a run's outermost frame
 PTHREAD_TID = 0x2D0  # offsetof(struct pthread, tid) in glibc on x86-64, checked per process
 MAX_CODE_BYTES = 1 << 16
 FRAME_CACHE_MAX = 1 << 18  # (code object, instruction) frames kept per process (then forgotten at once)
@@ -315,7 +318,7 @@ class PythonFrames:
             deref = found
         cfg = PY_PROC.pack(interp + o["interp_threads_head"], o["tstate_next"], o["tstate_tid"],
                            o["tstate_cframe"] & NO_OFFSET, o["current_frame"], o["frame_code"], o["frame_instr"],
-                           o["frame_previous"], o["frame_owner"] & NO_OFFSET, deref, 0)
+                           o["frame_previous"], o["frame_owner"] & NO_OFFSET, deref, o["frame_entry"] & NO_OFFSET)
         try:
             self.bpf.set_python(pid, cfg)
         except OSError:  # the program's table of processes is full (4,096): this one goes unnamed
@@ -340,9 +343,26 @@ class PythonFrames:
             self._gone.append(self.table[p.image].key)  # its symbols are still to be stored
 
     # --- naming frames ----------------------------------------------------------------------
+    def stack(self, pid: int, native: tuple[tuple[int, int], ...], py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The stored stack of a sample with the program's Python frames ``py``: each run of the
+        evaluation loop's Python frames at its own native frame of the loop where the native walk
+        found as many of those as the Python frames say there were runs (interleave); else as
+        splice does."""
+        p = self.procs.get(pid)
+        if p is None or not py:
+            return native
+        runs: list[tuple[tuple[int, int], ...]] = []
+        start = 0
+        for k in range(0, len(py), 2):
+            if py[k] & PY_ENTRY:
+                runs.append(self.frames(pid, py[start : k + 2]))
+                start = k + 2
+        out = interleave(native, runs, p.eval_image, p.eval_range) if start == len(py) else None
+        return out if out is not None else splice(native, self.frames(pid, py), p.eval_image, p.eval_range)
+
     def frames(self, pid: int, py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """(image, offset) per Python frame, innermost first, from the program's (code object,
-        instruction pointer) pairs."""
+        instruction pointer) pairs (a code object's bit 0: PY_ENTRY)."""
         p = self.procs.get(pid)
         if p is None or not py:
             return ()
@@ -351,7 +371,7 @@ class PythonFrames:
         o = OFFSETS[p.version]
         cache = p.frame_cache
         for k in range(0, len(py), 2):
-            key = (py[k], py[k + 1])
+            key = (py[k] & ~PY_ENTRY, py[k + 1])
             f = cache.get(key)
             if f is None:
                 code, instr = key
@@ -518,6 +538,27 @@ def dynamic_symbols(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, i
         if len(hit):
             out[n] = (int(table["value"][hit[0]]), int(table["size"][hit[0]]))
     return out
+
+
+def interleave(native: tuple[tuple[int, int], ...], runs: list[tuple[tuple[int, int], ...]], eval_image: int,
+               eval_range: tuple[int, int]) -> tuple[tuple[int, int], ...] | None:
+    """Leaf-first ``native`` frames with each run of the evaluation loop's Python frames (``runs``,
+    innermost first) after its own native frame of the loop, the native frames between runs (a C
+    function that called back into Python, the interpreter's calls) and beyond them (main, _start)
+    kept; None where the native walk has not one frame of the loop per run (a walk cut short, or
+    frame-pointer guesses through an interpreter built without them)."""
+    lo, hi = eval_range
+    at = [i for i, (img, off) in enumerate(native) if img == eval_image and lo <= off < hi]
+    if len(at) != len(runs) or not runs:
+        return None
+    out: list[tuple[int, int]] = []
+    prev = 0
+    for i, run in zip(at, runs, strict=True):
+        out.extend(native[prev : i + 1])
+        out.extend(run)
+        prev = i + 1
+    out.extend(native[prev:])
+    return tuple(out)
 
 
 def splice(native: tuple[tuple[int, int], ...], py: tuple[tuple[int, int], ...], eval_image: int,

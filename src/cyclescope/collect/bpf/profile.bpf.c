@@ -107,7 +107,8 @@ struct py_proc {
 	__u32 frame_previous;
 	__u32 frame_owner;    /* ~0: frames have no owner (3.10: every frame is a Python function's) */
 	__u32 tid_deref;      /* ~0: tstate_tid holds the tid; else the tid is a u32 at that offset from it */
-	__u32 pad;
+	__u32 frame_entry;    /* is_entry (3.11); ~0: entries are told by shim frames (3.12+) or are
+			       * every frame (3.10) */
 };
 
 /* Counters since load, per CPU: samples seen, samples not counted (their generation's map was
@@ -312,7 +313,18 @@ struct frame_walk {
 	__u32 instr;
 	__u32 previous;
 	__u32 owner;
+	__u32 entry;
+	__u32 runs;  /* mark the runs (below): the native walk is whole */
 };
+
+/* Bit 0 of a kept frame's code object (which is aligned) says that the frame is the outermost of
+ * one run of the evaluation loop (an "entry" frame): the native stack has one
+ * _PyEval_EvalFrameDefault per such run, and user space puts each run's Python frames at its own
+ * (collect/pyframes.py's interleave). Marked only where the native walk reached the outermost
+ * frame (unwind rows, to _start): a frame-pointer walk through an interpreter built without frame
+ * pointers finds frames of the loop that are not there, and user space keeps none of the native
+ * frames beyond the innermost run then. */
+#define PY_ENTRY 1ULL
 
 static long frame_step(__u32 i, void *data)
 {
@@ -328,16 +340,25 @@ static long frame_step(__u32 i, void *data)
 		bpf_probe_read_user(&owner, 1, (void *)(w->frame + w->owner));
 	if (owner != FRAME_OWNED_BY_CSTACK) {
 		__u32 j = w->n & (MAX_PY - 1);
-		t->py[2 * j] = read_ptr(w->frame + w->code);
+		__u8 entry = 0;
+		if (w->runs && w->entry != NO_OFFSET)
+			bpf_probe_read_user(&entry, 1, (void *)(w->frame + w->entry)); /* 3.11's is_entry */
+		else if (w->runs && w->owner == NO_OFFSET)
+			entry = 1; /* 3.10: a run of the loop per frame */
+		t->py[2 * j] = read_ptr(w->frame + w->code) | (entry ? PY_ENTRY : 0);
 		t->py[2 * j + 1] = read_ptr(w->frame + w->instr);
 		w->n++;
+	} else if (w->n > 0 && w->runs) {
+		/* 3.12+: a run's shim frame lies beyond its outermost frame, the one kept last */
+		__u32 j = (w->n - 1) & (MAX_PY - 1);
+		t->py[2 * j] |= PY_ENTRY;
 	}
 	w->frame = read_ptr(w->frame + w->previous);
 	return 0;
 }
 
 /* The sampled thread's Python frames into t->py (zeros after them); their number. */
-static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid)
+static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid, __u32 whole)
 {
 	for (int i = 0; i < 2 * MAX_PY; i++)
 		t->py[i] = 0;
@@ -354,7 +375,7 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
 	if (!base)
 		return 0;
 	struct frame_walk fw = {read_ptr(base + pp->current_frame), 0, pp->frame_code, pp->frame_instr,
-				pp->frame_previous, pp->frame_owner};
+				pp->frame_previous, pp->frame_owner, pp->frame_entry, whole};
 	bpf_loop(MAX_PY_WALK, frame_step, &fw, 0);
 	return fw.n;
 }
@@ -579,7 +600,8 @@ static long uw_step(__u32 i, void *data)
 /* The sampled thread's user frames into t->ip[MAX_KERNEL...] (zeros after them): walked with unwind
  * rows where user space has described the process, else by the kernel with frame pointers; the
  * bytes written, or a negative error. */
-static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct trace *t, __u32 pid, int kernel)
+static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct trace *t, __u32 pid, int kernel,
+					__u32 *whole)
 {
 	__u32 *slot = bpf_map_lookup_elem(&uw_slots, &pid);
 	if (!slot)
@@ -620,6 +642,7 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
 	bump_by(STAT_UW_COMPLETE, w.complete);
 	bump_by(STAT_UW_FP, w.fp);
 	bump_by(STAT_UW_LOADING, w.loading);
+	*whole = w.complete;
 	return (long)w.n * 8;
 }
 #endif /* CYCLESCOPE_UNWIND */
@@ -659,8 +682,9 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	else
 		for (int i = 0; i < MAX_KERNEL; i++)
 			t->ip[i] = 0;
+	__u32 whole = 0; /* the user walk reached the outermost frame */
 #ifdef CYCLESCOPE_UNWIND
-	long nu = user_frames(ctx, t, pid_tgid >> 32, kernel);
+	long nu = user_frames(ctx, t, pid_tgid >> 32, kernel, &whole);
 #else
 	long nu = user_fp_frames(ctx, t, kernel);
 #endif
@@ -668,7 +692,7 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 		nk = 0;
 	if (nu < 0)
 		nu = 0;
-	t->npy = python_frames(t, pid_tgid >> 32, (__u32)pid_tgid);
+	t->npy = python_frames(t, pid_tgid >> 32, (__u32)pid_tgid, whole);
 	t->pad = 0;
 	if (nk == 0 && nu == 0 && t->npy == 0) {
 		bump(STAT_STACK_ERRORS);
