@@ -146,6 +146,9 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     instr = id(code) + o["code_adaptive"] + target.offset
     frames = pf.frames(os.getpid(), (id(code), instr, id(_codes.__code__), 0))
     assert len(frames) == 2
+    # An object that is not a code object (a frame read as the interpreter sets it up) is no frame.
+    not_code = ["x" * 64] * 64
+    assert pf.frames(os.getpid(), (id(not_code), 0)) == () and pf.procs[os.getpid()].code_type
     (img, off), (img2, off2) = frames
     assert img == img2 and table[img].kind == "python"
     assert off & ((1 << SLOT_BITS) - 1) == target.positions.lineno

@@ -197,6 +197,7 @@ class _Proc:
     image: int  # the process's python image (ImageTable index)
     eval_image: int  # the interpreter's ELF image, and the evaluation loop's range in it
     eval_range: tuple[int, int]
+    code_type: int = 0  # PyCode_Type's address in the process (0: not checked)
     codes: dict[int, _Code] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)  # per slot
     # (code object, instruction) -> its frame: the outer frames of a program's stacks repeat from
@@ -216,7 +217,7 @@ class PythonFrames:
         self._names: dict[str, list[str]] = {}  # python image key -> its symbol names, kept past exit
         self._gone: list[str] = []  # image keys of processes forgotten since the last flush
         self._checked: set[int] = set()
-        self._images: dict[tuple[int, int, int, int], tuple[int, tuple[int, int]] | None] = {}
+        self._images: dict[tuple[int, int, int, int], tuple[int, tuple[int, int], int] | None] = {}
         self.frames_named = 0
         self.procs_described = 0
         self.codes_read = 0  # code objects read (their names and line tables), over the run
@@ -256,8 +257,8 @@ class PythonFrames:
                 found = self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path)
                 if found is None:
                     continue
-                runtime, eval_range = found
-                if self._describe(pid, version, runtime + bias, img, eval_range):
+                runtime, eval_range, code_type = found
+                if self._describe(pid, version, runtime + bias, img, eval_range, code_type + bias if code_type else 0):
                     break
 
     def _ours(self, pid: int) -> bool:
@@ -274,10 +275,10 @@ class PythonFrames:
                 out.append(r.pid)
         return out
 
-    def _symbols(self, path: str) -> tuple[int, tuple[int, int]] | None:
-        """_PyRuntime's address and the evaluation loop's range in an interpreter image, from its
-        dynamic symbols (cached per file); None when it has no _PyRuntime (a python3 that links
-        libpython) or cannot be read."""
+    def _symbols(self, path: str) -> tuple[int, tuple[int, int], int] | None:
+        """_PyRuntime's address, the evaluation loop's range and PyCode_Type's address (0 where
+        it has none) in an interpreter image, from its dynamic symbols (cached per file); None when
+        it has no _PyRuntime (a python3 that links libpython) or cannot be read."""
         import os
 
         try:
@@ -287,15 +288,16 @@ class PythonFrames:
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # one file, whichever path led to it
         if key not in self._images:
             try:
-                found = dynamic_symbols(path, ("_PyRuntime", EVAL))
+                found = dynamic_symbols(path, ("_PyRuntime", EVAL, "PyCode_Type"))
             except Exception:  # a file we cannot parse (ELFError, OSError, ...) is not an interpreter here
                 found = {}
             lo, size = found.get(EVAL, (0, 0))
-            self._images[key] = (found["_PyRuntime"][0], (lo, lo + size)) if "_PyRuntime" in found else None
+            self._images[key] = ((found["_PyRuntime"][0], (lo, lo + size), found.get("PyCode_Type", (0, 0))[0])
+                                 if "_PyRuntime" in found else None)
         return self._images[key]
 
     def _describe(self, pid: int, version: tuple[int, int], runtime: int, elf_image: int,
-                  eval_range: tuple[int, int]) -> bool:
+                  eval_range: tuple[int, int], code_type: int = 0) -> bool:
         from cyclescope.images.registry import ImageInfo
 
         o = OFFSETS[version]
@@ -328,7 +330,7 @@ class PythonFrames:
         start = st.last_seen_ns if st is not None else 0
         img = self.table.intern(ImageInfo(f"python:{pid}:{start}", f"[python {pid}]", "python", None, None, None,
                                           "absolute"))
-        self.procs[pid] = p = _Proc(version, img, elf_image, eval_range)
+        self.procs[pid] = p = _Proc(version, img, elf_image, eval_range, code_type)
         self.procs_described += 1
         self._names[self.table[img].key] = p.names
         return True
@@ -399,6 +401,11 @@ class PythonFrames:
     def _code(self, p: _Proc, mem: ProcessMemory, code: int, o: dict[str, int]) -> _Code | None:
         head = mem.read(code, o["code_adaptive"])
         if head is None:
+            self.unreadable += 1
+            return None
+        if p.code_type and int.from_bytes(head[8:16], "little") != p.code_type:
+            # ob_type: not a code object (a frame read while the interpreter set it up, its
+            # f_code not written yet). Its "name" was bytes of garbage in stacks of 3.11's start-up.
             self.unreadable += 1
             return None
 
