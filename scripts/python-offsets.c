@@ -44,11 +44,17 @@ int main(void) {
 #if PY_VERSION_HEX >= 0x030B0000
     printf("frame_previous %zu\n", offsetof(_PyInterpreterFrame, previous));
     printf("frame_owner %zu\n", offsetof(_PyInterpreterFrame, owner));
+#if PY_VERSION_HEX < 0x030C0000
+    printf("frame_entry %zu\n", offsetof(_PyInterpreterFrame, is_entry));
+#else
+    printf("frame_entry -1\n");  /* 3.12+: a run of the evaluation loop ends at a shim frame */
+#endif
     printf("code_adaptive %zu\n", offsetof(PyCodeObject, co_code_adaptive));
     printf("code_qualname %zu\n", offsetof(PyCodeObject, co_qualname));
 #else
     printf("frame_previous %zu\n", offsetof(PyFrameObject, f_back));
     printf("frame_owner -1\n");
+    printf("frame_entry -1\n");  /* 3.10: every frame is a run of the evaluation loop */
     printf("code_adaptive %zu\n", sizeof(PyCodeObject));  /* the head read */
     printf("code_qualname %zu\n", offsetof(PyCodeObject, co_name));
 #endif
