@@ -123,3 +123,27 @@ def test_a_processors_own_ring_wakes_the_drain_loop(tmp_path: Path) -> None:
         os.close(r)
         if w >= 0:
             os.close(w)
+
+
+def test_python_processes_bring_drains_forward_while_their_names_can_still_be_read() -> None:
+    """A process's code objects are read from its memory at a drain: 50 ms while its interpreter
+    starts and once right after it is described (a run of a third of a second kept no name when
+    that drain came a quarter second later), a quarter second while new code objects turn up,
+    then the loop's own pace."""
+    from types import SimpleNamespace
+
+    from cyclescope.collect.daemon import FIRST_DRAIN_S, PYTHON_DRAIN_S
+
+    c = object.__new__(Collector)
+    c.python = SimpleNamespace(codes_read=0, procs_described=0, waiting={})  # type: ignore[assignment]
+    c._python_seen = (0, 0)
+    assert c._python_drain_s() is None  # nothing new: a steady state
+    c.python.waiting = {4242: 0.0}  # type: ignore[union-attr]
+    assert c._python_drain_s() == FIRST_DRAIN_S  # its runtime has not started
+    c.python.waiting, c.python.procs_described = {}, 1  # type: ignore[union-attr]
+    assert c._python_drain_s() == FIRST_DRAIN_S  # described: its first Python frames come now
+    c.python.codes_read = 5  # type: ignore[union-attr]
+    assert c._python_drain_s() == PYTHON_DRAIN_S  # code objects read: more may follow
+    assert c._python_drain_s() is None
+    c.python = None
+    assert c._python_drain_s() is None

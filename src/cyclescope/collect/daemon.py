@@ -336,15 +336,19 @@ class Collector:
 
     def _python_drain_s(self) -> float | None:
         """How soon the next drain should come for Python frames: every 50 ms while an interpreter
-        has not started its runtime; every quarter second while drains find code objects not read
-        yet (a process's code is read from its memory at the drain, and one that exits before it
-        keeps none of its names: with drains a second apart, a process of a second or two lost
-        them all, one time in three); None when they find none (a steady state)."""
+        has not started its runtime, and once more 50 ms after a process was described (the
+        program's first samples with its Python frames: their code objects are read from its
+        memory at that drain, and a process that exits before it keeps none of its names: a run
+        of 0.3 s of tests/programs/pyshares.py kept none when that drain came a quarter second
+        later); every quarter second while drains find code objects not read yet (with drains a
+        second apart, a process of a second or two lost them all, one time in three); None when
+        they find none (a steady state)."""
         if self.python is None:
             return None
         seen = (self.python.codes_read, self.python.procs_described)
+        described = seen[1] != self._python_seen[1]
         new, self._python_seen = seen != self._python_seen, seen
-        if self.python.waiting:
+        if self.python.waiting or described:
             return FIRST_DRAIN_S
         return PYTHON_DRAIN_S if new else None
 
