@@ -152,6 +152,13 @@ def test_python_frames_read_from_the_interpreter_without_x_perf(python: str, tmp
     with_lines = folded(cs("export", "collapsed", "--db", str(db), "--offsets").stdout)
     lines = {int(f.rsplit(":", 1)[1]) for s in with_lines for f in s.split(";") if f.startswith("py::seventy:")}
     assert lines and lines <= set(range(first, first + 5)), (lines, first)  # its def line: entering it
+    # prof --stacks --lines: the functions by line, each its samples as the innermost Python frame.
+    doc = json.loads(cs("prof", "--db", str(db), "--stacks", "--lines", "--json").stdout)
+    own = {f: sum(r["self"]["cpu-clock"] for r in doc["rows"] if r["function"].startswith(f"py::{f}:{script}:"))
+           for f in ("seventy", "twenty", "ten")}
+    assert abs(own["seventy"] / sum(own.values()) - 0.7) < 0.1, own
+    assert {int(r["function"].rsplit(":", 1)[1]) for r in doc["rows"]
+            if r["function"].startswith(f"py::seventy:{script}:")} == lines
 
 
 @pytest.mark.usefixtures("bpf_loads")

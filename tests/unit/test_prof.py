@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from cyclescope.db.layout import Database
 from cyclescope.db.segment import EventMeta, SegmentMeta, build_table, write_segment
 from cyclescope.images.elf import SymbolTable
 from cyclescope.images.registry import ImageInfo
-from cyclescope.report.prof import NO_SYMBOL, build_prof
+from cyclescope.report.prof import NO_SYMBOL, build_prof, build_stack_prof, stack_prof_table
 from tests.unit.cli_helpers import golden, run
 
 
@@ -87,3 +88,30 @@ def test_limit_hides_rows_and_says_so(tmp_path: Path, utc: object) -> None:
     db = make_db(tmp_path / "db")
     out = run("prof", "--db", str(db.root), "--limit", "1")
     assert "... 4 more procedures with 25.00% of cpu-clock samples (--limit 0 shows all)" in out
+
+
+def test_functions_from_stacks_count_a_stack_once_and_python_frames_own_their_samples() -> None:
+    names = {("a", 1): "leaf", ("a", 2): "mid", ("a", 3): "main", ("p", 1): "py::f:x.py:3", ("p", 2): "py::g:x.py:9",
+             ("a", 4): "_PyEval_EvalFrameDefault"}
+    stacks = Counter({
+        ("cpu-clock", (("a", 1), ("a", 2), ("a", 2), ("a", 3))): 5,  # mid recursing: counted once
+        ("cpu-clock", (("a", 2), ("a", 3))): 3,
+        # Python: the interpreter's loop is the leaf, f the innermost Python frame, g its caller.
+        ("cpu-clock", (("a", 4), ("p", 1), ("p", 2), ("a", 3))): 4,
+        ("page-faults", (("a", 1), ("a", 3))): 2,
+        ("other", (("a", 1),)): 9,  # not an event of the selection: left out
+    })
+    r = build_stack_prof(["cpu-clock", "page-faults"], stacks, lambda f: names[f], lambda key: f"/img/{key}")
+    assert r.totals == [12, 2]
+    got = {row.function: (row.total, row.self_) for row in r.rows}
+    assert got["main"] == ((12, 2), (0, 0)) and got["mid"] == ((8, 0), (3, 0))
+    assert got["leaf"] == ((5, 2), (5, 2))
+    assert got["_PyEval_EvalFrameDefault"] == ((4, 0), (4, 0))
+    assert got["py::f:x.py:3"] == ((4, 0), (4, 0)) and got["py::g:x.py:9"] == ((4, 0), (0, 0))
+    assert [row.function for row in r.rows][:2] == ["main", "mid"]  # hottest total first
+    assert r.rows[0].image == "/img/a"
+    doc = r.to_json()
+    assert doc["rows"][0]["percent_total"] == {"cpu-clock": 100.0, "page-faults": 100.0}
+    text = stack_prof_table(r, limit=2)
+    assert text.rows[0][:4] == ["12", "100.00%", "0", "0.00%"]
+    assert any("4 more functions" in f for f in text.footer)

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cyclescope.app.profile import Profile
-    from cyclescope.report.prof import ProfReport
+    from cyclescope.images.registry import ImageInfo
+    from cyclescope.report.prof import ProfReport, StackProfReport
 
 
 def prof_report(p: Profile, by_image: bool = False) -> ProfReport:
@@ -24,3 +25,28 @@ def prof_report(p: Profile, by_image: bool = False) -> ProfReport:
     report.summary = summarize(profile_set, dict(zip(report.events, report.totals, strict=True)))
     report.problems = {k: v for k, v in sym.problems.items()}
     return report
+
+
+def stack_prof_report(p: Profile, lines: bool = False) -> StackProfReport:
+    """Samples per function from the selection's call stacks: in it or in what it called (total),
+    and in it alone (self), hottest first; Python frames (``py::``) by line with ``lines``. Where
+    no stacks were recorded, each sample is a one-frame stack (total = self)."""
+    from cyclescope.app.stacks import frame_namer, select_stacks
+    from cyclescope.report.prof import build_stack_prof
+    from cyclescope.report.summary import summarize
+
+    sel = select_stacks(p)
+    name = frame_namer(p, sel.infos, python_lines=lines)
+    events = list(p.profile_set.event_names)
+    report = build_stack_prof(events, sel.stacks, name, lambda key: _image_label(sel.infos, key))
+    report.flat = sel.flat
+    report.summary = summarize(p.profile_set, dict(zip(report.events, report.totals, strict=True)))
+    report.problems = dict(p.sym.problems)
+    if sel.corrupt:
+        report.problems["stacks"] = f"unreadable stack files left out: {', '.join(sel.corrupt)}"
+    return report
+
+
+def _image_label(infos: dict[str, ImageInfo], key: str) -> str:
+    info = infos.get(key)
+    return info.path if info is not None and info.path else key[:12]

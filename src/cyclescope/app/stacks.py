@@ -67,8 +67,10 @@ def select_stacks(p: Profile, image_patterns: list[str] | None = None, events: l
     return SelectedStacks(stacks, infos, flat, list(sel.corrupt))
 
 
-def frame_namer(p: Profile, infos: dict[str, ImageInfo], offsets: bool = False) -> Callable[[Frame], str]:
-    """A frame's name: its procedure (``offsets``: procedure+offset), else image+offset; memoized."""
+def frame_namer(p: Profile, infos: dict[str, ImageInfo], offsets: bool = False,
+                python_lines: bool = False) -> Callable[[Frame], str]:
+    """A frame's name: its procedure (``offsets``: procedure+offset; a Python function's line with
+    ``offsets`` or ``python_lines``), else image+offset; memoized."""
     import numpy as np
 
     sym = p.sym
@@ -90,7 +92,7 @@ def frame_namer(p: Profile, infos: dict[str, ImageInfo], offsets: bool = False) 
                 else:
                     s = int(t.starts[i])
                     if info.kind == "python":  # the offset in a Python function's symbol is its line
-                        n = t.names[i] + (f":{off - s}" if offsets else "")
+                        n = t.names[i] + (f":{off - s}" if offsets or python_lines else "")
                     else:
                         n = t.names[i] + (f"+{off - s:#x}" if offsets and off != s else "")
             names[f] = n

@@ -25,11 +25,17 @@ class Prof(Command):
         "  cyclescope prof                      # latest epoch, every process\n"
         "  cyclescope prof --images --epoch all\n"
         "  cyclescope prof --process gcc --limit 20\n"
+        "  cyclescope prof --stacks --lines --process python3   # Python functions by line\n"
         "  cyclescope prof --json | jq '.rows[0]'"
     )
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--images", action="store_true", help="one row per image instead of per procedure")
+        p.add_argument("--stacks", action="store_true",
+                       help="one row per function from the call stacks: its samples with what it called "
+                            "(total) and alone (self); Python functions (py::) appear here")
+        p.add_argument("--lines", action="store_true",
+                       help="with --stacks: Python functions split by line (py::function:file:LINE)")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
                        help=f"show the first N rows (default: {TERMINAL_LIMIT} on a terminal, all in a pipe; 0: all)")
         add_selection_options(p)
@@ -38,8 +44,22 @@ class Prof(Command):
     def run(self, args: argparse.Namespace) -> int:
         if args.limit is not None and args.limit < 0:
             raise UsageError("--limit must be 0 or more")
-        from cyclescope.report.prof import prof_table
+        if args.lines and not args.stacks:
+            raise UsageError("--lines goes with --stacks (lines of Python functions come from the call stacks)")
+        if args.stacks and args.images:
+            raise UsageError("--stacks and --images do not go together (--stacks: one row per function)")
+        from cyclescope.report.prof import prof_table, stack_prof_table
 
+        if args.stacks:
+            from cyclescope.app.prof import stack_prof_report
+
+            srep = stack_prof_report(open_profile(args), args.lines)
+            if args.json:
+                write_json(srep.to_json())
+                return 0
+            slimit = args.limit if args.limit is not None else (TERMINAL_LIMIT if is_tty(sys.stdout) else 0)
+            write_table(stack_prof_table(srep, slimit or None))
+            return 0
         report = prof_report(open_profile(args), args.images)
         if args.json:
             write_json(report.to_json())

@@ -6,6 +6,7 @@ descriptions and a symbol-table lookup, and returns rows.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from cyclescope.report.render import Col, Table, fmt_count, fmt_pct
 from cyclescope.report.summary import Summary
 
 NO_SYMBOL = "[no symbol]"
+PYTHON_PREFIX = "py::"  # Python functions' names, as CPython's perf maps and collect/pyframes.py give them
 
 
 @dataclass(frozen=True)
@@ -160,4 +162,102 @@ def prof_table(report: ProfReport, limit: int | None = None) -> Table:
     for _key, problem in sorted((report.problems or {}).items()):
         footer.append(f"note: {problem}")
     pre = report.summary.lines("prof --images" if report.by_image else "prof") if report.summary else []
+    return Table(cols, rows, preamble=pre, footer=footer)
+
+
+@dataclass
+class StackProfRow:
+    function: str
+    image: str
+    total: tuple[int, ...]  # per event: samples with the function anywhere in their stack
+    self_: tuple[int, ...]  # per event: samples with the function as their leaf
+
+
+@dataclass
+class StackProfReport:
+    events: list[str]
+    totals: list[int]
+    rows: list[StackProfRow]
+    flat: bool = False  # no stacks were recorded: one-frame stacks of the flat profile
+    summary: Summary | None = None
+    problems: dict[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        def per(v: tuple[int, ...]) -> dict[str, int]:
+            return dict(zip(self.events, v, strict=True))
+
+        def pct(v: tuple[int, ...]) -> dict[str, float]:
+            return {e: (100.0 * c / t if t else 0.0) for e, c, t in zip(self.events, v, self.totals, strict=True)}
+
+        return {
+            "report": "functions from call stacks",
+            "summary": self.summary.to_json() if self.summary else None,
+            "events": self.events,
+            "totals": per(tuple(self.totals)),
+            "stacks_recorded": not self.flat,
+            "rows": [{"function": r.function, "image": r.image, "total": per(r.total), "self": per(r.self_),
+                      "percent_total": pct(r.total), "percent_self": pct(r.self_)} for r in self.rows],
+            "problems": self.problems or {},
+        }
+
+
+def build_stack_prof(events: list[str], stacks: Counter[tuple[str, tuple[tuple[str, int], ...]]],
+                     name: Callable[[tuple[str, int]], str], image: Callable[[str], str]) -> StackProfReport:
+    """Per function (as ``name`` names a frame): the samples whose stack holds it (each stack once,
+    however often it recurs) and those whose leaf it is, per event; hottest total first. A Python
+    function (``py::``) is also its samples' own where it is their innermost Python frame: the
+    interpreter's C code below it runs it (so the self column may sum to more than the samples)."""
+    ix = {e: i for i, e in enumerate(events)}
+    n = len(events)
+    total: dict[str, list[int]] = {}
+    own: dict[str, list[int]] = {}
+    where: dict[str, str] = {}
+    sums = [0] * n
+    for (ev, frames), c in stacks.items():
+        i = ix.get(ev)
+        if i is None or not frames:
+            continue
+        sums[i] += c
+        seen: set[str] = set()
+        python_leaf = False
+        for k, f in enumerate(frames):
+            fn = name(f)
+            if k == 0 or (not python_leaf and fn.startswith(PYTHON_PREFIX)):
+                own.setdefault(fn, [0] * n)[i] += c
+                python_leaf = python_leaf or fn.startswith(PYTHON_PREFIX)
+            if fn in seen:
+                continue
+            seen.add(fn)
+            total.setdefault(fn, [0] * n)[i] += c
+            if fn not in where:
+                where[fn] = image(f[0])
+    rows = [StackProfRow(fn, where[fn], tuple(t), tuple(own.get(fn, [0] * n))) for fn, t in total.items()]
+    rows.sort(key=lambda r: (-r.total[0], -r.self_[0], r.function) if n else r.function)
+    return StackProfReport(events, sums, rows)
+
+
+def stack_prof_table(report: StackProfReport, limit: int | None = None) -> Table:
+    ev = report.events[0] if report.events else "samples"
+    t0 = report.totals[0] if report.totals else 0
+    cols = [Col(f"total {ev}", style="bold"), Col("%"), Col(f"self {ev}"), Col("%"),
+            Col("function", align="left", style="cyan", wrap=True), Col("image", align="left", wrap=True)]
+    shown = report.rows if limit is None else report.rows[:limit]
+    rows = [[fmt_count(r.total[0]), fmt_pct(100.0 * r.total[0] / t0) if t0 else "-",
+             fmt_count(r.self_[0]), fmt_pct(100.0 * r.self_[0] / t0) if t0 else "-", r.function, r.image]
+            for r in shown]
+    footer = []
+    hidden = report.rows[len(shown):]
+    if hidden:
+        footer.append(f"... {len(hidden)} more functions (--limit 0 shows all)")
+    if len(report.events) > 1:
+        footer.append(f"samples of {ev} (of {', '.join(report.events)}; --event picks another, --json has all)")
+    if any(r.function.startswith(PYTHON_PREFIX) for r in shown):
+        footer.append("self of a Python function (py::): its samples as the innermost Python frame, "
+                      "the interpreter's C code it ran included")
+    if report.flat:
+        footer.append("note: no call stacks recorded in the selection (record with -g dwarf or -g fp): "
+                      "each sample is its own function's alone, total = self")
+    for _key, problem in sorted((report.problems or {}).items()):
+        footer.append(f"note: {problem}")
+    pre = report.summary.lines("prof --stacks") if report.summary else []
     return Table(cols, rows, preamble=pre, footer=footer)
