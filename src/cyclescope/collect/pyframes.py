@@ -353,14 +353,16 @@ class PythonFrames:
         p = self.procs.get(pid)
         if p is None or not py:
             return native
-        runs: list[tuple[tuple[int, int], ...]] = []
-        start = 0
-        for k in range(0, len(py), 2):
-            if py[k] & PY_ENTRY:
-                runs.append(self.frames(pid, py[start : k + 2]))
-                start = k + 2
-        out = interleave(native, runs, p.eval_image, p.eval_range) if start == len(py) else None
-        return out if out is not None else splice(native, self.frames(pid, py), p.eval_image, p.eval_range)
+        ends = [k for k in range(0, len(py), 2) if py[k] & PY_ENTRY]
+        lo, hi = p.eval_range
+        loops = sum(1 for img, off in native if img == p.eval_image and lo <= off < hi)
+        if ends and ends[-1] == len(py) - 2 and loops == len(ends):  # every run whole, one loop frame each
+            starts = [0, *(k + 2 for k in ends[:-1])]
+            runs = [self.frames(pid, py[a : k + 2]) for a, k in zip(starts, ends, strict=True)]
+            out = interleave(native, runs, p.eval_image, p.eval_range)
+            if out is not None:
+                return out
+        return splice(native, self.frames(pid, py), p.eval_image, p.eval_range)
 
     def frames(self, pid: int, py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """(image, offset) per Python frame, innermost first, from the program's (code object,
