@@ -39,6 +39,7 @@ def test_every_command_has_help() -> None:
     (["record", "-p", "x1"], "cyclescope record: -p: not a process id list: x1"),
     (["prof", "--lines"], "cyclescope prof: --lines goes with --stacks"),
     (["prof", "--stacks", "--images"], "cyclescope prof: --stacks and --images do not go together"),
+    (["prof", "--sort", "self"], "cyclescope prof: --sort goes with --stacks"),
     (["optimize", "--build", "cc -o {out} p.c", "--cpu", "4096", "--", "{out}"],
      "cyclescope optimize: --cpu 4096: not a CPU this process may run on"),
 ])

@@ -27,10 +27,11 @@ def prof_report(p: Profile, by_image: bool = False) -> ProfReport:
     return report
 
 
-def stack_prof_report(p: Profile, lines: bool = False) -> StackProfReport:
+def stack_prof_report(p: Profile, lines: bool = False, by_self: bool = False) -> StackProfReport:
     """Samples per function from the selection's call stacks: in it or in what it called (total),
-    and in it alone (self), hottest first; Python frames (``py::``) by line with ``lines``. Where
-    no stacks were recorded, each sample is a one-frame stack (total = self)."""
+    and in it alone (self), hottest first (by total, or ``by_self``); Python frames (``py::``) by
+    line with ``lines``. Where no stacks were recorded, each sample is a one-frame stack (total =
+    self)."""
     from cyclescope.app.stacks import frame_namer, select_stacks
     from cyclescope.report.prof import build_stack_prof
     from cyclescope.report.summary import summarize
@@ -40,6 +41,8 @@ def stack_prof_report(p: Profile, lines: bool = False) -> StackProfReport:
     events = list(p.profile_set.event_names)
     report = build_stack_prof(events, sel.stacks, name, lambda key: _image_label(sel.infos, key))
     report.flat = sel.flat
+    if by_self:
+        report.rows.sort(key=lambda r: (-r.self_[0], -r.total[0], r.function) if r.self_ else r.function)
     report.summary = summarize(p.profile_set, dict(zip(report.events, report.totals, strict=True)))
     report.problems = dict(p.sym.problems)
     if sel.corrupt:

@@ -25,7 +25,7 @@ class Prof(Command):
         "  cyclescope prof                      # latest epoch, every process\n"
         "  cyclescope prof --images --epoch all\n"
         "  cyclescope prof --process gcc --limit 20\n"
-        "  cyclescope prof --stacks --lines --process python3   # Python functions by line\n"
+        "  cyclescope prof --stacks --lines --sort self --process python3   # Python lines\n"
         "  cyclescope prof --json | jq '.rows[0]'"
     )
 
@@ -36,6 +36,8 @@ class Prof(Command):
                             "(total) and alone (self); Python functions (py::) appear here")
         p.add_argument("--lines", action="store_true",
                        help="with --stacks: Python functions split by line (py::function:file:LINE)")
+        p.add_argument("--sort", choices=("total", "self"), default=None,
+                       help="with --stacks: hottest first by total (default) or by self")
         p.add_argument("--limit", "-n", type=int, default=None, metavar="N",
                        help=f"show the first N rows (default: {TERMINAL_LIMIT} on a terminal, all in a pipe; 0: all)")
         add_selection_options(p)
@@ -46,6 +48,8 @@ class Prof(Command):
             raise UsageError("--limit must be 0 or more")
         if args.lines and not args.stacks:
             raise UsageError("--lines goes with --stacks (lines of Python functions come from the call stacks)")
+        if args.sort and not args.stacks:
+            raise UsageError("--sort goes with --stacks (prof sorts procedures by their samples)")
         if args.stacks and args.images:
             raise UsageError("--stacks and --images do not go together (--stacks: one row per function)")
         from cyclescope.report.prof import prof_table, stack_prof_table
@@ -53,7 +57,7 @@ class Prof(Command):
         if args.stacks:
             from cyclescope.app.prof import stack_prof_report
 
-            srep = stack_prof_report(open_profile(args), args.lines)
+            srep = stack_prof_report(open_profile(args), args.lines, args.sort == "self")
             if args.json:
                 write_json(srep.to_json())
                 return 0
