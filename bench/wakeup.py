@@ -14,7 +14,7 @@ from each of 16,384 pages of a 64 MiB buffer touched before: what a drain's buff
 tables cost, per page) and ``bpf-update`` (one update of the eBPF program's control map, what a
 drain's generation flip costs; as root, where the program loads).
 
-    python bench/wakeup.py [--sleeps 0,0.01,0.05,0.2,1] [--repeats 10] [--busy N] [--save-as NAME]
+    python bench/wakeup.py [--sleeps 0.01,0.05,0.2,1,3] [--repeats 10] [--busy N] [--save-as NAME]
 
 --busy N runs N copies of bench/workload.c beside it (the CPUs busy, as in bench/collectorcpu.py).
 """

@@ -109,6 +109,8 @@ def test_functions_from_stacks_count_a_stack_once_and_python_frames_own_their_sa
     assert got["_PyEval_EvalFrameDefault"] == ((4, 0), (4, 0))
     assert got["py::f:x.py:3"] == ((4, 0), (4, 0)) and got["py::g:x.py:9"] == ((4, 0), (0, 0))
     assert [row.function for row in r.rows][:2] == ["main", "mid"]  # hottest total first
+    by_self = build_stack_prof(["cpu-clock", "page-faults"], stacks, lambda f: names[f], lambda key: key, by_self=True)
+    assert [row.function for row in by_self.rows][:4] == ["leaf", "_PyEval_EvalFrameDefault", "py::f:x.py:3", "mid"]
     assert r.rows[0].image == "/img/a"
     doc = r.to_json()
     assert doc["rows"][0]["percent_total"] == {"cpu-clock": 100.0, "page-faults": 100.0}

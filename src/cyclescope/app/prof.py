@@ -39,10 +39,8 @@ def stack_prof_report(p: Profile, lines: bool = False, by_self: bool = False) ->
     sel = select_stacks(p)
     name = frame_namer(p, sel.infos, python_lines=lines)
     events = list(p.profile_set.event_names)
-    report = build_stack_prof(events, sel.stacks, name, lambda key: _image_label(sel.infos, key))
+    report = build_stack_prof(events, sel.stacks, name, lambda key: _image_label(sel.infos, key), by_self)
     report.flat = sel.flat
-    if by_self:
-        report.rows.sort(key=lambda r: (-r.self_[0], -r.total[0], r.function) if r.self_ else r.function)
     report.summary = summarize(p.profile_set, dict(zip(report.events, report.totals, strict=True)))
     report.problems = dict(p.sym.problems)
     if sel.corrupt:

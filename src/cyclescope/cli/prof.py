@@ -54,22 +54,21 @@ class Prof(Command):
             raise UsageError("--stacks and --images do not go together (--stacks: one row per function)")
         from cyclescope.report.prof import prof_table, stack_prof_table
 
+        limit = args.limit
+        if limit is None:
+            limit = TERMINAL_LIMIT if is_tty(sys.stdout) else 0
         if args.stacks:
             from cyclescope.app.prof import stack_prof_report
 
             srep = stack_prof_report(open_profile(args), args.lines, args.sort == "self")
             if args.json:
                 write_json(srep.to_json())
-                return 0
-            slimit = args.limit if args.limit is not None else (TERMINAL_LIMIT if is_tty(sys.stdout) else 0)
-            write_table(stack_prof_table(srep, slimit or None))
+            else:
+                write_table(stack_prof_table(srep, limit or None))
             return 0
         report = prof_report(open_profile(args), args.images)
         if args.json:
             write_json(report.to_json())
             return 0
-        limit = args.limit
-        if limit is None:
-            limit = TERMINAL_LIMIT if is_tty(sys.stdout) else 0
         write_table(prof_table(report, limit or None))
         return 0

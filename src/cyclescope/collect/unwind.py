@@ -87,7 +87,7 @@ class Unwinder:
         self.max_depth = max_depth
         self.stats = UnwindStats()
         # code(pid, address, size): the process's bytes there, or None (gone, unmapped, not ours).
-        self.code = code if code is not None else read_code
+        self.code = code if code is not None else process_bytes
         self._trampolines: dict[tuple[int, int], bool] = {}  # (pid, return address) -> into one
 
     def unwind(self, proc: ProcessState, regs: list[int], stack: bytes,
@@ -227,7 +227,7 @@ class Unwinder:
         return None
 
 
-def read_code(pid: int, address: int, size: int) -> bytes | None:
+def process_bytes(pid: int, address: int, size: int) -> bytes | None:
     """``size`` bytes of process ``pid`` at ``address`` (process_vm_readv); None where they cannot
     be read."""
     from cyclescope.collect.procmem import ProcessMemory

@@ -202,9 +202,11 @@ class StackProfReport:
 
 
 def build_stack_prof(events: list[str], stacks: Counter[tuple[str, tuple[tuple[str, int], ...]]],
-                     name: Callable[[tuple[str, int]], str], image: Callable[[str], str]) -> StackProfReport:
+                     name: Callable[[tuple[str, int]], str], image: Callable[[str], str],
+                     by_self: bool = False) -> StackProfReport:
     """Per function (as ``name`` names a frame): the samples whose stack holds it (each stack once,
-    however often it recurs) and those whose leaf it is, per event; hottest total first. A Python
+    however often it recurs) and those whose leaf it is, per event; hottest first by the first
+    event's total (``by_self``: its self), then by the other, then by name. A Python
     function (``py::``) is also its samples' own where it is their innermost Python frame: the
     interpreter's C code below it runs it (so the self column may sum to more than the samples)."""
     ix = {e: i for i, e in enumerate(events)}
@@ -222,9 +224,10 @@ def build_stack_prof(events: list[str], stacks: Counter[tuple[str, tuple[tuple[s
         python_leaf = False
         for k, f in enumerate(frames):
             fn = name(f)
-            if k == 0 or (not python_leaf and fn.startswith(PYTHON_PREFIX)):
+            py = fn.startswith(PYTHON_PREFIX)
+            if k == 0 or (py and not python_leaf):
                 own.setdefault(fn, [0] * n)[i] += c
-                python_leaf = python_leaf or fn.startswith(PYTHON_PREFIX)
+                python_leaf = python_leaf or py
             if fn in seen:
                 continue
             seen.add(fn)
@@ -232,7 +235,9 @@ def build_stack_prof(events: list[str], stacks: Counter[tuple[str, tuple[tuple[s
             if fn not in where:
                 where[fn] = image(f[0])
     rows = [StackProfRow(fn, where[fn], tuple(t), tuple(own.get(fn, [0] * n))) for fn, t in total.items()]
-    rows.sort(key=lambda r: (-r.total[0], -r.self_[0], r.function) if n else r.function)
+    if n:
+        rows.sort(key=lambda r: (-r.self_[0], -r.total[0], r.function) if by_self
+                  else (-r.total[0], -r.self_[0], r.function))
     return StackProfReport(events, sums, rows)
 
 
