@@ -108,7 +108,14 @@ def test_python_frames_from_perf_maps_are_named_and_stacks_are_complete(python: 
     st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
     script = str(PROGRAMS / "pyshares.py")
     py = {f: under(st, f"py::{f}:{script}") for f in ("main", "seventy", "twenty", "ten")}
-    assert py["main"] > 0.85, st.most_common(5)
+    # The interpreter's start-up and finalization are 13-16% of the samples (the most on a busy
+    # machine): the rest is under main. No frame is skipped: the functions' samples are all under
+    # main (a trampoline's stale rbp skipped it and the C frames around it in 14 of them once).
+    assert py["main"] > 0.75, st.most_common(5)
+    inner = {s: n for s, n in st.items()
+             if any(f"py::{f}:{script}" in s.split(";") for f in ("seventy", "twenty", "ten"))}
+    skipped = {s: n for s, n in inner.items() if f"py::main:{script}" not in s.split(";")}
+    assert sum(skipped.values()) <= 0.01 * sum(inner.values()), sorted(skipped.items(), key=lambda x: -x[1])[:2]
     # Shares among the three (70/20/10 of the work; generous margins for a busy machine).
     inside = py["seventy"] + py["twenty"] + py["ten"]
     assert abs(py["seventy"] / inside - 0.7) < 0.1 and abs(py["ten"] / inside - 0.1) < 0.07
