@@ -399,11 +399,17 @@ function sortTree (root) {
   return root
 }
 
+// A frame with a listing: a native procedure (not [unknown], image+offset, or a Python function,
+// whose frames name code objects, not instructions).
+function hasListing (name) {
+  return !/^\[|\+0x[0-9a-f]+$/.test(name) && !name.startsWith('py::')
+}
+
 function frameDetails (box, d, params, tree) {
   const name = d.data.name
   box.replaceChildren()
   if (name === 'all') return
-  const isProc = !/^\[|\+0x[0-9a-f]+$/.test(name)
+  const isProc = hasListing(name)
   box.append(el('strong', {}, name), ` ${fmt.format(d.value)} samples (${pct(d.value / tree.value)}) · `,
     isProc ? el('a', { href: '#/proc?' + new URLSearchParams(withSel(params, { name })), class: 'open-listing' }, 'Listing, CPI and values') : '',
     isProc ? ' · ' : '',
@@ -417,6 +423,8 @@ async function flameView (main, params, seq) {
   // resolution however narrow the function is in the whole graph.
   const q = sw ? { ...selParams(params), focus: sw } : selParams(params)
   if (params.get('max_nodes')) q.max_nodes = params.get('max_nodes') // frames drawn at most (default 20,000)
+  const lines = params.get('lines') === '1'
+  if (lines) q.lines = '1' // Python functions' frames by line (py::f:/path/x.py:13)
   const data = await api('flame', q)
   if (seq !== renderSeq) return
   lastData = data
@@ -427,6 +435,9 @@ async function flameView (main, params, seq) {
     el('button', { title: 'show the whole graph again (key Esc)', onclick: () => chart && chart.resetZoom() }, 'Reset zoom'),
     el('a', { href: '#/flame?' + new URLSearchParams({ ...Object.fromEntries(params), icicle: icicle ? '' : '1' }), title: 'key i' }, icicle ? 'Flame' : 'Icicle'),
     sw ? el('a', { href: '#/flame?' + new URLSearchParams({ ...Object.fromEntries(params), sandwich: '' }) }, 'Whole graph') : '',
+    data.python || lines
+      ? el('a', { id: 'python-lines', href: '#/flame?' + new URLSearchParams({ ...Object.fromEntries(params), lines: lines ? '' : '1', sandwich: '' }), title: 'Python functions as one frame, or one frame per line' }, lines ? 'Python functions' : 'Python lines')
+      : '',
     downloads(params, true))
   main.append(tools)
   main.append(el('p', { class: 'summary' }, `${data.event}: ${fmt.format(data.tree.value)} samples`,
@@ -449,7 +460,7 @@ async function flameView (main, params, seq) {
     box.addEventListener('dblclick', (e) => {
       const g = e.target.closest('g.frame')
       const name = g && g.getAttribute('name')
-      if (name && name !== 'all' && !/^\[/.test(name)) go('proc', withSel(params, { name }))
+      if (name && name !== 'all' && !/^\[/.test(name) && !name.startsWith('py::')) go('proc', withSel(params, { name }))
     })
   }
   if (params.get('search')) searchFlame(params.get('search'))

@@ -212,6 +212,46 @@ def test_every_other_view_renders(server: str, browser: Any) -> None:
     assert not severe, severe
 
 
+def test_python_functions_show_by_line_in_the_flame_graph(browser: Any, tmp_path: Path) -> None:
+    """A CPython program recorded through the eBPF path (its Python frames read by the program):
+    the flame graph offers "Python lines", and then names each Python frame with its line."""
+    from cyclescope.collect.ebpf import BpfUnavailable, load
+
+    try:
+        load(1 << 10, 0).close()
+    except (BpfUnavailable, OSError) as e:
+        pytest.skip(f"the eBPF path cannot run here: {e}")
+    script = Path(__file__).parents[1] / "programs" / "pyshares.py"
+    db = tmp_path / "db"
+    cs("record", "--db", str(db), "-q", "--collector", "bpf", "--no-loop-counts", "-g", "fp", "--",
+       sys.executable, str(script), "60", timeout=300)
+    p, url = start_server(db)
+    try:
+        base = logged_in(browser, url)
+        open_view(browser, base, "flame")
+        names = {str(g.get_attribute("name")) for g in browser.find_elements("css selector", "#flame g.frame")}
+        assert f"py::seventy:{script}" in names, sorted(names)[:20]
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        before = browser.execute_script("return document.body.dataset.rendered")
+        browser.find_element("css selector", "#python-lines").click()
+        WebDriverWait(browser, 60).until(lambda d: d.execute_script(
+            "const m = document.querySelector('main');"
+            "return m && m.getAttribute('aria-busy') === 'false' && document.body.dataset.rendered !== arguments[0]",
+            before) or False)
+        assert "lines=1" in browser.current_url
+        screenshot(browser, "flame-python-lines")
+        names = {str(g.get_attribute("name")) for g in browser.find_elements("css selector", "#flame g.frame")}
+        text = script.read_text().splitlines()
+        first = text.index("def seventy(n: int) -> int:") + 1
+        lines = {int(n.rsplit(":", 1)[1]) for n in names if n.startswith(f"py::seventy:{script}:")}
+        assert lines and lines <= set(range(first, first + 5)), (lines, first)
+        assert f"py::seventy:{script}" not in names
+        assert browser.find_element("css selector", "#python-lines").text == "Python functions"
+    finally:
+        stop(p)
+
+
 def request(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
     req = urllib.request.Request(url, headers=headers or {})
     try:

@@ -220,9 +220,11 @@ def select_stack_arrays(p: Profile, image_patterns: list[str] | None = None, eve
     return SelectedArrays(arr, infos, flat, list(arr.corrupt))
 
 
-def name_frames(p: Profile, infos: dict[str, ImageInfo], arr: StackArrays) -> tuple[list[str], np.ndarray]:
-    """Every frame's name as frame_namer gives it (its procedure, else image+offset), as an index
-    into a list of names: each image's offsets looked up at once."""
+def name_frames(p: Profile, infos: dict[str, ImageInfo], arr: StackArrays,
+                python_lines: bool = False) -> tuple[list[str], np.ndarray]:
+    """Every frame's name as frame_namer gives it (its procedure, else image+offset; a Python
+    function's line with ``python_lines``), as an index into a list of names: each image's offsets
+    looked up at once."""
     import numpy as np
 
     names: list[str] = []
@@ -250,7 +252,12 @@ def name_frames(p: Profile, infos: dict[str, ImageInfo], arr: StackArrays) -> tu
         base = os.path.basename(info.path) if info.path else arr.keys[code][:12]
         ids = np.empty(len(offs), np.int64)
         found = sym >= 0
-        if found.any():
+        if found.any() and python_lines and info.kind == "python":  # the offset in its symbol is the line
+            lines = (offs[found] - t.starts[sym[found]]).astype(np.int64)
+            pairs, back = np.unique(np.stack([sym[found].astype(np.int64), lines]), axis=1, return_inverse=True)
+            ids[found] = np.array([intern(f"{t.names[int(i)]}:{int(ln)}") for i, ln in pairs.T.tolist()],
+                                  np.int64)[back.reshape(-1)]
+        elif found.any():
             u, back = np.unique(sym[found], return_inverse=True)
             ids[found] = np.array([intern(t.names[int(i)]) for i in u.tolist()], np.int64)[back]
         for j in np.nonzero(~found)[0].tolist():
@@ -260,18 +267,19 @@ def name_frames(p: Profile, infos: dict[str, ImageInfo], arr: StackArrays) -> tu
 
 
 def flame_tree(p: Profile, sel: SelectedArrays, event: str, focus: str | None = None,
-               max_nodes: int = MAX_FLAME_NODES) -> dict[str, Any]:
+               max_nodes: int = MAX_FLAME_NODES, python_lines: bool = False) -> dict[str, Any]:
     """The stacks of ``event`` as the nested tree a flame graph draws: {name, value, children}, root
-    first, frames of the same procedure under the same caller merged; with ``focus``, only the
-    stacks that pass through a frame of that name (its callers and callees at full resolution);
-    at most ``max_nodes`` frames, the narrowest left out (``pruned`` at the root says how many)."""
+    first, frames of the same procedure under the same caller merged (Python functions' frames of
+    one line with ``python_lines``); with ``focus``, only the stacks that pass through a frame of
+    that name (its callers and callees at full resolution); at most ``max_nodes`` frames, the
+    narrowest left out (``pruned`` at the root says how many)."""
     import numpy as np
 
     from cyclescope.db.stacks import select_rows
     from cyclescope.report.flame import fold_arrays
 
     arr = sel.arrays
-    names, frame_name = name_frames(p, sel.infos, arr)
+    names, frame_name = name_frames(p, sel.infos, arr, python_lines)
     rows = arr.rows_of(event)
     if focus:
         fid = names.index(focus) if focus in names else -1

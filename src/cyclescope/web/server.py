@@ -272,9 +272,10 @@ def flame_route(site: Site, request: Request) -> Any:
     q = request.query_params
     p, st, event = _stacks(site, q)
     return {"event": event, "events": st.events, "flat": st.flat, "note": FLAT_NOTE if st.flat else None,
-            "skipped": st.corrupt,
+            "skipped": st.corrupt, "python": any(info.kind == "python" for info in st.infos.values()),
             "tree": flame_tree(p, st, event, focus=q.get("focus") or None,
-                               max_nodes=_int(q, "max_nodes", MAX_FLAME_NODES, 100, 1_000_000))}
+                               max_nodes=_int(q, "max_nodes", MAX_FLAME_NODES, 100, 1_000_000),
+                               python_lines=q.get("lines") == "1")}
 
 
 def flame_diff_route(site: Site, request: Request) -> Any:
