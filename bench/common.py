@@ -115,6 +115,28 @@ def workload_cpu(stdout: str) -> tuple[float, float]:
     return int(m.group(1)) / 1e9, int(m.group(2)) / 1e9
 
 
+def cpython(version: str) -> str | None:
+    """A CPython X.Y interpreter here: pyenv's (these machines have 3.10-3.13), else on PATH."""
+    import glob
+
+    found = sorted(glob.glob(f"/root/.pyenv/versions/{version}*/bin/python{version}"))
+    exe = found[0] if found else shutil.which(f"python{version}")
+    return exe if exe and "/shims/" not in exe else None
+
+
+def tree_at(rev: str, tmp: Path) -> Path:
+    """src/ as committed at ``rev``, unpacked under ``tmp``: run it with PYTHONPATH pointing there
+    to compare a revision's cyclescope (its BPF objects too) with the working tree's."""
+    import tarfile
+    from io import BytesIO
+
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True).stdout
+    dest = tmp / f"tree-{rev}"
+    with tarfile.open(fileobj=BytesIO(data)) as t:
+        t.extractall(dest, filter="data")
+    return dest / "src"
+
+
 def cyclescope_cmd(*args: str) -> list[str]:
     return [PY, "-m", "cyclescope", *args]
 

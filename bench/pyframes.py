@@ -22,7 +22,6 @@ Usage: python bench/pyframes.py [--rounds 3] [--iterations 300] [--modes perfmap
 from __future__ import annotations
 
 import argparse
-import glob
 import re
 import shutil
 import tempfile
@@ -30,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from common import cyclescope_cmd, fmt_spread, machine, run, save
+from common import cpython, cyclescope_cmd, fmt_spread, machine, run, save
 
 PROGRAM = Path(__file__).resolve().parents[1] / "tests" / "programs" / "pyshares.py"
 FUNCS = ("seventy", "twenty", "ten")
@@ -42,9 +41,9 @@ def interpreters(mode: str) -> list[tuple[str, str, list[str]]]:
     versions = (("3.11", []), ("3.12", perf), ("3.13", perf)) if mode == "perfmap" else (
         ("3.10", []), ("3.11", []), ("3.12", []), ("3.13", []))
     for v, flags in versions:
-        found = sorted(glob.glob(f"/root/.pyenv/versions/{v}*/bin/python{v}")) or [shutil.which(f"python{v}") or ""]
-        if found[0] and "/shims/" not in found[0]:
-            out.append((v, found[0], flags))
+        exe = cpython(v)
+        if exe is not None:
+            out.append((v, exe, flags))
     return out
 
 

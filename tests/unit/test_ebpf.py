@@ -29,7 +29,13 @@ def test_the_committed_object_is_built_from_the_committed_source() -> None:
     assert all((d / n).read_bytes()[:4] == b"\x7fELF" for n in ("profile.bpf.o", "profile-unwind.bpf.o"))
     # The dtypes here are the C structs' layouts.
     assert (KEY_DTYPE.itemsize, VAL_DTYPE.itemsize, ebpf.TRACE_DTYPE.itemsize) == (
-        24, 24, 8 + 8 * ebpf.MAX_FRAMES + 8 + 16 * ebpf.MAX_PY)
+        24, 24, 8 + 8 * ebpf.MAX_FRAMES + 8 + 16 * ebpf.MAX_PY + 8)
+    from cyclescope.collect.pyframes import PY_PROC
+
+    # struct py_proc: a u64 and 22 u32; py_ckey; py_code: four addresses, four lengths,
+    # the ranges.
+    assert (PY_PROC.size, ebpf.PY_CKEY_DTYPE.itemsize, ebpf.PY_CODE_DTYPE.itemsize) == (
+        96, 16, 32 + 16 + sum(ebpf.PY_CODE_CAPS))
 
 
 def drained() -> Drained:

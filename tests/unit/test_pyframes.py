@@ -41,6 +41,16 @@ def sample_function(n: int) -> int:  # several lines, a loop, a call: a varied l
     return total
 
 
+def _tagged(code: object) -> int:
+    """A code object as the eBPF program keeps it in a frame: its address and its tag."""
+    from cyclescope.collect.procmem import ProcessMemory
+
+    o = OFFSETS[(sys.version_info.major, sys.version_info.minor)]
+    head = ProcessMemory(os.getpid()).read(id(code), o["code_adaptive"])
+    assert head is not None
+    return id(code) | pyframes.code_tag(head, o["code_firstlineno"])
+
+
 def _codes() -> list:
     import json
     import textwrap
@@ -144,8 +154,11 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     target = next(i for i in dis.get_instructions(code) if i.opname == "CALL" and i.positions.lineno is not None
                   and i.positions.lineno > code.co_firstlineno + 4)
     instr = id(code) + o["code_adaptive"] + target.offset
-    frames = pf.frames(os.getpid(), (id(code), instr, id(_codes.__code__), 0))
+    frames = pf.frames(os.getpid(), (_tagged(code), instr, _tagged(_codes.__code__), 0))
     assert len(frames) == 2
+    # The same address with another tag: the object the sample saw there is gone (freed, and
+    # another made at its address); not named after the one there now.
+    assert pf.frames(os.getpid(), (_tagged(code) ^ (1 << 63), instr)) == ()
     # An object that is not a code object (a frame read as the interpreter sets it up) is no frame.
     not_code = ["x" * 64] * 64
     assert pf.frames(os.getpid(), (id(not_code), 0)) == () and pf.procs[os.getpid()].code_type
@@ -161,6 +174,88 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     assert pf.symbols(table[img].key) is not None  # kept for the flush after the process is gone
     pf.flushed()
     assert pf.symbols(table[img].key) is None
+
+
+def _as_copied_at_exit(pid: int, codes: list, o: dict[str, int]):
+    """The rows profile.bpf.c's exit program writes for these code objects (copy_code): the same
+    ranges of memory, read here from this process."""
+    import numpy as np
+
+    from cyclescope.collect.ebpf import PY_CKEY_DTYPE, PY_CODE_CAPS, PY_CODE_DTYPE
+    from cyclescope.collect.procmem import ProcessMemory
+
+    mem = ProcessMemory(pid)
+
+    def u(addr: int, n: int, signed: bool = False) -> int:
+        return int.from_bytes(mem.read(addr, n) or b"", "little", signed=signed)
+
+    keys, vals = np.zeros(len(codes), PY_CKEY_DTYPE), np.zeros(len(codes), PY_CODE_DTYPE)
+    for row, code in enumerate(codes):
+        addr = id(code)
+        ranges = [(addr, o["code_adaptive"])]
+        for field in ("code_qualname", "code_filename"):
+            s = u(addr + o[field], 8)
+            state, length = u(s + o["unicode_state"], 4), u(s + o["unicode_length"], 8, True)
+            start = o["ascii_size"] if state >> 6 & 1 else o["compact_size"]
+            ranges.append((s, max(o["compact_size"], start + length * (state >> 2 & 7))))
+        t = u(addr + o["code_linetable"], 8)
+        ranges.append((t, o["bytes_sval"] + u(t + o["bytes_size"], 8, True)))
+        keys[row]["pid"], keys[row]["code"] = pid, addr
+        for i, ((a, n), cap) in enumerate(zip(ranges, PY_CODE_CAPS, strict=True)):
+            n = min(n, cap)
+            vals[row]["addr"][i], vals[row]["len"][i] = a, n
+            vals[row][f"r{i}"][:n] = np.frombuffer(mem.read(a, n) or b"", np.uint8)
+    return keys, vals
+
+
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
+def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
+    """A process that exited before its code objects were read: the program copied them as it
+    exited, and they are read from the copies as from the process (names and lines), until the
+    process is forgotten; a name longer than was copied leaves its frame unnamed."""
+    from cyclescope.collect.pyframes import CapturedMemory
+    from cyclescope.images.maps import Mapper
+    from cyclescope.images.registry import ImageResolver
+
+    table = ImageTable()
+    mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
+    mapper.scan_proc([os.getpid()])
+    bpf = SimpleNamespace(set_python=lambda pid, cfg: None, forget_python=lambda pid: None)
+    pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
+    pf.own = -1
+    pf.watch([os.getpid()])
+    pid = os.getpid()
+    o = OFFSETS[(sys.version_info.major, sys.version_info.minor)]
+
+    def short() -> None:
+        pass
+
+    # A name of 300 characters: the program copies 256 bytes of a name's object.
+    long = short.__code__
+    long = long.replace(co_qualname="q" * 300) if hasattr(long, "co_qualname") else long.replace(co_name="q" * 300)
+    code = sample_function.__code__
+    target = next(i for i in dis.get_instructions(code) if i.opname == "CALL" and i.positions.lineno is not None
+                  and i.positions.lineno > code.co_firstlineno + 4)
+    pf.captured(*_as_copied_at_exit(pid, [code, long], o))
+    assert len(pf._captured[pid]) == 7  # four ranges each, the file's str one object
+    instr = id(code) + o["code_adaptive"] + target.offset
+    frames = pf.frames(pid, (_tagged(code), instr, _tagged(long), 0, _tagged(_codes.__code__), 0))
+    # From the copies alone: _codes' code object was not copied, and the long name was cut.
+    assert len(frames) == 1 and pf.codes_at_exit == 1
+    (img, off), = frames
+    assert off & ((1 << SLOT_BITS) - 1) == target.positions.lineno
+    syms = pf.symbols(table[img].key)
+    assert syms is not None and list(syms.names) == [f"py::sample_function:{__file__}"]
+    pf.forget(pid)
+    assert pid not in pf._captured
+    # The copies read as memory does: inside a range, or not at all.
+    m = CapturedMemory()
+    m.add(100, b"abcdef")
+    m.add(100, b"abc")  # a shorter copy of the same range keeps the longer
+    m.add(200, b"xyz")
+    assert m.read(101, 3) == b"bcd" and m.read(104, 3) is None and m.read(200, 3) == b"xyz"
+    assert m.read(99, 1) is None and m.read(203, 1) is None and len(m) == 2
 
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,

@@ -62,6 +62,10 @@ PYTHON_DRAIN_S = 0.25  # drains while Python processes show code objects not rea
 # its samples until then have frame-pointer stacks, and a drain with nothing much to read costs
 # a millisecond or two.
 UNWIND_DRAIN_S = 0.01
+# How often an interpreter whose runtime has not started is looked at again (a pointer read): a
+# Python program is described to the eBPF program within this of its runtime's start, where a
+# drain every FIRST_DRAIN_S left its first 50 ms without Python frames.
+PY_WAIT_POLL_S = 0.005
 
 
 @dataclass
@@ -284,7 +288,10 @@ class Collector:
         # A processor may want its first samples sooner (anchors: their windows start once a
         # procedure has samples, and a run under a second had none).
         first = min([first] + [float(s) for p in self.processors if (s := getattr(p, "first_drain_s", None))])
-        if self.unwind is not None:
+        if self.unwind is not None or self.python is not None:
+            # A Python program's runtime starts 10-20 ms after its exec, and its script soon
+            # after: seen at 10 ms, it waits (polled every PY_WAIT_POLL_S) and is described as its
+            # runtime starts. At 50 ms the first 50 ms of a short script had no Python frames.
             first = min(first, UNWIND_DRAIN_S)
         next_drain = start + first
         next_reap = start + self.cfg.reap_interval_s
@@ -293,11 +300,15 @@ class Collector:
             while not self._stop:
                 now = time.monotonic()
                 wake = min(next_rand, next_drain, next_flush, next_progress, deadline or next_flush)
+                if self.python is not None and self.python.waiting:
+                    wake = min(wake, now + PY_WAIT_POLL_S)
                 drain_fds = tuple(fd for p in self.processors for fd in getattr(p, "wake_fds", tuple)())
                 ready = self._wait(max(0.0, wake - now), hooks.fds if hooks is not None else (), drain_fds)
                 now = time.monotonic()
                 if hooks is not None and hooks.tick is not None:
                     hooks.tick(now)
+                if self.python is not None and self.python.poll_waiting():
+                    next_drain = min(next_drain, now + FIRST_DRAIN_S)  # its first Python frames named soon
                 if ready or now >= next_drain or self._peek_side():
                     self.step()
                     # Soon again while a process is not described to the eBPF program yet, or
@@ -336,13 +347,14 @@ class Collector:
 
     def _python_drain_s(self) -> float | None:
         """How soon the next drain should come for Python frames: every 50 ms while an interpreter
-        has not started its runtime, and once more 50 ms after a process was described (the
-        program's first samples with its Python frames: their code objects are read from its
-        memory at that drain, and a process that exits before it keeps none of its names: a run
-        of 0.3 s of tests/programs/pyshares.py kept none when that drain came a quarter second
-        later); every quarter second while drains find code objects not read yet (with drains a
-        second apart, a process of a second or two lost them all, one time in three); None when
-        they find none (a steady state)."""
+        has not started its runtime (it is looked at every PY_WAIT_POLL_S meanwhile), and once
+        more 50 ms after a process was described (the program's first samples with its Python
+        frames: their code objects are read from its memory at that drain; a process that exits
+        before it is named from the memory the program copied at its exit, where the kernel runs
+        the exit tracepoint before the memory goes, as 6.18 does); every quarter second while drains find
+        code objects not read yet (with drains a second apart, a process of a second or two lost
+        them all, one time in three, before the copies at exit); None when they find none (a
+        steady state)."""
         if self.python is None:
             return None
         seen = (self.python.codes_read, self.python.procs_described)
@@ -488,6 +500,12 @@ class Collector:
         assert self.bpf is not None
         self._attach_bpf()
         d = self.bpf.drain()
+        if self.python is not None:
+            # Code objects copied as their processes exited: taken after the stacks, so that every
+            # stack of this drain whose process has exited has them (pyframes.py names from them).
+            codes = self.bpf.take_codes()
+            if len(codes[0]):
+                self.python.captured(*codes)
         rows = to_rows(d, self._chains_bpf, self._bpf_stacks)
         self._bpf_stacks = d.stacks
         self._note_bpf_stats()
@@ -746,7 +764,11 @@ class Collector:
         if self.python is not None and self.python.procs_described:
             py = self.python
             out.append(f"Python frames: {py.procs_described:,} CPython processes read, {py.frames_named:,} frames named"
-                       + (f"; {py.unreadable:,} reads failed" if py.unreadable else ""))
+                       + (f"; {py.codes_at_exit:,} code objects named from memory copied at their process's exit"
+                          if py.codes_at_exit else "")
+                       + (f"; {py.unreadable:,} reads failed" if py.unreadable else "")
+                       + (f" (processes that exit before a drain lose their names: {self.bpf.exit_error})"
+                          if self.bpf is not None and self.bpf.exit_error else ""))
         if self.totals.lost_timeline:
             out.append(f"{self.totals.lost_timeline:,} samples were left out of the timeline (the eBPF program's "
                        "timeline map was full)")

@@ -39,13 +39,21 @@ KEY_DTYPE = np.dtype([("pid", "<u4"), ("event", "<u2"), ("kernel", "<u2"), ("ip"
 VAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8"), ("last_ns", "<u8")])
 MAX_PY = 32
 TRACE_DTYPE = np.dtype([("nkernel", "<u4"), ("nuser", "<u4"), ("ip", "<u8", (MAX_FRAMES,)), ("npy", "<u4"),
-                        ("pad", "<u4"), ("py", "<u8", (2 * MAX_PY,))])
+                        ("pid", "<u4"), ("py", "<u8", (2 * MAX_PY,)), ("zero", "<u8")])
+# Code objects copied as their process exits (profile.bpf.c's struct py_ckey, py_code): per code
+# object, four ranges of the process's memory (the object's head, its names, its line table).
+PY_CKEY_DTYPE = np.dtype([("pid", "<u4"), ("pad", "<u4"), ("code", "<u8")])
+PY_CODE_CAPS = (256, 256, 512, 1024)  # CODE_HEAD, NAME_CAP, FILE_CAP, TABLE_CAP
+PY_CODE_DTYPE = np.dtype([("addr", "<u8", (4,)), ("len", "<u4", (4,)),
+                          *((f"r{i}", "u1", (cap,)) for i, cap in enumerate(PY_CODE_CAPS))])
+PY_CODES = 8192  # py_codes' size
+EXIT_TRACEPOINT = (b"sched", b"sched_process_exit")  # where the program copies them
 TKEY_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("window", "<u4"), ("event", "<u4")])
 TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
 WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
 # profile.bpf.c's enum, in order
 STATS = ("samples", "lost", "lost_stacks", "stack_errors", "lost_timeline", "uw_walks", "uw_frames", "uw_complete",
-         "uw_fp", "uw_loading", "uw_cached")
+         "uw_fp", "uw_loading", "uw_cached", "py_exits", "py_codes", "py_codes_lost")
 # Unwinding in the kernel (profile.bpf.c's struct uw_row, uw_map, uw_proc; collect/bpfunwind.py fills them).
 UW_ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("bp_off", "<i2"), ("cfa", "u1"), ("bp", "u1")])
 UW_MAPS = 64
@@ -110,6 +118,9 @@ class _Lib:
             ("bpf_map__map_flags", u32, [vp]),
             ("bpf_map__fd", i, [vp]),
             ("bpf_program__fd", i, [vp]),
+            ("bpf_program__set_autoload", i, [vp, ctypes.c_bool]),
+            ("bpf_program__attach_tracepoint", vp, [vp, ctypes.c_char_p, ctypes.c_char_p]),
+            ("bpf_link__destroy", i, [vp]),
             ("bpf_link_create", i, [i, i, i, ctypes.POINTER(_LinkOpts)]),
             ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
             ("bpf_map_lookup_elem", i, [i, vp, vp]),
@@ -151,14 +162,24 @@ class Drained:
 
 def load(entries: int, stack_entries: int, unwind_rows: int = 0, unwind_procs: int = 0) -> BpfAggregator:
     """The program loaded with maps that allocate as they fill where the kernel allows it (6.1),
-    else preallocated."""
+    else preallocated; with the exit tracepoint's program where the kernel takes it, else without
+    (BpfAggregator.exit_error says why)."""
     try:
         return BpfAggregator(entries, stack_entries, unwind_rows=unwind_rows, unwind_procs=unwind_procs)
     except BpfUnavailable as e:
         if "not permitted" in str(e):
             raise
-        return BpfAggregator(entries, stack_entries, prealloc=True, unwind_rows=unwind_rows,
-                             unwind_procs=unwind_procs)
+        first = e
+    for prealloc, exits in ((True, True), (False, False), (True, False)):
+        try:
+            agg = BpfAggregator(entries, stack_entries, prealloc=prealloc, exits=exits, unwind_rows=unwind_rows,
+                                unwind_procs=unwind_procs)
+        except BpfUnavailable:
+            continue
+        if not exits:
+            agg.exit_error = f"the kernel refused the exit tracepoint's program ({first})"
+        return agg
+    raise first
 
 
 class BpfAggregator:
@@ -166,10 +187,11 @@ class BpfAggregator:
     (samples beyond it are counted as lost); ``stack_entries``: the most distinct stacks (0: no
     stacks); ``unwind_rows``, ``unwind_procs``: room for the unwind rows of the images and for the
     processes whose user stacks the program walks with them (0: frame pointers only). Rows are an
-    array, allocated whole at load (12 bytes each, rounded to 16)."""
+    array, allocated whole at load (12 bytes each, rounded to 16). ``exits``: load the program of
+    the exit tracepoint (Python code objects copied as their process exits; with stacks only)."""
 
     def __init__(self, entries: int = 1 << 16, stack_entries: int = 0, prealloc: bool = False,
-                 unwind_rows: int = 0, unwind_procs: int = 0) -> None:
+                 unwind_rows: int = 0, unwind_procs: int = 0, exits: bool = True) -> None:
         if os.uname().machine != "x86_64":
             raise BpfUnavailable(f"the BPF program reads x86-64 registers; this machine is {os.uname().machine}")
         unwind = unwind_rows > 0 and unwind_procs > 0 and stack_entries > 0
@@ -195,6 +217,11 @@ class BpfAggregator:
             lib.bpf_map__set_max_entries(self._map("uw_rows"), unwind_rows if unwind else 1)
             lib.bpf_map__set_max_entries(self._map("uw_procs"), unwind_procs if unwind else 1)
             lib.bpf_map__set_max_entries(self._map("uw_slots"), unwind_procs if unwind else 1)
+            exit_prog = lib.bpf_object__find_program_by_name(obj, b"cyclescope_exit")
+            exits = exits and stack_entries > 0 and bool(exit_prog)
+            lib.bpf_map__set_max_entries(self._map("py_codes"), PY_CODES if exits else 1)
+            if exit_prog and not exits:
+                lib.bpf_program__set_autoload(exit_prog, False)
             if not prealloc:
                 # Since Linux 6.1 a perf_event program may use hash maps that allocate as they
                 # fill (bpf_mem_alloc, safe in NMI): kernel memory then follows the distinct keys,
@@ -212,7 +239,21 @@ class BpfAggregator:
             self.prog_fd = lib.bpf_program__fd(prog)
             self.fds = {n: lib.bpf_map__fd(self._map(n)) for n in
                         ("control", "stats", "counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1",
-                         "py_procs", "uw_slots", "uw_procs", "uw_rows")}
+                         "py_procs", "py_codes", "uw_slots", "uw_procs", "uw_rows")}
+            # Python code objects copied as their process exits: where the kernel runs the exit
+            # tracepoint before the process's memory goes and says whether the thread group died
+            # (6.18 here). Where the tracepoint has no group_dead the attach is refused, and a
+            # process that exits before a drain names its frames keeps none.
+            self.exit_error: str | None = "no stacks: no Python frames" if not exits else None
+            self._exit_link: int | None = None
+            if exits:
+                link = lib.bpf_program__attach_tracepoint(exit_prog, *EXIT_TRACEPOINT)
+                err = lib.libbpf_get_error(link) if link else -(ctypes.get_errno() or errno.ENOENT)
+                if not link or err:
+                    where = b":".join(EXIT_TRACEPOINT).decode()
+                    self.exit_error = f"attaching to {where} failed: {os.strerror(-err if err < 0 else err)}"
+                else:
+                    self._exit_link = link
         except BaseException:
             lib.bpf_object__close(obj)
             self._obj = None
@@ -360,6 +401,13 @@ class BpfAggregator:
             return kparts[0], vparts[0]
         return np.concatenate(kparts), np.concatenate(vparts)
 
+    def take_codes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The code objects copied at exits since the last call (PY_CKEY_DTYPE, PY_CODE_DTYPE),
+        deleted from the program's map."""
+        if self._exit_link is None:
+            return np.zeros(0, PY_CKEY_DTYPE), np.zeros(0, PY_CODE_DTYPE)
+        return self._take(self.fds["py_codes"], PY_CKEY_DTYPE, PY_CODE_DTYPE, PY_CODES)
+
     def stats(self) -> dict[str, int]:
         """The program's counters since it was loaded, summed over CPUs."""
         out = {}
@@ -375,6 +423,9 @@ class BpfAggregator:
         for fd in self._links:
             os.close(fd)
         self._links = []
+        if getattr(self, "_exit_link", None) is not None:
+            self._l.lib.bpf_link__destroy(self._exit_link)
+            self._exit_link = None
         if self._obj is not None:
             self._l.lib.bpf_object__close(self._obj)
             self._obj = None

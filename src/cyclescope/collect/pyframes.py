@@ -15,6 +15,18 @@ function's) and the frame's line as its offset in that symbol. No running Python
 processes started without `-X perf`, and 3.10 and 3.11 which have no such option, get their
 Python frames.
 
+Each kept code object carries a tag (bits 48-63: a hash of its first line and the field after
+it), so that a code object freed and another made at its address (the start-up's compiled strings)
+are two objects here, each read once; one whose tag no longer matches what is at its address is
+not named.
+
+A process that exits before the drain that would read its new code objects (a script of a fraction
+of a second: its first drain with Python frames comes 50 ms after it is described) had its frames
+go unnamed. The program's exit tracepoint now copies, as the process exits, the ranges of memory
+that reading a code object looks at (the object's head, its names, its line table); user space
+takes them at the next drain and reads the same bytes from them (CapturedMemory) where the process
+can no longer be read.
+
 In the stored stack the Python frames replace the interpreter's C frames from the innermost
 evaluation loop (`_PyEval_EvalFrameDefault`) outwards: the C code a Python function called stays
 below it. Where the native walk did not reach the evaluation loop (an interpreter built without
@@ -39,6 +51,8 @@ from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.procmem import ProcessMemory
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from cyclescope.collect.ebpf import BpfAggregator
     from cyclescope.images.elf import SymbolTable
     from cyclescope.images.maps import Mapper
@@ -75,13 +89,29 @@ OFFSETS: dict[tuple[int, int], dict[str, int]] = {
 PY_IMAGE = re.compile(r"(?:^|/)(?:libpython|python)3\.(\d+)[^/]*$")
 SLOT_BITS = 24  # a code object's range in its process's image: offset = slot << SLOT_BITS | line
 EVAL = "_PyEval_EvalFrameDefault"
-PY_PROC = struct.Struct("<Q10I")  # profile.bpf.c's struct py_proc
+PY_PROC = struct.Struct("<Q22I")  # profile.bpf.c's struct py_proc
 NO_OFFSET = 0xFFFFFFFF
 PY_ENTRY = 1  # profile.bpf.c's: bit 0 of a frame's code object marks a run's outermost frame
+PY_ADDR = (1 << 48) - 1  # and bits 48-63 are its tag (code_tag): the rest is its address
 PTHREAD_TID = 0x2D0  # offsetof(struct pthread, tid) in glibc on x86-64, checked per process
 MAX_CODE_BYTES = 1 << 16
 FRAME_CACHE_MAX = 1 << 18  # (code object, instruction) frames kept per process (then forgotten at once)
 WAIT_INIT_S = 5.0  # how long a process mapping an interpreter is watched for its runtime to start
+
+
+def code_tag(head: bytes, at: int) -> int:
+    """profile.bpf.c's code_tag of a code object from its head: 16 bits of a hash of the 8 bytes
+    at its first line, in bits 48-63. A code object at an address that held another one before
+    (freed) has another tag, and is read anew."""
+    v = int.from_bytes(head[at : at + 8], "little")
+    return ((v * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 48 << 48
+
+
+def frame_span(o: dict[str, int]) -> int:
+    """The bytes from a frame's start that hold every field the program reads of it (it copies
+    them at once): 70-71 from 3.11 on, 104 in 3.10."""
+    return max(o["frame_code"] + 8, o["frame_instr"] + 8, o["frame_previous"] + 8, o["frame_owner"] + 1,
+               o["frame_entry"] + 1)
 
 
 def interpreter_version(path: str) -> tuple[int, int] | None:
@@ -183,6 +213,39 @@ def line_at(ranges: list[tuple[int, int, int | None]], unit: int, default: int,
     return default
 
 
+class CapturedMemory:
+    """Ranges of an exited process's memory the eBPF program copied as it exited (code objects,
+    their names and line tables): reads as ProcessMemory does, None outside what was copied."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ranges: list[tuple[int, bytes]] = []
+
+    def add(self, addr: int, data: bytes) -> None:
+        if not addr or not data:
+            return
+        i = bisect.bisect_left(self._starts, addr)
+        if i < len(self._starts) and self._starts[i] == addr:
+            if len(data) <= len(self._ranges[i][1]):
+                return
+            self._ranges[i] = (addr, data)
+            return
+        self._starts.insert(i, addr)
+        self._ranges.insert(i, (addr, data))
+
+    def read(self, addr: int, size: int) -> bytes | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        start, data = self._ranges[i]
+        if addr + size > start + len(data):
+            return None
+        return data[addr - start : addr - start + size]
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+
 @dataclass
 class _Code:
     slot: int
@@ -210,6 +273,10 @@ class PythonFrames:
     """Python processes described to the eBPF program, and their frames named."""
 
     def __init__(self, table: ImageTable, mapper: Mapper, bpf: BpfAggregator) -> None:
+        # Imported now, before the target runs: at its first use (the first interpreter's symbols)
+        # the import took 33-35 ms, and a program's first 50 ms of Python went by undescribed.
+        import elftools.elf.elffile  # noqa: F401
+
         self.table = table
         self.mapper = mapper
         self.bpf = bpf
@@ -221,10 +288,13 @@ class PythonFrames:
         self.frames_named = 0
         self.procs_described = 0
         self.codes_read = 0  # code objects read (their names and line tables), over the run
+        self.codes_at_exit = 0  # of which from the memory the program copied as their process exited
+        # Per process that exited: what the program copied of its code objects (take_codes).
+        self._captured: dict[int, CapturedMemory] = {}
         self.own = os.getpid()
         self.unreadable = 0
-        # Interpreters seen before their runtime was initialized: looked at again at every drain
-        # (the collector drains soon while there are any), for WAIT_INIT_S at most.
+        # Interpreters seen before their runtime was initialized: looked at again every few
+        # milliseconds (the collector's poll_waiting), for WAIT_INIT_S at most.
         self.waiting: dict[int, float] = {}
 
     # --- finding interpreters -------------------------------------------------------------
@@ -260,6 +330,15 @@ class PythonFrames:
                 runtime, eval_range, code_type = found
                 if self._describe(pid, version, runtime + bias, img, eval_range, code_type + bias if code_type else 0):
                     break
+
+    def poll_waiting(self) -> bool:
+        """Look again at the interpreters waiting for their runtime (a read of one pointer each);
+        whether one was described."""
+        if not self.waiting:
+            return False
+        before = self.procs_described
+        self.watch([])
+        return self.procs_described != before
 
     def _ours(self, pid: int) -> bool:
         return pid == self.own or is_helper(pid)
@@ -320,7 +399,11 @@ class PythonFrames:
             deref = found
         cfg = PY_PROC.pack(interp + o["interp_threads_head"], o["tstate_next"], o["tstate_tid"],
                            o["tstate_cframe"] & NO_OFFSET, o["current_frame"], o["frame_code"], o["frame_instr"],
-                           o["frame_previous"], o["frame_owner"] & NO_OFFSET, deref, o["frame_entry"] & NO_OFFSET)
+                           o["frame_previous"], o["frame_owner"] & NO_OFFSET, deref, o["frame_entry"] & NO_OFFSET,
+                           *(o[k] for k in ("code_adaptive", "code_qualname", "code_filename", "code_linetable",
+                                            "unicode_state", "unicode_length", "ascii_size", "compact_size",
+                                            "bytes_size", "bytes_sval", "code_firstlineno")),
+                           frame_span(o))
         try:
             self.bpf.set_python(pid, cfg)
         except OSError:  # the program's table of processes is full (4,096): this one goes unnamed
@@ -331,6 +414,7 @@ class PythonFrames:
         img = self.table.intern(ImageInfo(f"python:{pid}:{start}", f"[python {pid}]", "python", None, None, None,
                                           "absolute"))
         self.procs[pid] = p = _Proc(version, img, elf_image, eval_range, code_type)
+        self._captured.pop(pid, None)  # an earlier process of this pid's
         self.procs_described += 1
         self._names[self.table[img].key] = p.names
         return True
@@ -340,9 +424,24 @@ class PythonFrames:
         self._checked.discard(pid)
         self.waiting.pop(pid, None)
         p = self.procs.pop(pid, None)
+        self._captured.pop(pid, None)
         if p is not None:
             self.bpf.forget_python(pid)
             self._gone.append(self.table[p.image].key)  # its symbols are still to be stored
+
+    def captured(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """The code objects the program copied as their processes exited (collect/ebpf.py's
+        take_codes), kept until the process is forgotten, after this drain's samples."""
+        from cyclescope.collect.ebpf import PY_CODE_CAPS
+
+        for pid, v in zip(keys["pid"].tolist(), values, strict=True):
+            if pid not in self.procs:
+                continue
+            mem = self._captured.setdefault(pid, CapturedMemory())
+            for i, cap in enumerate(PY_CODE_CAPS):
+                n = min(int(v["len"][i]), cap)
+                if n:
+                    mem.add(int(v["addr"][i]), v[f"r{i}"][:n].tobytes())
 
     # --- naming frames ----------------------------------------------------------------------
     def stack(self, pid: int, native: tuple[tuple[int, int], ...], py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -378,12 +477,18 @@ class PythonFrames:
             key = (py[k] & ~PY_ENTRY, py[k + 1])
             f = cache.get(key)
             if f is None:
-                code, instr = key
-                c = p.codes.get(code)
+                tagged, instr = key
+                code = tagged & PY_ADDR
+                c = p.codes.get(tagged)
                 if c is None:
-                    if mem is None:
-                        mem = ProcessMemory(pid)
-                    c = self._code(p, mem, code, o)
+                    gone = self._captured.get(pid)  # the process has exited: what was copied of it
+                    if gone is not None:
+                        c = self._code(p, gone, tagged, o)
+                        self.codes_at_exit += c is not None
+                    else:
+                        if mem is None:
+                            mem = ProcessMemory(pid)
+                        c = self._code(p, mem, tagged, o)
                     if c is None:
                         continue  # not cached: read again at its next sample
                 if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
@@ -400,8 +505,10 @@ class PythonFrames:
         self.frames_named += len(out)
         return tuple(out)
 
-    def _code(self, p: _Proc, mem: ProcessMemory, code: int, o: dict[str, int]) -> _Code | None:
-        head = mem.read(code, o["code_adaptive"])
+    def _code(self, p: _Proc, mem: ProcessMemory | CapturedMemory, tagged: int, o: dict[str, int]) -> _Code | None:
+        """The code object at ``tagged``'s address, read and kept under ``tagged`` (its address and
+        tag), or None where it cannot be read or is not the object the sample saw there."""
+        head = mem.read(tagged & PY_ADDR, o["code_adaptive"])
         if head is None:
             self.unreadable += 1
             return None
@@ -409,6 +516,9 @@ class PythonFrames:
             # ob_type: not a code object (a frame read while the interpreter set it up, its
             # f_code not written yet). Its "name" was bytes of garbage in stacks of 3.11's start-up.
             self.unreadable += 1
+            return None
+        if code_tag(head, o["code_firstlineno"]) != tagged & ~PY_ADDR:
+            self.unreadable += 1  # another code object than the sample's now lives there
             return None
 
         def ptr(off: int) -> int:
@@ -428,12 +538,12 @@ class PythonFrames:
         ordered = all(ranges[i][0] >= ranges[i - 1][1] for i in range(1, len(ranges)))
         c = _Code(len(p.names), first, ranges, [r[0] for r in ranges] if ordered else None)
         p.names.append(f"py::{qual}:{fname}")
-        p.codes[code] = c
+        p.codes[tagged] = c
         self.codes_read += 1
         return c
 
     @staticmethod
-    def _bytes(mem: ProcessMemory, addr: int, o: dict[str, int]) -> bytes | None:
+    def _bytes(mem: ProcessMemory | CapturedMemory, addr: int, o: dict[str, int]) -> bytes | None:
         if not addr:
             return None
         head = mem.read(addr, o["bytes_sval"])
@@ -445,7 +555,7 @@ class PythonFrames:
         return mem.read(addr + o["bytes_sval"], n) if n else b""
 
     @staticmethod
-    def _str(mem: ProcessMemory, addr: int, o: dict[str, int]) -> str | None:
+    def _str(mem: ProcessMemory | CapturedMemory, addr: int, o: dict[str, int]) -> str | None:
         """A compact str object's text (ASCII, Latin-1, UCS-2 or UCS-4)."""
         if not addr:
             return None

@@ -28,7 +28,10 @@
  * Python (with stacks): for a CPython 3.10+ process user space has described (py_procs), the
  * sampled thread's Python frames are read from the interpreter's memory and kept with the stack:
  * their code objects and instruction pointers (3.10: instruction indexes), which user space names
- * (function, file, line).
+ * (function, file, line). Where such a process exits before user space has read the code objects of
+ * its stacks (a script of a fraction of a second, named at the next drain), the exit tracepoint
+ * (cyclescope_exit, below) copies the bytes user space would have read, while the memory is still
+ * there.
  *
  * Only uapi headers: the program reads the perf context (struct bpf_perf_event_data), user memory
  * and calls helpers, never a kernel structure, so it needs no relocation and runs on any kernel
@@ -85,8 +88,9 @@ struct trace {
 	__u32 nuser;   /* bytes of user frames */
 	__u64 ip[MAX_FRAMES]; /* kernel frames from 0, user frames from MAX_KERNEL; zeros after */
 	__u32 npy;     /* Python frames */
-	__u32 pad;
+	__u32 pid;     /* the sampled process (stacks of two processes are kept apart) */
 	__u64 py[2 * MAX_PY]; /* per Python frame: its code object and instruction pointer */
+	__u64 zero;    /* only ever written 0 (a value the verifier does not know: user_frames) */
 };
 
 /* A CPython 3.10+ process (collect/pyframes.py fills it in): where its interpreter's list of
@@ -109,6 +113,44 @@ struct py_proc {
 	__u32 tid_deref;      /* ~0: tstate_tid holds the tid; else the tid is a u32 at that offset from it */
 	__u32 frame_entry;    /* is_entry (3.11); ~0: entries are told by shim frames (3.12+) or are
 			       * every frame (3.10) */
+	/* What user space reads of a code object (pyframes.py's _code), copied at exit: */
+	__u32 code_head;      /* bytes of the code object before its bytecode */
+	__u32 code_qualname;  /* co_qualname (3.10: co_name), a str */
+	__u32 code_filename;  /* a str */
+	__u32 code_linetable; /* a bytes object */
+	__u32 unicode_state;  /* a str's state bits (kind: bits 2-4, ascii: bit 6) */
+	__u32 unicode_length; /* its length in characters */
+	__u32 ascii_size;     /* where an ASCII str's characters start */
+	__u32 compact_size;   /* where another compact str's start */
+	__u32 bytes_size;     /* a bytes object's size */
+	__u32 bytes_sval;     /* where its bytes start */
+	__u32 code_firstlineno; /* co_firstlineno: with the field after it, a code object's tag */
+	__u32 frame_span;     /* the bytes from a frame's start that hold every field read (at most 128) */
+};
+
+/* A code object of an exiting process, as user space reads it: up to four ranges of its memory
+ * (the object's head, its qualified name, its file name, its line table), each from addr[i],
+ * len[i] bytes (0: not read). Sizes: a name of up to about 180 characters, a path of 440, a line
+ * table of 990 bytes (a function of a few hundred lines); longer ones are cut, and user space's
+ * reads beyond a range fail as if unmapped (the frame keeps its name without a line, or is left
+ * unnamed). */
+#define CODE_HEAD 256
+#define NAME_CAP 256
+#define FILE_CAP 512
+#define TABLE_CAP 1024
+struct py_ckey {
+	__u32 pid;
+	__u32 pad;
+	__u64 code;
+};
+
+struct py_code {
+	__u64 addr[4];
+	__u32 len[4];
+	__u8 code[CODE_HEAD];
+	__u8 name[NAME_CAP];
+	__u8 file[FILE_CAP];
+	__u8 table[TABLE_CAP];
 };
 
 /* Counters since load, per CPU: samples seen, samples not counted (their generation's map was
@@ -116,9 +158,11 @@ struct py_proc {
  * out of the timeline (its map was full); user stacks walked with unwind rows, their frames, the
  * walks that reached the outermost frame (a row saying so), the frames stepped over by their frame
  * pointer (in no image described), the walks cut short at an image whose rows were still loading,
- * the frames whose row came from uw_cache. */
+ * the frames whose row came from uw_cache; Python processes whose code objects were copied at exit,
+ * the code objects copied, those that could not be (unreadable, or py_codes full). */
 enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, STAT_LOST_TIMELINE, STAT_UW_WALKS,
-       STAT_UW_FRAMES, STAT_UW_COMPLETE, STAT_UW_FP, STAT_UW_LOADING, STAT_UW_CACHED, NSTATS };
+       STAT_UW_FRAMES, STAT_UW_COMPLETE, STAT_UW_FP, STAT_UW_LOADING, STAT_UW_CACHED, STAT_PY_EXITS,
+       STAT_PY_CODES, STAT_PY_CODES_LOST, NSTATS };
 
 /* Unwind rows (collect/bpfunwind.py writes them): each holds from its pc up to the next row's. */
 #define UW_MAPS 64 /* executable mappings described per process (a power of two) */
@@ -196,6 +240,23 @@ struct {
 	__type(key, __u32);
 	__type(value, struct py_proc);
 } py_procs SEC(".maps");
+
+/* Code objects copied at exit (user space takes them at each drain; allocated as they come: the
+ * exit tracepoint does not run in NMI context). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 8192);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct py_ckey);
+	__type(value, struct py_code);
+} py_codes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct py_code);
+} code_scratch SEC(".maps");
 
 /* pid -> slot in uw_procs (an array, whose lookups the verifier inlines: the walk looks its
  * process up at every step). Sizes set by user space before loading (1 without -g dwarf). */
@@ -315,6 +376,8 @@ struct frame_walk {
 	__u32 owner;
 	__u32 entry;
 	__u32 runs;  /* mark the runs (below): the native walk is whole */
+	__u32 tag;   /* where the 8 bytes of a code object hashed into its tag are (below) */
+	__u32 span;  /* the bytes of a frame that hold the fields read */
 };
 
 /* Bit 0 of a kept frame's code object (which is aligned) says that the frame is the outermost of
@@ -326,6 +389,46 @@ struct frame_walk {
  * frames beyond the innermost run then. */
 #define PY_ENTRY 1ULL
 
+/* Bits 48-63 of a kept frame's code object (user addresses are below 2^47) are a tag of the
+ * object: 16 bits of a hash of its first line and the field after it. A code object freed (the
+ * start-up's compiled strings, exec) and another made at its address are two code objects to user
+ * space, which reads each once per address: without the tag a function of 3.11's was named
+ * `<module>:<string>` from a code object that had lived there during start-up. */
+#define PY_ADDR ((1ULL << 48) - 1)
+
+static __always_inline __u64 code_tag(__u64 code, __u32 at)
+{
+	__u64 v = read_ptr(code + at);
+	v *= 0x9e3779b97f4a7c15ULL;
+	return (v >> 48) << 48;
+}
+
+/* A frame's fields are read from one copy of its head (frame_span bytes: 70-71 from 3.11 on, 104 in
+ * 3.10), where a read of each field took four to six bpf_probe_read_user calls a frame. */
+#define FRAME_BUF 128
+struct frame_buf {
+	__u8 b[FRAME_BUF];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct frame_buf);
+} frame_scratch SEC(".maps");
+
+static __always_inline __u64 frame_u64(const struct frame_buf *f, __u32 off)
+{
+	if (off > FRAME_BUF - 8)
+		return 0;
+	return *(const __u64 *)&f->b[off];
+}
+
+static __always_inline __u8 frame_u8(const struct frame_buf *f, __u32 off)
+{
+	return off < FRAME_BUF ? f->b[off & (FRAME_BUF - 1)] : 0;
+}
+
 static long frame_step(__u32 i, void *data)
 {
 	struct frame_walk *w = data;
@@ -333,27 +436,32 @@ static long frame_step(__u32 i, void *data)
 	if (!w->frame || w->n >= MAX_PY)
 		return 1;
 	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
-	if (!t)
+	struct frame_buf *f = bpf_map_lookup_elem(&frame_scratch, &zero);
+	if (!t || !f)
 		return 1;
-	__u8 owner = 0;
-	if (w->owner != NO_OFFSET)
-		bpf_probe_read_user(&owner, 1, (void *)(w->frame + w->owner));
+	__u32 span = w->span;
+	if (span > FRAME_BUF)
+		span = FRAME_BUF;
+	if (span == 0 || bpf_probe_read_user(f->b, span, (void *)w->frame))
+		return 1; /* not a frame that can be read: the walk ends */
+	__u8 owner = w->owner != NO_OFFSET ? frame_u8(f, w->owner) : 0;
 	if (owner != FRAME_OWNED_BY_CSTACK) {
 		__u32 j = w->n & (MAX_PY - 1);
 		__u8 entry = 0;
 		if (w->runs && w->entry != NO_OFFSET)
-			bpf_probe_read_user(&entry, 1, (void *)(w->frame + w->entry)); /* 3.11's is_entry */
+			entry = frame_u8(f, w->entry); /* 3.11's is_entry */
 		else if (w->runs && w->owner == NO_OFFSET)
 			entry = 1; /* 3.10: a run of the loop per frame */
-		t->py[2 * j] = read_ptr(w->frame + w->code) | (entry ? PY_ENTRY : 0);
-		t->py[2 * j + 1] = read_ptr(w->frame + w->instr);
+		__u64 code = frame_u64(f, w->code) & PY_ADDR;
+		t->py[2 * j] = code | (code ? code_tag(code, w->tag) : 0) | (entry ? PY_ENTRY : 0);
+		t->py[2 * j + 1] = frame_u64(f, w->instr);
 		w->n++;
 	} else if (w->n > 0 && w->runs) {
 		/* 3.12+: a run's shim frame lies beyond its outermost frame, the one kept last */
 		__u32 j = (w->n - 1) & (MAX_PY - 1);
 		t->py[2 * j] |= PY_ENTRY;
 	}
-	w->frame = read_ptr(w->frame + w->previous);
+	w->frame = frame_u64(f, w->previous);
 	return 0;
 }
 
@@ -375,7 +483,8 @@ static __always_inline __u32 python_frames(struct trace *t, __u32 pid, __u32 tid
 	if (!base)
 		return 0;
 	struct frame_walk fw = {read_ptr(base + pp->current_frame), 0, pp->frame_code, pp->frame_instr,
-				pp->frame_previous, pp->frame_owner, pp->frame_entry, whole};
+				pp->frame_previous, pp->frame_owner, pp->frame_entry, whole, pp->code_firstlineno,
+				pp->frame_span};
 	bpf_loop(MAX_PY_WALK, frame_step, &fw, 0);
 	return fw.n;
 }
@@ -625,11 +734,11 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
 		w.bp = ctx->regs.rbp;
 	}
 	w.slot = *slot;
-	/* Zero at run time, a value unknown to the verifier (t->pad is only ever written 0): the
+	/* Zero at run time, a value unknown to the verifier (t->zero is only ever written 0): the
 	 * walk's counters and phases, constants otherwise, made it check the callback once per
 	 * combination of them (160,000 instructions and half a second of CPU at every load; 20,000
 	 * and 50 ms so). Every constant stored into the walk's state adds w->unk for that reason. */
-	w.unk = t->pad;
+	w.unk = t->zero;
 	w.n = w.unk;
 	w.fp = w.unk;
 	w.phase = w.unk;
@@ -693,7 +802,8 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	if (nu < 0)
 		nu = 0;
 	t->npy = python_frames(t, pid_tgid >> 32, (__u32)pid_tgid, whole);
-	t->pad = 0;
+	t->pid = pid_tgid >> 32;
+	t->zero = 0;
 	if (nk == 0 && nu == 0 && t->npy == 0) {
 		bump(STAT_STACK_ERRORS);
 		return 0;
@@ -702,7 +812,7 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	t->nuser = nu;
 	/* FNV-1a over the frames, mixed once more: collisions between two stacks seen in one
 	 * generation are about n^2 / 2^65 */
-	__u64 h = 0xcbf29ce484222325ULL ^ ((__u64)nk << 32) ^ (__u64)nu;
+	__u64 h = 0xcbf29ce484222325ULL ^ ((__u64)nk << 32) ^ (__u64)nu ^ ((__u64)t->pid << 16);
 	for (int i = 0; i < MAX_FRAMES; i++) {
 		h ^= t->ip[i];
 		h *= 0x100000001b3ULL;
@@ -763,6 +873,133 @@ int cyclescope_sample(struct bpf_perf_event_data *ctx)
 	__sync_fetch_and_add(&v->period, period);
 	if (v->last_ns < now)
 		v->last_ns = now;
+	return 0;
+}
+
+/* --- Python code objects copied as their process exits -------------------------------------
+ *
+ * sched_process_exit runs in the exiting task; on recent kernels (6.18 here) before its memory is
+ * released, and it says whether the thread group died with it (group_dead). A kernel whose
+ * tracepoint has no group_dead refuses the attach (the program reads past its fields), and names
+ * go as before; one that runs it after the memory is gone copies nothing (STAT_PY_CODES_LOST).
+ * For the last thread of a CPython process described in py_procs, every code object in its
+ * stacks of either generation not read by user space yet (which it deletes as it reads) is copied
+ * into py_codes, as the bytes user space would have read from the process (pyframes.py's _code):
+ * the object's head, its names and its line table. */
+struct exit_args { /* the tracepoint's format (tracefs: events/sched/sched_process_exit/format) */
+	__u64 common;
+	char comm[16];
+	__s32 pid;
+	__s32 prio;
+	__u8 group_dead;
+};
+
+struct capture_walk {
+	__u32 pid;
+	__u32 gen;   /* the stacks map looked at */
+	__u64 hash;  /* the stack being looked at */
+	struct py_proc o;
+};
+
+/* A str object's head and characters (at least compact_size bytes, as user space reads the head
+ * first), at most cap bytes; how many were read (0: none). */
+static __always_inline __u32 copy_str(struct capture_walk *w, __u64 addr, __u8 *dst, __u32 cap)
+{
+	__u32 state = 0;
+	__s64 length = 0;
+	if (!addr || bpf_probe_read_user(&state, sizeof(state), (void *)(addr + w->o.unicode_state)) ||
+	    bpf_probe_read_user(&length, sizeof(length), (void *)(addr + w->o.unicode_length)))
+		return 0;
+	if (length < 0 || length > 4096)
+		return 0;
+	__u64 kind = (state >> 2) & 7;
+	__u64 n = ((state >> 6) & 1 ? w->o.ascii_size : w->o.compact_size) + (__u64)length * kind;
+	if (n < w->o.compact_size)
+		n = w->o.compact_size;
+	if (n > cap)
+		n = cap;
+	if (n == 0 || bpf_probe_read_user(dst, n, (void *)addr))
+		return 0;
+	return n;
+}
+
+static __always_inline void copy_code(struct capture_walk *w, __u64 code)
+{
+	__u32 zero = 0;
+	struct py_ckey k = {w->pid, 0, code};
+	if (!code || bpf_map_lookup_elem(&py_codes, &k))
+		return;
+	struct py_code *v = bpf_map_lookup_elem(&code_scratch, &zero);
+	if (!v)
+		return;
+	__u32 head = w->o.code_head;
+	if (head > CODE_HEAD)
+		head = CODE_HEAD;
+	if (head == 0 || bpf_probe_read_user(v->code, head, (void *)code)) {
+		bump(STAT_PY_CODES_LOST);
+		return;
+	}
+	v->addr[0] = code;
+	v->len[0] = head;
+	__u64 name = read_ptr(code + w->o.code_qualname);
+	v->addr[1] = name;
+	v->len[1] = copy_str(w, name, v->name, NAME_CAP);
+	__u64 file = read_ptr(code + w->o.code_filename);
+	v->addr[2] = file;
+	v->len[2] = copy_str(w, file, v->file, FILE_CAP);
+	__u64 table = read_ptr(code + w->o.code_linetable);
+	__s64 size = 0;
+	__u64 n = 0;
+	if (table && !bpf_probe_read_user(&size, sizeof(size), (void *)(table + w->o.bytes_size)) && size >= 0) {
+		n = w->o.bytes_sval + (__u64)size;
+		if (n > TABLE_CAP)
+			n = TABLE_CAP;
+		if (n == 0 || bpf_probe_read_user(v->table, n, (void *)table))
+			n = 0;
+	}
+	v->addr[3] = table;
+	v->len[3] = n;
+	if (bpf_map_update_elem(&py_codes, &k, v, BPF_NOEXIST) == 0)
+		bump(STAT_PY_CODES);
+	else
+		bump(STAT_PY_CODES_LOST);
+}
+
+static long capture_frame(__u32 j, void *data)
+{
+	struct capture_walk *w = data;
+	struct trace *t = bpf_map_lookup_elem(w->gen ? (void *)&stacks1 : (void *)&stacks0, &w->hash);
+	if (!t || j >= t->npy || j >= MAX_PY)
+		return 1;
+	copy_code(w, t->py[(2 * j) & (2 * MAX_PY - 1)] & PY_ADDR & ~PY_ENTRY);
+	return 0;
+}
+
+static long capture_stack(void *map, __u64 *key, struct trace *t, struct capture_walk *w)
+{
+	if (t->pid != w->pid || t->npy == 0)
+		return 0;
+	w->hash = *key;
+	bpf_loop(MAX_PY, capture_frame, w, 0);
+	return 0;
+}
+
+SEC("tracepoint/sched/sched_process_exit")
+int cyclescope_exit(struct exit_args *ctx)
+{
+	if (!ctx->group_dead)
+		return 0;
+	__u32 pid = bpf_get_current_pid_tgid() >> 32;
+	struct py_proc *pp = bpf_map_lookup_elem(&py_procs, &pid);
+	if (!pp)
+		return 0;
+	struct capture_walk w = {.pid = pid};
+	__builtin_memcpy(&w.o, pp, sizeof(w.o));
+	bump(STAT_PY_EXITS);
+	w.gen = 0;
+	bpf_for_each_map_elem(&stacks0, capture_stack, &w, 0);
+	w.gen = 1;
+	bpf_for_each_map_elem(&stacks1, capture_stack, &w, 0);
 	return 0;
 }
 

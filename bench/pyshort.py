@@ -1,0 +1,105 @@
+"""Python programs of a fraction of a second through the eBPF path: how much of them is named.
+
+tests/programs/pylast.py spins in first() for FIRST seconds, then in last() for LAST seconds, and
+exits. `record --collector bpf --no-loop-counts -g fp -F 2000 -- pythonX.Y pylast.py FIRST LAST`;
+from `export collapsed`, the samples under `py::first` and under `py::last`, against what the
+program's CPU time at 2 kHz would give (FIRST x 2000 and LAST x 2000: spin() runs on one CPU the
+whole time, so a busy machine gives fewer). Two cases: a script of 0.1 s in all (`--short`,
+default 0.05,0.05: how soon the program is described to the eBPF program) and a last function
+that runs only after the last drain that would have read its name (`--late`, default 0.3,0.03:
+the names copied at the process's exit).
+
+Contenders: the head, and with --base REV the tree committed at REV (`git archive`), alternated
+in each round.
+
+Usage: python bench/pyshort.py [--rounds 3] [--base REV] [--pythons 3.10,3.11,3.12,3.13]
+       [--short 0.05,0.05] [--late 0.3,0.03] [--save-as NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import ROOT, cpython, fmt_spread, machine, save, tree_at
+
+PROGRAM = ROOT / "tests" / "programs" / "pylast.py"
+RATE = 2000
+
+
+def one(src: Path, exe: str, first: float, last: float, tmp: Path) -> dict[str, float]:
+    db = tmp / "db"
+    subprocess.run(["rm", "-rf", str(db)], check=True)
+    env = dict(os.environ, PYTHONPATH=str(src))
+    rec = subprocess.run([sys.executable, "-m", "cyclescope", "record", "--db", str(db), "-q", "--collector", "bpf",
+                          "--no-loop-counts", "-g", "fp", "-F", str(RATE), "--", exe, str(PROGRAM), str(first),
+                          str(last)], env=env, capture_output=True, text=True)
+    if rec.returncode != 0:
+        raise RuntimeError(rec.stderr[-400:])
+    ex = subprocess.run([sys.executable, "-m", "cyclescope", "export", "collapsed", "--db", str(db)], env=env,
+                        capture_output=True, text=True, check=True)
+    tag = f":{PROGRAM}"
+    got = {"first": 0, "last": 0, "total": 0}
+    for line in ex.stdout.splitlines():
+        s, n = line.rsplit(" ", 1)
+        frames = s.split(";")
+        got["total"] += int(n)
+        for f in ("first", "last"):
+            if f"py::{f}{tag}" in frames:
+                got[f] += int(n)
+    return {"first": got["first"] / (first * RATE), "last": got["last"] / (last * RATE), "samples": got["total"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--base", help="a git revision to compare with the head")
+    ap.add_argument("--pythons", default="3.10,3.11,3.12,3.13")
+    ap.add_argument("--short", default="0.05,0.05")
+    ap.add_argument("--late", default="0.3,0.03")
+    ap.add_argument("--save-as", default="pyshort")
+    args = ap.parse_args()
+    cases = {"short": tuple(float(x) for x in args.short.split(",")),
+             "late": tuple(float(x) for x in args.late.split(","))}
+    exes = {}
+    for v in args.pythons.split(","):
+        exe = cpython(v)
+        if exe is not None:
+            exes[v] = exe
+        else:
+            print(f"pyshort: no CPython {v} here", file=sys.stderr)
+    results: dict[str, Any] = {"machine": machine(), "args": vars(args), "runs": []}
+    with tempfile.TemporaryDirectory(prefix="pyshort-") as d:
+        tmp = Path(d)
+        trees = {"head": ROOT / "src"}
+        if args.base:
+            trees[args.base] = tree_at(args.base, tmp)
+        for r in range(args.rounds):
+            for v, exe in exes.items():
+                for case, (first, last) in cases.items():
+                    order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
+                    for label, src in order:
+                        res = one(src, exe, first, last, tmp)
+                        res.update(round=r, python=v, case=case, tree=label)
+                        results["runs"].append(res)
+                        print(f"round {r} {v:5} {case:5} {label:10} first {res['first']:5.2f} last {res['last']:5.2f}"
+                              f" of their samples at {RATE} Hz ({res['samples']} samples in all)", flush=True)
+    print("\nshare of the expected samples named, median [min, max] of the rounds:")
+    for v in exes:
+        for case in cases:
+            row = []
+            for label in trees:
+                pick = [x for x in results["runs"] if (x["python"], x["case"], x["tree"]) == (v, case, label)]
+                row.append(f"{label}: first {fmt_spread([x['first'] for x in pick], digits=2)}, "
+                           f"last {fmt_spread([x['last'] for x in pick], digits=2)}")
+            print(f"  {v:5} {case:5} " + "; ".join(row))
+    print(f"saved {save(args.save_as, results)}")
+
+
+if __name__ == "__main__":
+    main()
