@@ -227,10 +227,11 @@ def test_exact_values_are_counted_not_thinned() -> None:
     values = np.array([16] * 970 + list(range(3, 33)), np.uint64)  # 30 distinct values, 16 among them
     n = len(values)
     kept = cap.add_exact(np.full(n, 77, np.int64), np.full(n, 1, np.int64), np.full(n, 0x10, np.uint64),
-                         ["exact:rdx"] * n, values)
+                         ["exact:rdi", "exact:rdx"], np.ones(n, np.int64), values)
     assert kept == n
     named, _ = cap.take(0.0, 1.0)[1000]
     lists = named.lists
     assert len(lists) == 1 and int(lists.total[0]) == n and float(lists.p[0]) == 1.0
+    assert named.kinds[int(lists.keys["kind"][0])] == "exact:rdx"  # kinds[which[row]]
     counts = dict(zip(lists.values["v0"].tolist(), lists.counts.tolist(), strict=True))
     assert counts[16] == 971 and len(counts) == 30

@@ -80,8 +80,8 @@ class ValueProcessor:
             sites = self.probes.sites
             img = np.array([self._table.index_of(s.image) for s in sites], np.int64)[got.site]
             off = np.array([s.at for s in sites], np.uint64)[got.site]
-            kinds = [EXACT_KIND + kind_of(sites[i].reg) for i in got.site.tolist()]
-            self.capture.add_exact(got.pid, img, off, kinds, got.value)
+            kinds = [EXACT_KIND + kind_of(s.reg) for s in sites]
+            self.capture.add_exact(got.pid, img, off, kinds, got.site, got.value)
             wait = img == 0
             if wait.any() and wait.sum() <= HELD_MAX:
                 self._held = ExactValues(got.pid[wait], got.site[wait], got.value[wait])
