@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import shutil
 import subprocess
 from collections import Counter
@@ -203,9 +204,12 @@ def test_python_frames_sit_among_the_native_frames_with_dwarf_stacks(python: str
 def test_a_short_python_program_is_named_from_its_start_to_its_exit(python: str, tmp_path: Path) -> None:
     """pylast.py: first() for 0.5 s, then last() for 0.05 s, and exit. The program is described as
     its runtime starts (looked at every 5 ms until then), and last()'s code object, first seen
-    after the last drain, is named from the memory the program copied as the process exited (the
-    drains come about 10, 50 and 300 ms after the runtime starts, then a second later: with 0.3 s
-    in first() the third fell within last() one time in four)."""
+    after the last drain, is named from the memory the program copied as the process exited. The
+    drains come about 10, 50 and 300 ms after the runtime starts, then a second later, and the
+    names are read from the copies only where no drain came while last() ran: on a busy machine
+    one may (3.11 once in a run of the suite beside two busy loops), and last() is named from the
+    live process then. So the copies are asked for, and the names either way (tests/unit/
+    test_pyframes.py names frames from copies)."""
     db = tmp_path / "db"
     r = cs("record", "--db", str(db), "--collector", "bpf", "--no-loop-counts", "-g", "fp", "-F", "2000", "--",
            python, str(PROGRAMS / "pylast.py"), "0.5", "0.05", timeout=120)
@@ -215,8 +219,8 @@ def test_a_short_python_program_is_named_from_its_start_to_its_exit(python: str,
     # 2,000 samples a second of CPU: about 1,000 and 100 on a quiet machine. Without the copies at
     # exit last() had none; with a drain every 50 ms until the runtime started, first() had 0-30.
     assert last > 30 and first > last, (first, last, st.most_common(4))
-    if "copied at their process's exit" not in r.stderr:
-        pytest.fail(f"no code object named from the copies at exit: {r.stderr}")
+    m = re.search(r"([\d,]+) code objects copied as their processes exited", r.stderr)
+    assert m and int(m.group(1).replace(",", "")) > 0, r.stderr
 
 
 @pytest.mark.usefixtures("bpf_loads")

@@ -132,8 +132,12 @@ def test_pprof_export_reads_back_and_through_go_tool_pprof(recorded: Path, tmp_p
                          timeout=300, env={**__import__("os").environ, "HOME": str(tmp_path)})
     assert top.returncode == 0, top.stderr
     rows = {ln.split()[-1]: ln.split() for ln in top.stdout.splitlines() if ln.strip().endswith(("leaf", "main"))}
-    assert float(rows["leaf"][1].rstrip("%")) > 80  # flat% of leaf
-    assert float(rows["main"][4].rstrip("%")) > 90  # cum% of main
+    # pprof's flat% of leaf and cum% of main are the collapsed stacks' shares (leaf's was 76-90%
+    # of the samples: less on a busy machine, where more of them are the kernel's).
+    leaf_flat = 100 * sum(n for k, n in col.items() if k.split(";")[-1] == "leaf") / total
+    main_cum = 100 * sum(n for k, n in col.items() if "main" in k.split(";")) / total
+    assert abs(float(rows["leaf"][1].rstrip("%")) - leaf_flat) < 0.01 + 1e-9 and leaf_flat > 50, (rows, leaf_flat)
+    assert abs(float(rows["main"][4].rstrip("%")) - main_cum) < 0.01 + 1e-9 and main_cum > 60, (rows, main_cum)
 
 
 @pytest.fixture(scope="module")

@@ -763,9 +763,10 @@ class Collector:
                 out.append(line)
         if self.python is not None and self.python.procs_described:
             py = self.python
+            copied = self._bpf_stats.get("py_codes", 0)
             out.append(f"Python frames: {py.procs_described:,} CPython processes read, {py.frames_named:,} frames named"
-                       + (f"; {py.codes_at_exit:,} code objects named from memory copied at their process's exit"
-                          if py.codes_at_exit else "")
+                       + (f"; {copied:,} code objects copied as their processes exited, {py.codes_at_exit:,} of "
+                          "them named from the copies" if copied else "")
                        + (f"; {py.unreadable:,} reads failed" if py.unreadable else "")
                        + (f" (processes that exit before a drain lose their names: {self.bpf.exit_error})"
                           if self.bpf is not None and self.bpf.exit_error else ""))
