@@ -9,11 +9,16 @@ default 0.05,0.05: how soon the program is described to the eBPF program) and a 
 that runs only after the last drain that would have read its name (`--late`, default 0.3,0.03:
 the names copied at the process's exit).
 
+With --system-wide ROUNDS: `record -a --collector bpf -g fp -F 1000 -d 6`, and 2.5 s into it
+tests/programs/pyshares.py ROUNDS run under its own command name (a symlink to the interpreter):
+the share of its samples under `py::main` (the samples before the process is described to the
+program have no Python frames; with these, the interpreter's start-up and finalization).
+
 Contenders: the head, and with --base REV the tree committed at REV (`git archive`), alternated
 in each round.
 
 Usage: python bench/pyshort.py [--rounds 3] [--base REV] [--pythons 3.10,3.11,3.12,3.13]
-       [--short 0.05,0.05] [--late 0.3,0.03] [--save-as NAME]
+       [--short 0.05,0.05] [--late 0.3,0.03] [--system-wide 150] [--save-as NAME]
 """
 
 from __future__ import annotations
@@ -55,6 +60,34 @@ def one(src: Path, exe: str, first: float, last: float, tmp: Path) -> dict[str, 
     return {"first": got["first"] / (first * RATE), "last": got["last"] / (last * RATE), "samples": got["total"]}
 
 
+def system_wide(src: Path, exe: str, rounds: int, tmp: Path) -> dict[str, float]:
+    import time
+
+    db = tmp / "db"
+    subprocess.run(["rm", "-rf", str(db)], check=True)
+    link = tmp / "pyshares-py"
+    link.unlink(missing_ok=True)
+    link.symlink_to(exe)
+    env = dict(os.environ, PYTHONPATH=str(src))
+    rec = subprocess.Popen([sys.executable, "-m", "cyclescope", "record", "--db", str(db), "-a", "--collector", "bpf",
+                            "-g", "fp", "-F", "1000", "-d", "6"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)
+    script = ROOT / "tests" / "programs" / "pyshares.py"
+    subprocess.run([str(link), str(script), str(rounds)], check=True, capture_output=True)
+    _, err = rec.communicate()
+    if rec.returncode != 0:
+        raise RuntimeError(err[-400:])
+    ex = subprocess.run([sys.executable, "-m", "cyclescope", "export", "collapsed", "--db", str(db), "--process",
+                         "pyshares-py"], env=env, capture_output=True, text=True, check=True)
+    total = named = 0
+    for line in ex.stdout.splitlines():
+        s, n = line.rsplit(" ", 1)
+        total += int(n)
+        named += int(n) if f"py::main:{script}" in s.split(";") else 0
+    return {"main": named / total if total else float("nan"), "samples": total}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -62,6 +95,8 @@ def main() -> None:
     ap.add_argument("--pythons", default="3.10,3.11,3.12,3.13")
     ap.add_argument("--short", default="0.05,0.05")
     ap.add_argument("--late", default="0.3,0.03")
+    ap.add_argument("--system-wide", type=int, default=0, metavar="ROUNDS",
+                    help="also pyshares.py ROUNDS started during a system-wide recording")
     ap.add_argument("--save-as", default="pyshort")
     args = ap.parse_args()
     cases = {"short": tuple(float(x) for x in args.short.split(",")),
@@ -89,6 +124,14 @@ def main() -> None:
                         results["runs"].append(res)
                         print(f"round {r} {v:5} {case:5} {label:10} first {res['first']:5.2f} last {res['last']:5.2f}"
                               f" of their samples at {RATE} Hz ({res['samples']} samples in all)", flush=True)
+                if args.system_wide:
+                    order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
+                    for label, src in order:
+                        sw = system_wide(src, exe, args.system_wide, tmp)
+                        sw.update(round=r, python=v, case="system-wide", tree=label)
+                        results["runs"].append(sw)
+                        print(f"round {r} {v:5} system-wide {label:10} under main {sw['main']:5.3f} "
+                              f"({sw['samples']} samples)", flush=True)
     print("\nshare of the expected samples named, median [min, max] of the rounds:")
     for v in exes:
         for case in cases:
@@ -98,6 +141,13 @@ def main() -> None:
                 row.append(f"{label}: first {fmt_spread([x['first'] for x in pick], digits=2)}, "
                            f"last {fmt_spread([x['last'] for x in pick], digits=2)}")
             print(f"  {v:5} {case:5} " + "; ".join(row))
+        if args.system_wide:
+            row = []
+            for label in trees:
+                pick = [x["main"] for x in results["runs"]
+                        if (x["python"], x["case"], x["tree"]) == (v, "system-wide", label)]
+                row.append(f"{label}: under main {fmt_spread(pick, digits=3)}")
+            print(f"  {v:5} system-wide " + "; ".join(row))
     print(f"saved {save(args.save_as, results)}")
 
 

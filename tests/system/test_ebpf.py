@@ -250,7 +250,7 @@ def test_without_the_exit_tracepoint_the_program_loads_and_says_why(monkeypatch:
 
 @pytest.mark.usefixtures("bpf_loads")
 def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_path: Path) -> None:
-    """System-wide, drains are a second apart: a process mapping an interpreter brings the drain
+    """System-wide, drains are a second apart: a process starting an interpreter brings the drain
     that describes it forward, and the samples of its last drain keep their Python frames (its exit
     is read in that drain: it is forgotten after them)."""
     import os
@@ -269,8 +269,10 @@ def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_pa
     st = folded(cs("export", "collapsed", "--db", str(db), "--process", "pyshares-py").stdout)
     script = str(PROGRAMS / "pyshares.py")
     named = sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";"))
-    # The samples before the drain that describes the process have no Python frames: that drain
-    # comes when the rings' side records, read every 0.2 s system-wide, show the interpreter mapped.
-    # With 150 rounds (about 0.6 s) 61-86% were named, and 55.9% once in a full run of the suite;
-    # with 300, 84-87% in three runs, 76-90% in four beside two busy loops. A share that holds there.
-    assert sum(st.values()) > 200 and named > 0.6 * sum(st.values()), (named, st.most_common(5))
+    # The samples before the process is described have no Python frames. It is described as its
+    # interpreter starts: the first CPython of a file seen (the recorder's own) put a uprobe on the
+    # file's Py_InitializeFromConfig, whose ring wakes the collector. With 300 rounds 93-95% were
+    # named under main, beside two busy loops too (the rest: the start-up's imports, finalization).
+    # Before, when the rings' side records (read every 0.2 s) showed the interpreter mapped,
+    # 76-90%, and with 150 rounds 55.9% once in a full run of the suite.
+    assert sum(st.values()) > 200 and named > 0.85 * sum(st.values()), (named, st.most_common(5))

@@ -214,7 +214,9 @@ class Collector:
         if self.bpf is not None and self.bpf.stack_entries:
             from cyclescope.collect.pyframes import PythonFrames
 
-            self.python = PythonFrames(self.table, self.mapper, self.bpf)
+            target = self.session.target
+            self.python = PythonFrames(self.table, self.mapper, self.bpf,
+                                       start_cpus=target.cpus if isinstance(target, SystemWide) else ())
             self.flusher.symbol_sources["python"] = self.python.symbols
         if self.bpf is not None and self.bpf.unwind_rows:
             from cyclescope.collect.bpfunwind import KernelUnwind, RowLoader
@@ -236,6 +238,8 @@ class Collector:
         if isinstance(self.session.target, SystemWide):
             # DCPI's third source: processes that were running before we started.
             self.mapper.scan_proc(list_pids())
+            if self.python is not None:
+                self.python.probe_known()  # the interpreters they run, ours too: their next starts
         elif isinstance(self.session.target, Processes):
             self.mapper.scan_proc(list(self.session.target.pids))
         if self.cfg.lean_memory:  # the start-up's reads of kallsyms are done; the first flush is far off
@@ -303,6 +307,8 @@ class Collector:
                 if self.python is not None and self.python.waiting:
                     wake = min(wake, now + PY_WAIT_POLL_S)
                 drain_fds = tuple(fd for p in self.processors for fd in getattr(p, "wake_fds", tuple)())
+                if self.python is not None:
+                    drain_fds += self.python.start_fds()  # a CPython program starting: describe it now
                 ready = self._wait(max(0.0, wake - now), hooks.fds if hooks is not None else (), drain_fds)
                 now = time.monotonic()
                 if hooks is not None and hooks.tick is not None:
@@ -337,6 +343,8 @@ class Collector:
                     break
             if hooks is not None and hooks.finish is not None:
                 hooks.finish()
+            if self.python is not None:
+                self.python.stop_starts()  # closed while the last drain and flush run
             self.step()
             for p in self.processors:
                 p.finish()
@@ -422,6 +430,8 @@ class Collector:
         return own or (ring and (hup or self.session.fullest() >= WAKE_MIN_FILL))
 
     def close(self) -> None:
+        if self.python is not None:
+            self.python.close()
         if self.bpf is not None:
             self.bpf.close()
         if self.unwind is not None:
@@ -501,6 +511,7 @@ class Collector:
         self._attach_bpf()
         d = self.bpf.drain()
         if self.python is not None:
+            self.python.take_starts()  # the rings that woke us for a program's start, emptied
             # Code objects copied as their processes exited: taken after the stacks, so that every
             # stack of this drain whose process has exited has them (pyframes.py names from them).
             codes = self.bpf.take_codes()
