@@ -307,8 +307,7 @@ class PythonFrames:
         # ring wakes the collector as a process of it starts its interpreter (start_fds).
         self.start_cpus = start_cpus
         self._starts: dict[tuple[int, int, int, int], list[tuple[int, RingBuffer]]] = {}
-        self.starts_seen = 0  # programs started under the probes (their records read)
-        self._closing: threading.Thread | None = None  # stop_starts' closing of the probes
+        self._closing: list[threading.Thread] = []  # stop_starts' closing of the probes
 
     # --- finding interpreters -------------------------------------------------------------
     def watch(self, pids: list[int]) -> None:
@@ -354,8 +353,8 @@ class PythonFrames:
         s: a program of 0.6 s had 15-40% of its samples before its description, without Python
         frames. One probe per file and CPU (MAX_START_PROBES files at most); a file without
         Py_InitializeFromConfig (3.7 and older) or a kernel without the uprobe PMU gets none."""
-        if not self.start_cpus or len(self._starts) >= MAX_START_PROBES:
-            return
+        if not self.start_cpus or self._closing or len(self._starts) >= MAX_START_PROBES:
+            return  # none wanted, or closing (the recording ends), or enough
         from cyclescope.collect import kernel
         from cyclescope.images.elf import read_load_info
 
@@ -423,8 +422,6 @@ class PythonFrames:
             for _, ring in probes:
                 if ring.pending():
                     n += len(ring.read())
-        if n:
-            self.starts_seen += 1
         return n
 
     def stop_starts(self) -> None:
@@ -433,9 +430,10 @@ class PythonFrames:
         import threading
 
         probes, self._starts = self._starts, {}
-        if probes:
-            self._closing = threading.Thread(target=self._close_probes, args=(probes,), daemon=True)
-            self._closing.start()
+        if probes or not self._closing:  # a thread even with none: no probe is opened after this
+            t = threading.Thread(target=self._close_probes, args=(probes,), daemon=True)
+            t.start()
+            self._closing.append(t)
 
     @staticmethod
     def _close_probes(probes: dict[tuple[int, int, int, int], list[tuple[int, RingBuffer]]]) -> None:
@@ -448,9 +446,8 @@ class PythonFrames:
 
     def close(self) -> None:
         self.stop_starts()
-        if self._closing is not None:
-            self._closing.join()
-            self._closing = None
+        for t in self._closing:
+            t.join()
 
     def poll_waiting(self) -> bool:
         """Look again at the interpreters waiting for their runtime (a read of one pointer each);
