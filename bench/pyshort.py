@@ -115,9 +115,9 @@ def main() -> None:
         if args.base:
             trees[args.base] = tree_at(args.base, tmp)
         for r in range(args.rounds):
+            order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))  # alternated
             for v, exe in exes.items():
                 for case, (first, last) in cases.items():
-                    order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
                     for label, src in order:
                         res = one(src, exe, first, last, tmp)
                         res.update(round=r, python=v, case=case, tree=label)
@@ -125,7 +125,6 @@ def main() -> None:
                         print(f"round {r} {v:5} {case:5} {label:10} first {res['first']:5.2f} last {res['last']:5.2f}"
                               f" of their samples at {RATE} Hz ({res['samples']} samples in all)", flush=True)
                 if args.system_wide:
-                    order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
                     for label, src in order:
                         sw = system_wide(src, exe, args.system_wide, tmp)
                         sw.update(round=r, python=v, case="system-wide", tree=label)

@@ -45,7 +45,7 @@ import re
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.procmem import ProcessMemory
@@ -252,6 +252,16 @@ class CapturedMemory:
         return len(self._ranges)
 
 
+class _Symbols(NamedTuple):
+    """What an interpreter image's dynamic symbols give (addresses in the image)."""
+
+    key: tuple[int, int, int, int]  # the file (device, inode, size, mtime), whichever path led to it
+    runtime: int  # _PyRuntime
+    eval_range: tuple[int, int]  # _PyEval_EvalFrameDefault
+    code_type: int  # PyCode_Type (0: none)
+    start: int  # START, where a process's interpreter starts (0: none)
+
+
 @dataclass
 class _Code:
     slot: int
@@ -291,7 +301,7 @@ class PythonFrames:
         self._names: dict[str, list[str]] = {}  # python image key -> its symbol names, kept past exit
         self._gone: list[str] = []  # image keys of processes forgotten since the last flush
         self._checked: set[int] = set()
-        self._images: dict[tuple[int, int, int, int], tuple[int, tuple[int, int], int] | None] = {}
+        self._images: dict[tuple[int, int, int, int], _Symbols | None] = {}
         self.frames_named = 0
         self.procs_described = 0
         self.codes_read = 0  # code objects read (their names and line tables), over the run
@@ -335,16 +345,16 @@ class PythonFrames:
                 version = interpreter_version(info.path)
                 if info.kind != "elf" or version is None:
                     continue
-                # The file as this process sees it (a container's root), else at its path here.
-                found = self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path)
+                found = self._interpreter(pid, info.path)
                 if found is None:
                     continue
-                runtime, eval_range, code_type = found
-                self._probe_starts(f"/proc/{pid}/root{info.path}", info.path)
-                if self._describe(pid, version, runtime + bias, img, eval_range, code_type + bias if code_type else 0):
+                syms, path = found
+                self._probe_starts(syms, path)
+                if self._describe(pid, version, syms.runtime + bias, img, syms.eval_range,
+                                  syms.code_type + bias if syms.code_type else 0):
                     break
 
-    def _probe_starts(self, *paths: str) -> None:
+    def _probe_starts(self, syms: _Symbols, path: str) -> None:
         """Have the kernel wake the collector when a process of this interpreter file starts its
         interpreter (a uprobe sampling every entry of Py_InitializeFromConfig, which python's main
         and embedding programs call once, before the runtime exists: the process then waits, its
@@ -353,43 +363,34 @@ class PythonFrames:
         s: a program of 0.6 s had 15-40% of its samples before its description, without Python
         frames. One probe per file and CPU (MAX_START_PROBES files at most); a file without
         Py_InitializeFromConfig (3.7 and older) or a kernel without the uprobe PMU gets none."""
-        if not self.start_cpus or self._closing or len(self._starts) >= MAX_START_PROBES:
-            return  # none wanted, or closing (the recording ends), or enough
+        if (not self.start_cpus or self._closing or syms.key in self._starts
+                or len(self._starts) >= MAX_START_PROBES):
+            return  # none wanted, or closing (the recording ends), or probed already, or enough
         from cyclescope.collect import kernel
         from cyclescope.images.elf import read_load_info
 
-        for path in paths:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            if key in self._starts:
-                return
-            self._starts[key] = opened = []
-            pmu = kernel.uprobe_pmu_type()
-            try:
-                vaddr = dynamic_symbols(path, (START,)).get(START, (0, 0))[0]
-                offset = read_load_info(path).file_offset(vaddr) if vaddr else None
-            except Exception:  # an image we cannot read: no probe
-                offset = None
-            if pmu is None or offset is None:
-                return
-            for cpu in self.start_cpus:
-                fd = -1
-                try:
-                    # A record (56 bytes: the sampler's fields and one register, rip, as the
-                    # kernel refuses a register sample with none) is past the watermark of 32
-                    # bytes: each start wakes the reader.
-                    fd = kernel.open_uprobe_sampler(pmu, path, offset, -1, cpu, 1 << PERF_REG_IP, ring_bytes=64)
-                    ring = kernel.RingBuffer(fd, 1)
-                    kernel.ioctl_enable(fd)
-                except (OSError, kernel.PerfOpenError):
-                    if fd >= 0:
-                        kernel.close_fd(fd)
-                    continue
-                opened.append((fd, ring))
+        self._starts[syms.key] = opened = []
+        pmu = kernel.uprobe_pmu_type()
+        try:
+            offset = read_load_info(path).file_offset(syms.start) if syms.start else None
+        except Exception:  # an image we cannot read: no probe
+            offset = None
+        if pmu is None or offset is None:
             return
+        for cpu in self.start_cpus:
+            fd = -1
+            try:
+                # A record (56 bytes: the sampler's fields and one register, rip, as the kernel
+                # refuses a register sample with none) is past the watermark of 32 bytes: each
+                # start wakes the reader.
+                fd = kernel.open_uprobe_sampler(pmu, path, offset, -1, cpu, 1 << PERF_REG_IP, ring_bytes=64)
+                ring = kernel.RingBuffer(fd, 1)
+                kernel.ioctl_enable(fd)
+            except (OSError, kernel.PerfOpenError):
+                if fd >= 0:
+                    kernel.close_fd(fd)
+                continue
+            opened.append((fd, ring))
 
     def probe_known(self) -> None:
         """Start probes on the interpreter files that the processes known now map (after the
@@ -406,8 +407,8 @@ class PythonFrames:
                 info = self.table[img]
                 if info.kind != "elf" or interpreter_version(info.path) is None:
                     continue
-                if self._symbols(f"/proc/{pid}/root{info.path}") or self._symbols(info.path):
-                    self._probe_starts(f"/proc/{pid}/root{info.path}", info.path)
+                if (found := self._interpreter(pid, info.path)) is not None:
+                    self._probe_starts(*found)
 
     def start_fds(self) -> tuple[int, ...]:
         """The start probes' rings (the collector polls them: readable when an interpreter
@@ -472,12 +473,17 @@ class PythonFrames:
                 out.append(r.pid)
         return out
 
-    def _symbols(self, path: str) -> tuple[int, tuple[int, int], int] | None:
-        """_PyRuntime's address, the evaluation loop's range and PyCode_Type's address (0 where
-        it has none) in an interpreter image, from its dynamic symbols (cached per file); None when
-        it has no _PyRuntime (a python3 that links libpython) or cannot be read."""
-        import os
+    def _interpreter(self, pid: int, path: str) -> tuple[_Symbols, str] | None:
+        """An interpreter image's symbols, and the path they were read at: the file as the process
+        sees it (a container's root), else at its path here."""
+        for p in (f"/proc/{pid}/root{path}", path):
+            if (syms := self._symbols(p)) is not None:
+                return syms, p
+        return None
 
+    def _symbols(self, path: str) -> _Symbols | None:
+        """An interpreter image's symbols from its dynamic symbols (cached per file); None when it
+        has no _PyRuntime (a python3 that links libpython) or cannot be read."""
         try:
             st = os.stat(path)
         except OSError:
@@ -485,11 +491,12 @@ class PythonFrames:
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # one file, whichever path led to it
         if key not in self._images:
             try:
-                found = dynamic_symbols(path, ("_PyRuntime", EVAL, "PyCode_Type"))
+                found = dynamic_symbols(path, ("_PyRuntime", EVAL, "PyCode_Type", START))
             except Exception:  # a file we cannot parse (ELFError, OSError, ...) is not an interpreter here
                 found = {}
             lo, size = found.get(EVAL, (0, 0))
-            self._images[key] = ((found["_PyRuntime"][0], (lo, lo + size), found.get("PyCode_Type", (0, 0))[0])
+            self._images[key] = (_Symbols(key, found["_PyRuntime"][0], (lo, lo + size),
+                                          found.get("PyCode_Type", (0, 0))[0], found.get(START, (0, 0))[0])
                                  if "_PyRuntime" in found else None)
         return self._images[key]
 
