@@ -923,6 +923,14 @@ static __always_inline __u32 copy_str(struct capture_walk *w, __u64 addr, __u8 *
 	return n;
 }
 
+/* A pointer at ``off`` in a code object's copied head of ``head`` bytes (0 past it). */
+static __always_inline __u64 head_u64(const struct py_code *v, __u32 head, __u32 off)
+{
+	if (off > CODE_HEAD - 8 || off + 8 > head)
+		return 0;
+	return *(const __u64 *)&v->code[off];
+}
+
 static __always_inline void copy_code(struct capture_walk *w, __u64 code)
 {
 	__u32 zero = 0;
@@ -941,13 +949,14 @@ static __always_inline void copy_code(struct capture_walk *w, __u64 code)
 	}
 	v->addr[0] = code;
 	v->len[0] = head;
-	__u64 name = read_ptr(code + w->o.code_qualname);
+	/* The object's fields from the head just copied, not read from the process again */
+	__u64 name = head_u64(v, head, w->o.code_qualname);
 	v->addr[1] = name;
 	v->len[1] = copy_str(w, name, v->name, NAME_CAP);
-	__u64 file = read_ptr(code + w->o.code_filename);
+	__u64 file = head_u64(v, head, w->o.code_filename);
 	v->addr[2] = file;
 	v->len[2] = copy_str(w, file, v->file, FILE_CAP);
-	__u64 table = read_ptr(code + w->o.code_linetable);
+	__u64 table = head_u64(v, head, w->o.code_linetable);
 	__s64 size = 0;
 	__u64 n = 0;
 	if (table && !bpf_probe_read_user(&size, sizeof(size), (void *)(table + w->o.bytes_size)) && size >= 0) {
