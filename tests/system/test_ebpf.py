@@ -8,12 +8,13 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.system.helpers import cs, cs_popen, folded, prof_json, samples_of
+from tests.system.helpers import cs, cs_popen, env, folded, prof_json, samples_of
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("needs_perf")]
 PROGRAMS = Path(__file__).parents[1] / "programs"
@@ -221,6 +222,53 @@ def test_a_short_python_program_is_named_from_its_start_to_its_exit(python: str,
     assert last > 30 and first > last, (first, last, st.most_common(4))
     m = re.search(r"([\d,]+) code objects copied as their processes exited", r.stderr)
     assert m and int(m.group(1).replace(",", "")) > 0, r.stderr
+
+
+# record, with the process killed as the drain that first sees its last() names its frames (below)
+RACE = """
+import os, signal, sys, time
+from cyclescope.cli.main import entry
+from cyclescope.collect.pyframes import PY_ENTRY, PythonFrames
+
+orig, after, seen, done = PythonFrames.stack, float(sys.argv[1]), {}, []
+
+def stack(self, pid, native, py):
+    if pid not in self.procs:
+        return orig(self, pid, native, py)
+    seen.setdefault(pid, time.monotonic())  # its first frames: as its runtime started
+    new = [py[k] & ~PY_ENTRY for k in range(0, len(py), 2) if py[k] & ~PY_ENTRY not in self.procs[pid].codes]
+    if new and not done and time.monotonic() - seen[pid] > after:
+        os.kill(pid, signal.SIGKILL)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # gone, its memory with it
+        done.append(pid)
+    return orig(self, pid, native, py)
+
+PythonFrames.stack = stack
+sys.argv[1:] = sys.argv[2:]
+entry()
+"""
+
+
+@pytest.mark.usefixtures("bpf_loads")
+@pytest.mark.parametrize("python", interpreters_without_perf_maps()[-1:])
+def test_a_process_that_exits_while_its_frames_are_named_keeps_its_names(python: str, tmp_path: Path) -> None:
+    """The race the copies at exit must also cover: a drain takes the stacks with last()'s first
+    samples while the process runs, and the process exits before the drain reads last()'s code
+    object from its memory (here: killed as the first drain 0.7 s after the process's first
+    frames names a new code object, last()'s after first()'s half second). last()'s samples keep
+    their name, from the memory copied as it exited."""
+    db = tmp_path / "db"
+    script = str(PROGRAMS / "pylast.py")
+    p = subprocess.run([sys.executable, "-c", RACE, "0.7", "record", "--db", str(db), "--collector", "bpf",
+                        "--no-loop-counts", "-g", "fp", "-F", "2000", "--", python, script, "0.5", "30"],
+                       capture_output=True, text=True, env=env(), timeout=120)
+    assert p.returncode != 0 and "code objects copied" in p.stderr, p.stderr  # killed, with copies
+    st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+    spin = {s: n for s, n in st.items() if f"py::spin:{script}" in s.split(";")}
+    last = sum(n for s, n in spin.items() if f"py::last:{script}" in s.split(";"))
+    unnamed = sum(n for s, n in spin.items() if not {f"py::first:{script}", f"py::last:{script}"} & set(s.split(";")))
+    # Killed a drain or two after first() ended: a quarter second of last() or more.
+    assert last > 200 and unnamed < 0.02 * sum(spin.values()), (last, unnamed, Counter(spin).most_common(3), p.stderr)
 
 
 @pytest.mark.usefixtures("bpf_loads")

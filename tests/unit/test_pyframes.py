@@ -141,7 +141,8 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
     mapper.scan_proc([os.getpid()])
     described: dict[int, bytes] = {}
-    bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg), forget_python=lambda pid: None)
+    bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg), forget_python=lambda pid: None,
+                          take_codes=_no_codes)
     pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
     pf.watch([os.getpid()])
     assert not described  # the recorder does not read its own frames
@@ -174,6 +175,14 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     assert pf.symbols(table[img].key) is not None  # kept for the flush after the process is gone
     pf.flushed()
     assert pf.symbols(table[img].key) is None
+
+
+def _no_codes():
+    import numpy as np
+
+    from cyclescope.collect.ebpf import PY_CKEY_DTYPE, PY_CODE_DTYPE
+
+    return np.zeros(0, PY_CKEY_DTYPE), np.zeros(0, PY_CODE_DTYPE)
 
 
 def _as_copied_at_exit(pid: int, codes: list, o: dict[str, int]):
@@ -256,6 +265,45 @@ def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
     m.add(200, b"xyz")
     assert m.read(101, 3) == b"bcd" and m.read(104, 3) is None and m.read(200, 3) == b"xyz"
     assert m.read(99, 1) is None and m.read(203, 1) is None and len(m) == 2
+
+
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
+def test_a_process_that_exits_as_its_frames_are_named_is_named_from_the_late_copies() -> None:
+    """The drain took the copies before the process exited, and names its frames after: its
+    memory cannot be read, and the copies are looked for again (the drain's stacks stayed in the
+    program's map for its exit program to copy from), once per process and drain."""
+    from cyclescope.images.maps import Mapper
+    from cyclescope.images.registry import ImageResolver
+
+    table = ImageTable()
+    mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
+    mapper.scan_proc([os.getpid()])
+    queue: list = []
+    calls = []
+
+    def take_codes():
+        calls.append(1)
+        return queue.pop(0) if queue else _no_codes()
+
+    bpf = SimpleNamespace(set_python=lambda pid, cfg: None, forget_python=lambda pid: None, take_codes=take_codes)
+    pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
+    pf.own = -1
+    pf.watch([os.getpid()])
+    gone = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
+    pf.procs[gone] = pf.procs.pop(os.getpid())  # a process whose memory is gone
+    o = OFFSETS[(sys.version_info.major, sys.version_info.minor)]
+    code = sample_function.__code__
+    pf.take_codes()  # the drain's: nothing copied yet
+    keys, vals = _as_copied_at_exit(os.getpid(), [code], o)
+    keys["pid"] = gone
+    queue.append((keys, vals))  # copied as it exited, after the drain's look
+    frames = pf.frames(gone, (_tagged(code), 0, _tagged(_codes.__code__), 0))
+    # sample_function from the late copies; _codes was not copied: unnamed, and not looked for twice.
+    assert len(frames) == 1 and pf.codes_at_exit == 1 and len(calls) == 2
+    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == () and len(calls) == 2
+    pf.take_codes()  # the next drain's: from then on its frames are named from the copies alone
+    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == () and len(calls) == 3
 
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,

@@ -49,7 +49,7 @@ from cyclescope.perf.records import (
 
 if TYPE_CHECKING:
     from cyclescope.collect.bpfunwind import KernelUnwind
-    from cyclescope.collect.ebpf import BpfAggregator
+    from cyclescope.collect.ebpf import BpfAggregator, Drained
     from cyclescope.collect.pyframes import PythonFrames
 
 # A ring's wake-up is acted on only when the fullest ring holds at least this share of its size
@@ -510,19 +510,23 @@ class Collector:
         """One drain of the eBPF path: the program's counts of the generation it filled until
         now, one row per distinct (process, ip, event, stack), mapped after the side records
         that came before each row's last sample."""
-        from cyclescope.collect.ebpf import to_rows
-
         assert self.bpf is not None
         self._attach_bpf()
         d = self.bpf.drain()
         if self.python is not None:
             if self.python.take_starts():  # the rings that woke us for a program's start, emptied
                 self._start_quiet_until = time.monotonic() + PY_START_WAKE_S
-            # Code objects copied as their processes exited: taken after the stacks, so that every
-            # stack of this drain whose process has exited has them (pyframes.py names from them).
-            codes = self.bpf.take_codes()
-            if len(codes[0]):
-                self.python.captured(*codes)
+            self.python.take_codes()  # copied as their processes exited: after the stacks
+        try:
+            return self._count_bpf(d, side)
+        finally:
+            self.bpf.release_stacks()  # their frames named (ebpf.py's drain says why they stayed)
+
+    def _count_bpf(self, d: Drained, side: list[SideRecord]) -> int:
+        """A drain of the eBPF path's rows mapped, counted and handed to the processors."""
+        from cyclescope.collect.ebpf import to_rows
+
+        assert self.bpf is not None
         rows = to_rows(d, self._chains_bpf, self._bpf_stacks)
         self._bpf_stacks = d.stacks
         self._note_bpf_stats()

@@ -127,6 +127,8 @@ class _Lib:
             ("bpf_map_delete_elem", i, [i, vp]),
             ("bpf_map_lookup_and_delete_batch", i, [i, vp, vp, vp, vp, ctypes.POINTER(u32),
                                                     ctypes.POINTER(_BatchOpts)]),
+            ("bpf_map_lookup_batch", i, [i, vp, vp, vp, vp, ctypes.POINTER(u32), ctypes.POINTER(_BatchOpts)]),
+            ("bpf_map_delete_batch", i, [i, vp, ctypes.POINTER(u32), ctypes.POINTER(_BatchOpts)]),
             ("bpf_map_update_batch", i, [i, vp, vp, ctypes.POINTER(u32), ctypes.POINTER(_BatchOpts)]),
             ("libbpf_get_error", ctypes.c_long, [vp]),
         ):
@@ -267,6 +269,7 @@ class BpfAggregator:
         self.gen = 0
         self._ncpus = _possible_cpus()
         self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per map: _take's batch buffers
+        self._held: tuple[int, np.ndarray] | None = None  # the stacks map and keys the last drain read
         self._describes = 0  # describe_unwind calls: each description's generation
         self._set_control()
 
@@ -348,12 +351,20 @@ class BpfAggregator:
         another CPU while the generation flipped may land in the emptied maps after this read: it
         is read two drains later, never lost; its stack, if that was read (and deleted) now, is
         looked up in the stacks kept from this drain (``Drained.stacks`` of the caller's previous
-        call: the caller keeps one drain of them)."""
+        call: the caller keeps one drain of them).
+
+        The stacks read stay in the program's map until release_stacks (at the latest, the next
+        drain, before it flips back to them): a Python process that exits while the caller names
+        their frames finds them there, and its exit program copies their code objects
+        (pyframes.py's take_late)."""
+        self.release_stacks()
         old = self.flip()
         keys, vals = self._take(self.fds[f"counts{old}"], KEY_DTYPE, VAL_DTYPE, self.entries)
         stacks: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         if self.stack_entries:
-            hk, tr = self._take(self.fds[f"stacks{old}"], np.dtype("<u8"), TRACE_DTYPE, self.stack_entries)
+            fd = self.fds[f"stacks{old}"]
+            hk, tr = self._take(fd, np.dtype("<u8"), TRACE_DTYPE, self.stack_entries, delete=False)
+            self._held = (fd, hk)
             for h, nk, nu, npy, ips, py in zip(hk.tolist(), tr["nkernel"].tolist(), tr["nuser"].tolist(),
                                                tr["npy"].tolist(), tr["ip"], tr["py"], strict=True):
                 stacks[h] = (tuple(ips[: nk // 8].tolist()), tuple(ips[MAX_KERNEL : MAX_KERNEL + nu // 8].tolist()),
@@ -365,10 +376,32 @@ class BpfAggregator:
         tl["count"], tl["period"] = tv["count"], tv["period"]
         return Drained(keys, vals, stacks, tl)
 
-    def _take(self, fd: int, kdt: np.dtype, vdt: np.dtype, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every entry of a hash map, deleted as read (bpf_map_lookup_and_delete_batch), through
-        buffers kept per map: fresh ones (np.zeros of up to 8,192 stacks, 12 MiB) cost a page fault
-        per 4 KiB at every drain, the largest part of reading the stacks."""
+    def release_stacks(self) -> None:
+        """Delete from the program's map the stacks the last drain read (drain says why they
+        stayed)."""
+        held, self._held = self._held, None
+        if held is None or not len(held[1]):
+            return
+        fd, keys = held
+        keys = np.ascontiguousarray(keys)
+        opts = _BatchOpts(sz=ctypes.sizeof(_BatchOpts))
+        done = 0
+        while done < len(keys):
+            n = ctypes.c_uint32(len(keys) - done)
+            rc = self._l.lib.bpf_map_delete_batch(fd, keys[done:].ctypes.data, ctypes.byref(n), ctypes.byref(opts))
+            err = ctypes.get_errno() if rc else 0
+            done += n.value
+            if rc and err == errno.ENOENT:
+                done += 1  # not there (nothing else deletes them): the rest still go
+            elif rc:
+                raise OSError(err, f"emptying the BPF program's stacks: {os.strerror(err)}")
+
+    def _take(self, fd: int, kdt: np.dtype, vdt: np.dtype, capacity: int,
+              delete: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry of a hash map, deleted as read (bpf_map_lookup_and_delete_batch) unless
+        ``delete`` is false, through buffers kept per map: fresh ones (np.zeros of up to 8,192
+        stacks, 12 MiB) cost a page fault per 4 KiB at every drain, the largest part of reading
+        the stacks."""
         bufs = self._bufs.get(fd)
         if bufs is None:
             step = max(1, min(capacity, 8192, (2 << 20) // max(1, vdt.itemsize)))
@@ -382,9 +415,9 @@ class BpfAggregator:
         first = True
         while True:
             n = ctypes.c_uint32(step)
-            rc = self._l.lib.bpf_map_lookup_and_delete_batch(
-                fd, None if first else in_b, out_b, ks.ctypes.data, vs.ctypes.data, ctypes.byref(n),
-                ctypes.byref(opts))
+            batch = self._l.lib.bpf_map_lookup_and_delete_batch if delete else self._l.lib.bpf_map_lookup_batch
+            rc = batch(fd, None if first else in_b, out_b, ks.ctypes.data, vs.ctypes.data, ctypes.byref(n),
+                       ctypes.byref(opts))
             err = ctypes.get_errno() if rc else 0
             if n.value:
                 kparts.append(ks[: n.value].copy())

@@ -22,10 +22,13 @@ not named.
 
 A process that exits before the drain that would read its new code objects (a script of a fraction
 of a second: its first drain with Python frames comes 50 ms after it is described) had its frames
-go unnamed. The program's exit tracepoint now copies, as the process exits, the ranges of memory
-that reading a code object looks at (the object's head, its names, its line table); user space
-takes them at the next drain and reads the same bytes from them (CapturedMemory) where the process
-can no longer be read.
+go unnamed. The program's exit tracepoint copies, as the process exits, the ranges of memory that
+reading a code object looks at (the object's head, its names, its line table) for the code
+objects in its stacks not read yet; user space takes them at the next drain and reads the same
+bytes from them (CapturedMemory) where the process can no longer be read. One that exits while a
+drain names its frames (after the drain took the copies) is covered too: the drain's stacks stay
+in the program's map until they are named, so its exit finds them, and the first code object of
+it that cannot be read makes the drain take the copies again (_take_late).
 
 In the stored stack the Python frames replace the interpreter's C frames from the innermost
 evaluation loop (`_PyEval_EvalFrameDefault`) outwards: the C code a Python function called stays
@@ -308,6 +311,7 @@ class PythonFrames:
         self.codes_at_exit = 0  # of which from the memory the program copied as their process exited
         # Per process that exited: what the program copied of its code objects (take_codes).
         self._captured: dict[int, CapturedMemory] = {}
+        self._late: set[int] = set()  # processes the copies were looked for again in this drain
         self.own = os.getpid()
         self.unreadable = 0
         # Interpreters seen before their runtime was initialized: looked at again every few
@@ -554,6 +558,28 @@ class PythonFrames:
             self.bpf.forget_python(pid)
             self._gone.append(self.table[p.image].key)  # its symbols are still to be stored
 
+    def take_codes(self) -> None:
+        """At each drain, after the stacks: the code objects the program copied as their
+        processes exited, so that every stack of this drain whose process has exited has them."""
+        self._late.clear()
+        self._take()
+
+    def _take_late(self, pid: int) -> CapturedMemory | None:
+        """A code object of ``pid`` unreadable while this drain names its frames: if the process
+        exited since the drain began, the program copied it as it exited (the drain's stacks
+        stay in its map until they are named: ebpf.py's drain), and the copies are taken now.
+        Looked for once per process and drain."""
+        if pid in self._late:
+            return None
+        self._late.add(pid)
+        self._take()
+        return self._captured.get(pid)
+
+    def _take(self) -> None:
+        keys, values = self.bpf.take_codes()
+        if len(keys):
+            self.captured(keys, values)
+
     def captured(self, keys: np.ndarray, values: np.ndarray) -> None:
         """The code objects the program copied as their processes exited (collect/ebpf.py's
         take_codes), kept until the process is forgotten, after this drain's samples."""
@@ -614,6 +640,9 @@ class PythonFrames:
                         if mem is None:
                             mem = ProcessMemory(pid)
                         c = self._code(p, mem, tagged, o)
+                        if c is None and (late := self._take_late(pid)) is not None:
+                            c = self._code(p, late, tagged, o)  # it exited as we named its frames
+                            self.codes_at_exit += c is not None
                     if c is None:
                         continue  # not cached: read again at its next sample
                 if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)

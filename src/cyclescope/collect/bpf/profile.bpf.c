@@ -883,7 +883,7 @@ int cyclescope_sample(struct bpf_perf_event_data *ctx)
  * tracepoint has no group_dead refuses the attach (the program reads past its fields), and names
  * go as before; one that runs it after the memory is gone copies nothing (STAT_PY_CODES_LOST).
  * For the last thread of a CPython process described in py_procs, every code object in its
- * stacks of either generation not read by user space yet (which it deletes as it reads) is copied
+ * stacks of either generation not named by user space yet (which deletes them once named) is copied
  * into py_codes, as the bytes user space would have read from the process (pyframes.py's _code):
  * the object's head, its names and its line table. */
 struct exit_args { /* the tracepoint's format (tracefs: events/sched/sched_process_exit/format) */
