@@ -21,7 +21,10 @@ within each round.
 --python makes one of the loops a CPython program 30 calls deep: with -g the daemon reads and
 names its Python frames (collect/pyframes.py).
 
+With --base REV each contender also runs as the tree committed at REV (MODE@REV), alternated.
+
 Usage: python bench/collectorcpu.py [--rates 1000,16000] [--rounds 3] [--contenders flat,fp,dwarf]
+       [--python] [--base REV]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import build, cyclescope_cmd, fmt_spread, machine, median, run, save
+from common import ROOT, build, cyclescope_cmd, fmt_spread, machine, median, run, save, tree_at
 
 CONTENDERS = {"flat": [], "fp": ["-g", "fp"], "dwarf": ["-g", "dwarf"]}
 # --python: one of the busy loops is CPython's, 30 calls deep, whose frames the daemon names with -g.
@@ -126,11 +129,14 @@ def fresh_db(warm: Path, dest: Path) -> Path:
     return dest
 
 
-def one(name: str, rate: int, exe: Path, args: argparse.Namespace, db: Path) -> dict[str, Any]:
+def one(name: str, rate: int, exe: Path, args: argparse.Namespace, db: Path, src: Path) -> dict[str, Any]:
+    """One daemon run of contender ``name`` (a mode, or MODE@REV: that tree's) with ``src`` on its
+    PYTHONPATH."""
     secs = args.seconds
     loops = start_loops(exe, secs + 3, args)
-    cmd = daemon_cmd(db, secs, rate, args.flush_interval, CONTENDERS[name])
-    d = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = daemon_cmd(db, secs, rate, args.flush_interval, CONTENDERS[name.split("@")[0]])
+    d = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(src)))
     time.sleep(args.warmup)
     a = tree_cpu_ns(d.pid)
     kids: dict[int, str] = {}
@@ -169,6 +175,8 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=2, help="busy loops beside the daemon (default: one per CPU)")
     ap.add_argument("--python", action="store_true",
                     help="one busy loop is a CPython program 30 calls deep (its frames named with -g)")
+    ap.add_argument("--base", metavar="REV",
+                    help="also run each contender as the tree committed at REV (MODE@REV), alternated")
     ap.add_argument("--save-as", default="collectorcpu")
     args = ap.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
@@ -180,6 +188,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cs-bench-collectorcpu-") as td:
         tmp = Path(td)
+        srcs = {n: ROOT / "src" for n in names}
+        if args.base:
+            base = tree_at(args.base, tmp)
+            for n in list(names):
+                srcs[f"{n}@{args.base}"] = base
+            names = [x for n in names for x in (n, f"{n}@{args.base}")]
         exe = build("workload.c", tmp / "workload")
         db = tmp / "db"
         # One database for every run, its symbol tables archived first: a fresh database archives
@@ -196,7 +210,7 @@ def main() -> None:
             order = [(n, r) for n in names for r in rates]
             k = rnd % len(order)
             for n, r in order[k:] + order[:k]:  # rotated each round
-                row = one(n, r, exe, args, fresh_db(db, tmp / f"run-{len(rows)}"))
+                row = one(n, r, exe, args, fresh_db(db, tmp / f"run-{len(rows)}"), srcs[n])
                 row["round"] = rnd
                 rows.append(row)
                 print(f"round {rnd} {n:5s} {r:6d} Hz: {row['cpu_per_s_ms']:.2f} ms/s, "

@@ -230,20 +230,21 @@ import os, signal, sys, time
 from cyclescope.cli.main import entry
 from cyclescope.collect.pyframes import PY_ENTRY, PythonFrames
 
-orig, after, seen, done = PythonFrames.stack, float(sys.argv[1]), {}, []
+orig, after, seen, done = PythonFrames.stacks, float(sys.argv[1]), {}, []
 
-def stack(self, pid, native, py):
-    if pid not in self.procs:
-        return orig(self, pid, native, py)
-    seen.setdefault(pid, time.monotonic())  # its first frames: as its runtime started
-    new = [py[k] & ~PY_ENTRY for k in range(0, len(py), 2) if py[k] & ~PY_ENTRY not in self.procs[pid].codes]
-    if new and not done and time.monotonic() - seen[pid] > after:
-        os.kill(pid, signal.SIGKILL)
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # gone, its memory with it
-        done.append(pid)
-    return orig(self, pid, native, py)
+def stacks(self, pids, natives, pys):
+    for pid, py in zip(pids, pys):
+        if pid not in self.procs or done:
+            continue
+        seen.setdefault(pid, time.monotonic())  # its first frames: as its runtime started
+        codes = self.procs[pid].codes
+        if any(py[k] & ~PY_ENTRY not in codes for k in range(0, len(py), 2)) and time.monotonic() - seen[pid] > after:
+            os.kill(pid, signal.SIGKILL)
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # gone, its memory with it
+            done.append(pid)
+    return orig(self, pids, natives, pys)
 
-PythonFrames.stack = stack
+PythonFrames.stacks = stacks
 sys.argv[1:] = sys.argv[2:]
 entry()
 """

@@ -375,7 +375,8 @@ def test_runs_are_told_by_the_programs_entry_bit_and_fall_back_to_a_splice() -> 
     named = {0x100: (9, 1), 0x200: (9, 2), 0x300: (9, 3)}
     pf = object.__new__(PythonFrames)
     pf.procs = {7: p}  # type: ignore[assignment]
-    pf.frames = lambda pid, py: tuple(named[c & ~PY_ENTRY] for c in py[::2])  # type: ignore[method-assign]
+    pf.frames_named = 0
+    pf._frame = lambda p, pid, tagged, instr, mem: named.get(tagged)  # type: ignore[method-assign]
     native = ((LIB, 0x10), (EV, 0x1005), (LIB, 0x20), (EV, 0x1008), (LIB, 0x30))
     # (code, instruction) pairs innermost first; bit 0 of a code object: the outermost of a run.
     raw = (0x100, 0, 0x200 | PY_ENTRY, 0, 0x300 | PY_ENTRY, 0)
@@ -386,3 +387,11 @@ def test_runs_are_told_by_the_programs_entry_bit_and_fall_back_to_a_splice() -> 
     # Runs and native loop frames that do not match: the splice too.
     assert pf.stack(7, native[:2], raw) == ((LIB, 0x10), (EV, 0x1005), (9, 1), (9, 2), (9, 3))
     assert pf.stack(8, native, raw) == native  # a process not described
+    # A drain's stacks at once, of two processes, in their order; a frame that cannot be named
+    # (0x400) is left out of its run.
+    pf.procs[9] = p  # type: ignore[index]
+    odd = (0x400, 5, 0x100 | PY_ENTRY, 1)
+    whole, before = pf.stack(7, native, raw), pf.frames_named
+    assert pf.stacks([7, 8, 9, 7, 9], [native, native, native[:2], native[:2], native], [raw, raw, odd, (), odd]) == [
+        whole, native, ((LIB, 0x10), (EV, 0x1005), (9, 1)), native[:2], ((LIB, 0x10), (EV, 0x1005), (9, 1))]
+    assert pf.frames_named - before == 3 + 1 + 1

@@ -231,7 +231,7 @@ class Collector:
         python_stack = None
         if self.python is not None:
             py = self.python
-            python_stack = py.stack
+            python_stack = py.stacks
         tasks = tuple(sorted({ev.tid for ev in self.session.open_events if ev.tid >= 0}))
         ctx = Context(self.table, self.mapper, tuple(s.label for s in self.session.events),
                       not isinstance(self.session.target, SystemWide), time_event, cols, self.vdso_bytes,

@@ -9,7 +9,7 @@ collector does not grow with each thing computed from samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -65,10 +65,10 @@ class Context:
     # Store the symbols of these images where they have no file to be read from later (kernel,
     # vdso, JIT maps): for images a processor's files name that the flat counts may not
     keep_symbols: Callable[[Iterable[int]], None] | None = None
-    # A stack's native frames and its Python frames' raw pairs -> the stack to store
-    # (collect/pyframes.py's PythonFrames: names the frames, splices them in); the eBPF path only
-    python_stack: Callable[[int, tuple[tuple[int, int], ...], tuple[int, ...]],
-                           tuple[tuple[int, int], ...]] | None = None
+    # Stacks' pids, native frames and Python frames' raw pairs -> the stacks to store
+    # (collect/pyframes.py's PythonFrames.stacks: names the frames, splices them in); the eBPF path only
+    python_stack: Callable[[Sequence[int], Sequence[tuple[tuple[int, int], ...]], Sequence[tuple[int, ...]]],
+                           list[tuple[tuple[int, int], ...]]] | None = None
     # The tasks the per-task events follow (a command's first process, or each thread of -p's
     # processes); empty system-wide. ``on_exec``: the command has not exec'd yet (events opened for
     # it now must be enabled by its exec)

@@ -47,8 +47,11 @@ import os
 import re
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from itertools import chain, compress
+from operator import itemgetter
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.procmem import ProcessMemory
@@ -596,68 +599,123 @@ class PythonFrames:
 
     # --- naming frames ----------------------------------------------------------------------
     def stack(self, pid: int, native: tuple[tuple[int, int], ...], py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """The stored stack of a sample with the program's Python frames ``py``: each run of the
-        evaluation loop's Python frames at its own native frame of the loop where the native walk
-        found as many of those as the Python frames say there were runs (interleave); else as
-        splice does."""
-        p = self.procs.get(pid)
-        if p is None or not py:
-            return native
-        ends = [k for k in range(0, len(py), 2) if py[k] & PY_ENTRY]
-        lo, hi = p.eval_range
-        loops = sum(1 for img, off in native if img == p.eval_image and lo <= off < hi)
-        if ends and ends[-1] == len(py) - 2 and loops == len(ends):  # every run whole, one loop frame each
-            starts = [0, *(k + 2 for k in ends[:-1])]
-            runs = [self.frames(pid, py[a : k + 2]) for a, k in zip(starts, ends, strict=True)]
-            out = interleave(native, runs, p.eval_image, p.eval_range)
-            if out is not None:
-                return out
-        return splice(native, self.frames(pid, py), p.eval_image, p.eval_range)
+        """The stored stack of a sample with the program's Python frames ``py`` (stacks, for one)."""
+        return self.stacks([pid], [native], [py])[0]
+
+    def stacks(self, pids: Sequence[int], natives: Sequence[tuple[tuple[int, int], ...]],
+               pys: Sequence[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
+        """The stored stacks of a drain's rows, from their native frames and the program's Python
+        frames (flat (code object, instruction pointer) pairs, innermost first; a code object's bit
+        0: PY_ENTRY, the outermost frame of a run of the evaluation loop): each run of Python frames
+        at its own native frame of the loop where the native walk found as many of those as the
+        Python frames say there were runs (interleave); else as splice does.
+
+        Per process, each distinct (code object, instruction) of the drain is named once (frames'
+        cache, _frame) and the rest is done in numpy and in C-level slices: named one frame at a
+        time in Python, a stack of 31 frames cost 12-15 us with every frame cached
+        (bench/pyframecost.py), and a CPython program's stacks are nearly all distinct (each
+        frame's instruction pointer is in them)."""
+        out = list(natives)
+        rows_of: dict[int, list[int]] = {}
+        for i, (pid, py) in enumerate(zip(pids, pys, strict=True)):
+            if py and pid in self.procs:
+                rows_of.setdefault(pid, []).append(i)
+        for pid, rows in rows_of.items():
+            self._stacks_of(pid, rows, natives, pys, out)
+        return out
+
+    def _stacks_of(self, pid: int, rows: list[int], natives: Sequence[tuple[tuple[int, int], ...]],
+                   pys: Sequence[tuple[int, ...]], out: list[tuple[tuple[int, int], ...]]) -> None:
+        import numpy as np
+
+        p = self.procs[pid]
+        counts = np.fromiter((len(pys[i]) >> 1 for i in rows), np.int64, len(rows))
+        bounds = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        flat = np.fromiter(chain.from_iterable(pys[i] for i in rows), np.uint64, 2 * int(bounds[-1]))
+        code, instr = flat[0::2] & np.uint64(~PY_ENTRY & 0xFFFFFFFFFFFFFFFF), flat[1::2]
+        code_u, instr_u, inv = _distinct_pairs(code, instr)
+        mem: list[ProcessMemory] = []
+        named = [self._frame(p, pid, c, i, mem) for c, i in zip(code_u.tolist(), instr_u.tolist(), strict=True)]
+        ok = np.array([f is not None for f in named], bool)[inv]
+        self.frames_named += int(ok.sum())
+        # Each frame's (image, offset), the distinct ones' tuples shared; None where not named
+        # (never where ok_l is true, and never with ``whole``: compress leaves them out).
+        picked = itemgetter(*inv.tolist())(named) if len(inv) > 1 else (named[int(inv[0])],)
+        frames = cast("Sequence[tuple[int, int]]", picked)
+        ok_l = ok.tolist()
+        whole = bool(ok.all())  # every frame named (else the unnamed are left out)
+        # Each stack's runs end at its frames with PY_ENTRY (positions in the drain's frames).
+        ends = np.flatnonzero(flat[0::2] & np.uint64(PY_ENTRY))
+        first_end = np.searchsorted(ends, bounds[:-1]).tolist()
+        last_end = np.searchsorted(ends, bounds[1:]).tolist()
+        ends_l = ends.tolist()
+        starts_l, stops_l = bounds[:-1].tolist(), bounds[1:].tolist()
+        loops_in: dict[tuple[tuple[int, int], ...], list[int]] = {}  # native stack -> its loop frames
+        for j, i in enumerate(rows):
+            native = natives[i]
+            at = loops_in.get(native)
+            if at is None:
+                at = loops_in[native] = loop_frames(native, p.eval_image, p.eval_range)
+            s, e = starts_l[j], stops_l[j]
+            mine = ends_l[first_end[j] : last_end[j]]
+            if mine and mine[-1] == e - 1 and len(mine) == len(at):  # every run whole, one loop frame each
+                runs = [tuple(frames[a : k + 1] if whole else compress(frames[a : k + 1], ok_l[a : k + 1]))
+                        for a, k in zip([s, *(k + 1 for k in mine[:-1])], mine, strict=True)]
+                out[i] = _interleave_at(native, runs, at)
+            else:
+                out[i] = _splice_at(native, tuple(frames[s:e] if whole else compress(frames[s:e], ok_l[s:e])), at)
 
     def frames(self, pid: int, py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """(image, offset) per Python frame, innermost first, from the program's (code object,
-        instruction pointer) pairs (a code object's bit 0: PY_ENTRY)."""
+        instruction pointer) pairs (a code object's bit 0: PY_ENTRY); a frame that cannot be named
+        is left out."""
         p = self.procs.get(pid)
         if p is None or not py:
             return ()
-        out = []
-        mem: ProcessMemory | None = None
-        o = OFFSETS[p.version]
-        cache = p.frame_cache
-        for k in range(0, len(py), 2):
-            key = (py[k] & ~PY_ENTRY, py[k + 1])
-            f = cache.get(key)
-            if f is None:
-                tagged, instr = key
-                code = tagged & PY_ADDR
-                c = p.codes.get(tagged)
-                if c is None:
-                    gone = self._captured.get(pid)  # the process has exited: what was copied of it
-                    if gone is not None:
-                        c = self._code(p, gone, tagged, o)
-                        self.codes_at_exit += c is not None
-                    else:
-                        if mem is None:
-                            mem = ProcessMemory(pid)
-                        c = self._code(p, mem, tagged, o)
-                        if c is None and (late := self._take_late(pid)) is not None:
-                            c = self._code(p, late, tagged, o)  # it exited as we named its frames
-                            self.codes_at_exit += c is not None
-                    if c is None:
-                        continue  # not cached: read again at its next sample
-                if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
-                    unit = instr & 0xFFFFFFFF
-                    unit = unit - (1 << 32) if unit >= 1 << 31 else unit
-                else:
-                    unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
-                line = line_at(c.ranges, unit, c.firstlineno, c.starts) if unit >= 0 else c.firstlineno
-                f = (p.image, (c.slot << SLOT_BITS) | (line & ((1 << SLOT_BITS) - 1)))
-                if len(cache) >= FRAME_CACHE_MAX:
-                    cache.clear()
-                cache[key] = f
-            out.append(f)
+        mem: list[ProcessMemory] = []
+        named = [self._frame(p, pid, py[k] & ~PY_ENTRY, py[k + 1], mem) for k in range(0, len(py), 2)]
+        out = tuple(f for f in named if f is not None)
         self.frames_named += len(out)
-        return tuple(out)
+        return out
+
+    def _frame(self, p: _Proc, pid: int, tagged: int, instr: int,
+               mem: list[ProcessMemory]) -> tuple[int, int] | None:
+        """The (image, offset) of one Python frame: its code object's slot and its line; None where
+        the code object cannot be read (not cached: read again at its next sample). ``mem``: the
+        process's memory once opened (empty until then)."""
+        cache = p.frame_cache
+        f = cache.get((tagged, instr))
+        if f is not None:
+            return f
+        o = OFFSETS[p.version]
+        code = tagged & PY_ADDR
+        c = p.codes.get(tagged)
+        if c is None:
+            gone = self._captured.get(pid)  # the process has exited: what was copied of it
+            if gone is not None:
+                c = self._code(p, gone, tagged, o)
+                self.codes_at_exit += c is not None
+            else:
+                if not mem:
+                    mem.append(ProcessMemory(pid))
+                c = self._code(p, mem[0], tagged, o)
+                if c is None and (late := self._take_late(pid)) is not None:
+                    c = self._code(p, late, tagged, o)  # it exited as we named its frames
+                    self.codes_at_exit += c is not None
+            if c is None:
+                return None
+        if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
+            unit = instr & 0xFFFFFFFF
+            unit = unit - (1 << 32) if unit >= 1 << 31 else unit
+        else:
+            unit = (instr - code - o["code_adaptive"]) // 2 if instr >= code else -1
+        line = line_at(c.ranges, unit, c.firstlineno, c.starts) if unit >= 0 else c.firstlineno
+        f = (p.image, (c.slot << SLOT_BITS) | (line & ((1 << SLOT_BITS) - 1)))
+        if len(cache) >= FRAME_CACHE_MAX:
+            cache.clear()
+        cache[(tagged, instr)] = f
+        return f
 
     def _code(self, p: _Proc, mem: ProcessMemory | CapturedMemory, tagged: int, o: dict[str, int]) -> _Code | None:
         """The code object at ``tagged``'s address, read and kept under ``tagged`` (its address and
@@ -813,6 +871,32 @@ def dynamic_symbols(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, i
     return out
 
 
+def _distinct_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (a, b) pairs of two uint64 arrays, and each pair's index among them: by a
+    64-bit hash of the pair (np.unique of one integer column), checked exact, else by sorting the
+    pairs (np.unique of a structured array sorts field by field: 10 ms for 12,000 pairs, the
+    whole cost of naming a drain's stacks)."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        h = a * np.uint64(0x9E3779B97F4A7C15) ^ (b + np.uint64(0x632BE59BD9B4E019)) * np.uint64(0xBF58476D1CE4E5B9)
+    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    a_u, b_u = a[first], b[first]
+    if (a_u[inv] == a).all() and (b_u[inv] == b).all():
+        return a_u, b_u, inv
+    pairs = np.empty(len(a), [("a", "<u8"), ("b", "<u8")])  # two pairs of one hash
+    pairs["a"], pairs["b"] = a, b
+    u, inv = np.unique(pairs, return_inverse=True)
+    return u["a"].copy(), u["b"].copy(), inv.reshape(-1)
+
+
+def loop_frames(native: tuple[tuple[int, int], ...], eval_image: int, eval_range: tuple[int, int]) -> list[int]:
+    """The positions in leaf-first ``native`` of the evaluation loop's frames."""
+    lo, hi = eval_range
+    return [i for i, (img, off) in enumerate(native) if img == eval_image and lo <= off < hi]
+
+
 def interleave(native: tuple[tuple[int, int], ...], runs: list[tuple[tuple[int, int], ...]], eval_image: int,
                eval_range: tuple[int, int]) -> tuple[tuple[int, int], ...] | None:
     """Leaf-first ``native`` frames with each run of the evaluation loop's Python frames (``runs``,
@@ -820,26 +904,32 @@ def interleave(native: tuple[tuple[int, int], ...], runs: list[tuple[tuple[int, 
     function that called back into Python, the interpreter's calls) and beyond them (main, _start)
     kept; None where the native walk has not one frame of the loop per run (a walk cut short, or
     frame-pointer guesses through an interpreter built without them)."""
-    lo, hi = eval_range
-    at = [i for i, (img, off) in enumerate(native) if img == eval_image and lo <= off < hi]
+    at = loop_frames(native, eval_image, eval_range)
     if len(at) != len(runs) or not runs:
         return None
-    out: list[tuple[int, int]] = []
+    return _interleave_at(native, runs, at)
+
+
+def _interleave_at(native: tuple[tuple[int, int], ...], runs: list[tuple[tuple[int, int], ...]],
+                   at: list[int]) -> tuple[tuple[int, int], ...]:
+    """interleave's, with the loop's frames at ``at`` (one per run)."""
+    parts = []
     prev = 0
     for i, run in zip(at, runs, strict=True):
-        out.extend(native[prev : i + 1])
-        out.extend(run)
+        parts.append(native[prev : i + 1])
+        parts.append(run)
         prev = i + 1
-    out.extend(native[prev:])
-    return tuple(out)
+    parts.append(native[prev:])
+    return tuple(chain.from_iterable(parts))
 
 
 def splice(native: tuple[tuple[int, int], ...], py: tuple[tuple[int, int], ...], eval_image: int,
            eval_range: tuple[int, int]) -> tuple[tuple[int, int], ...]:
     """Leaf-first ``native`` frames cut after the first one in the evaluation loop (or after the
     first frame, where none is), then the Python frames."""
-    lo, hi = eval_range
-    for i, (img, off) in enumerate(native):
-        if img == eval_image and lo <= off < hi:
-            return (*native[: i + 1], *py)
-    return (*native[:1], *py)
+    return _splice_at(native, py, loop_frames(native, eval_image, eval_range))
+
+
+def _splice_at(native: tuple[tuple[int, int], ...], py: tuple[tuple[int, int], ...],
+               at: list[int]) -> tuple[tuple[int, int], ...]:
+    return (*native[: (at[0] if at else 0) + 1], *py)

@@ -64,7 +64,8 @@ class StackAggregator:
         """One drain: per sample, its pid, ip, event index, callchain (None: none recorded) and
         command when it was taken (a CommTable index); ``counts``: the samples each row stands for
         (None: one); ``python``: each row's Python frames as the eBPF program read them, which
-        ``python_stack(pid, native stack, python)`` splices into the stack."""
+        ``python_stack(pids, native stacks, pythons)`` splices into the stacks (all of the drain's
+        at once: collect/pyframes.py's PythonFrames.stacks)."""
         # Equal samples (same process, chain, event and command) are mapped and interned once:
         # in a hot loop most samples repeat a few chains.
         cm = list(comms) if comms is not None else [-1] * len(pids)
@@ -89,19 +90,25 @@ class StackAggregator:
         img, off = mapper.map_frames(np.array(fp, np.int64), np.array(fa, np.uint64), np.array(fk, bool))
         img_l, off_l = img.tolist(), off.tolist()
         pos = 0
-        cur = self.cur
-        for frames, ((pid, _, _, e, comm, pf), c) in zip(per, groups.items(), strict=True):
+        stacks = []
+        for frames in per:
             n = len(frames)
-            if not n:
-                continue
-            stack = tuple(zip(img_l[pos : pos + n], off_l[pos : pos + n], strict=True))
+            stacks.append(tuple(zip(img_l[pos : pos + n], off_l[pos : pos + n], strict=True)))
             pos += n
-            if pf:
-                stack = python_stack(pid, stack, pf)
-                n = len(stack)
+        withpy = [r for r, g in enumerate(groups) if g[5] and stacks[r]]
+        if withpy:  # the Python frames of the drain's stacks named at once
+            keys = list(groups)
+            named = python_stack([keys[r][0] for r in withpy], [stacks[r] for r in withpy],
+                                 [keys[r][5] for r in withpy])
+            for r, st in zip(withpy, named, strict=True):
+                stacks[r] = st
+        cur = self.cur
+        for stack, ((_, _, _, e, comm, _), c) in zip(stacks, groups.items(), strict=True):
+            if not stack:
+                continue
             cur.counts[(cur.intern(stack), e, comm)] += c
             self.samples += c
-            self.frames += n * c
+            self.frames += len(stack) * c
 
     def take(self) -> StackCounts:
         out, self.cur = self.cur, StackCounts()
