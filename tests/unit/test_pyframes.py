@@ -158,8 +158,8 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     frames = pf.frames(os.getpid(), (_tagged(code), instr, _tagged(_codes.__code__), 0))
     assert len(frames) == 2
     # The same address with another tag: the object the sample saw there is gone (freed, and
-    # another made at its address); not named after the one there now.
-    assert pf.frames(os.getpid(), (_tagged(code) ^ (1 << 63), instr)) == ()
+    # another made at its address); not named after the one there now, but kept as a frame, unnamed.
+    (gone,) = pf.frames(os.getpid(), (_tagged(code) ^ (1 << 63), instr))
     # An object that is not a code object (a frame read as the interpreter sets it up) is no frame.
     not_code = ["x" * 64] * 64
     assert pf.frames(os.getpid(), (id(not_code), 0)) == () and pf.procs[os.getpid()].code_type
@@ -169,8 +169,9 @@ def test_code_objects_are_named_from_a_live_process_memory() -> None:
     assert off2 & ((1 << SLOT_BITS) - 1) == _codes.__code__.co_firstlineno  # no instruction: the first line
     syms = pf.symbols(table[img].key)
     assert syms is not None
-    names = [syms.names[int(i)] for i in syms.lookup(__import__("numpy").array([off, off2], "uint64")).tolist()]
-    assert names == [f"py::sample_function:{__file__}", f"py::_codes:{__file__}"]
+    found = syms.lookup(__import__("numpy").array([off, off2, gone[1]], "uint64")).tolist()
+    names = [syms.names[int(i)] for i in found]
+    assert names == [f"py::sample_function:{__file__}", f"py::_codes:{__file__}", pyframes.UNNAMED]
     pf.forget(os.getpid())
     assert pf.symbols(table[img].key) is not None  # kept for the flush after the process is gone
     pf.flushed()
@@ -250,12 +251,13 @@ def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
     assert len(pf._captured[pid]) == 7  # four ranges each, the file's str one object
     instr = id(code) + o["code_adaptive"] + target.offset
     frames = pf.frames(pid, (_tagged(code), instr, _tagged(long), 0, _tagged(_codes.__code__), 0))
-    # From the copies alone: _codes' code object was not copied, and the long name was cut.
-    assert len(frames) == 1 and pf.codes_at_exit == 1
-    (img, off), = frames
-    assert off & ((1 << SLOT_BITS) - 1) == target.positions.lineno
+    # From the copies alone: the long name was cut, and _codes' code object was not copied; their
+    # frames stay, unnamed.
+    assert len(frames) == 3 and pf.codes_at_exit == 1
+    (img, off), cut, missing = frames
+    assert off & ((1 << SLOT_BITS) - 1) == target.positions.lineno and cut == missing
     syms = pf.symbols(table[img].key)
-    assert syms is not None and list(syms.names) == [f"py::sample_function:{__file__}"]
+    assert syms is not None and list(syms.names) == [f"py::sample_function:{__file__}", pyframes.UNNAMED]
     pf.forget(pid)
     assert pid not in pf._captured
     # The copies read as memory does: inside a range, or not at all.
@@ -300,10 +302,11 @@ def test_a_process_that_exits_as_its_frames_are_named_is_named_from_the_late_cop
     queue.append((keys, vals))  # copied as it exited, after the drain's look
     frames = pf.frames(gone, (_tagged(code), 0, _tagged(_codes.__code__), 0))
     # sample_function from the late copies; _codes was not copied: unnamed, and not looked for twice.
-    assert len(frames) == 1 and pf.codes_at_exit == 1 and len(calls) == 2
-    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == () and len(calls) == 2
+    assert len(frames) == 2 and pf.codes_at_exit == 1 and len(calls) == 2
+    unnamed = frames[1]
+    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 2
     pf.take_codes()  # the next drain's: from then on its frames are named from the copies alone
-    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == () and len(calls) == 3
+    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 3
 
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
@@ -387,8 +390,8 @@ def test_runs_are_told_by_the_programs_entry_bit_and_fall_back_to_a_splice() -> 
     # Runs and native loop frames that do not match: the splice too.
     assert pf.stack(7, native[:2], raw) == ((LIB, 0x10), (EV, 0x1005), (9, 1), (9, 2), (9, 3))
     assert pf.stack(8, native, raw) == native  # a process not described
-    # A drain's stacks at once, of two processes, in their order; a frame that cannot be named
-    # (0x400) is left out of its run.
+    # A drain's stacks at once, of two processes, in their order; a frame whose object is not a
+    # code object (0x400: _frame gives None) is left out of its run.
     pf.procs[9] = p  # type: ignore[index]
     odd = (0x400, 5, 0x100 | PY_ENTRY, 1)
     whole, before = pf.stack(7, native, raw), pf.frames_named

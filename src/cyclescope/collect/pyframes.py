@@ -276,6 +276,13 @@ class _Code:
     starts: list[int] | None = None  # the ranges' starts where they are in order (binary search)
 
 
+# The kept code objects' stand-in for an object that is not a code object (its frame is no frame).
+_NOT_CODE = _Code(-1, 0, [])
+# The name of a frame whose code object could not be read: the frame is kept, so that its callers and
+# callees do not seem to call each other.
+UNNAMED = "py::[unnamed]"
+
+
 @dataclass
 class _Proc:
     version: tuple[int, int]
@@ -289,6 +296,7 @@ class _Proc:
     # one sample to the next while the innermost differ, so most keys of a drain are new stacks
     # of frames seen before (a line lookup each was most of a busy Python process's cost).
     frame_cache: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    unnamed: int = -1  # the slot named UNNAMED, once a frame needed it
 
 
 class PythonFrames:
@@ -639,12 +647,13 @@ class PythonFrames:
         named = [self._frame(p, pid, c, i, mem) for c, i in zip(code_u.tolist(), instr_u.tolist(), strict=True)]
         ok = np.array([f is not None for f in named], bool)[inv]
         self.frames_named += int(ok.sum())
-        # Each frame's (image, offset), the distinct ones' tuples shared; None where not named
-        # (never where ok_l is true, and never with ``whole``: compress leaves them out).
+        # Each frame's (image, offset), the distinct ones' tuples shared; None where the frame's
+        # object is not a code object (never where ok_l is true, nor with ``whole``: compress
+        # leaves them out).
         picked = itemgetter(*inv.tolist())(named) if len(inv) > 1 else (named[int(inv[0])],)
         frames = cast("Sequence[tuple[int, int]]", picked)
         ok_l = ok.tolist()
-        whole = bool(ok.all())  # every frame named (else the unnamed are left out)
+        whole = bool(ok.all())  # every frame a frame (else the others are left out)
         # Each stack's runs end at its frames with PY_ENTRY (positions in the drain's frames).
         ends = np.flatnonzero(flat[0::2] & np.uint64(PY_ENTRY))
         first_end = np.searchsorted(ends, bounds[:-1]).tolist()
@@ -668,8 +677,8 @@ class PythonFrames:
 
     def frames(self, pid: int, py: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """(image, offset) per Python frame, innermost first, from the program's (code object,
-        instruction pointer) pairs (a code object's bit 0: PY_ENTRY); a frame that cannot be named
-        is left out."""
+        instruction pointer) pairs (a code object's bit 0: PY_ENTRY); UNNAMED's slot for a frame whose
+        code object cannot be read, and nothing for one whose object is not a code object."""
         p = self.procs.get(pid)
         if p is None or not py:
             return ()
@@ -681,9 +690,10 @@ class PythonFrames:
 
     def _frame(self, p: _Proc, pid: int, tagged: int, instr: int,
                mem: list[ProcessMemory]) -> tuple[int, int] | None:
-        """The (image, offset) of one Python frame: its code object's slot and its line; None where
-        the code object cannot be read (not cached: read again at its next sample). ``mem``: the
-        process's memory once opened (empty until then)."""
+        """The (image, offset) of one Python frame: its code object's slot and its line; UNNAMED's
+        slot where the code object cannot be read (not cached: read again at its next sample); None
+        where the frame's object is not a code object (a frame the interpreter was setting up: no
+        frame). ``mem``: the process's memory once opened (empty until then)."""
         cache = p.frame_cache
         f = cache.get((tagged, instr))
         if f is not None:
@@ -695,16 +705,21 @@ class PythonFrames:
             gone = self._captured.get(pid)  # the process has exited: what was copied of it
             if gone is not None:
                 c = self._code(p, gone, tagged, o)
-                self.codes_at_exit += c is not None
+                self.codes_at_exit += c is not None and c is not _NOT_CODE
             else:
                 if not mem:
                     mem.append(ProcessMemory(pid))
                 c = self._code(p, mem[0], tagged, o)
                 if c is None and (late := self._take_late(pid)) is not None:
                     c = self._code(p, late, tagged, o)  # it exited as we named its frames
-                    self.codes_at_exit += c is not None
-            if c is None:
+                    self.codes_at_exit += c is not None and c is not _NOT_CODE
+            if c is _NOT_CODE:
                 return None
+            if c is None:
+                if p.unnamed < 0:
+                    p.unnamed = len(p.names)
+                    p.names.append(UNNAMED)
+                return (p.image, p.unnamed << SLOT_BITS)
         if p.version < (3, 11):  # f_lasti, an int (f_lineno beside it in the word read)
             unit = instr & 0xFFFFFFFF
             unit = unit - (1 << 32) if unit >= 1 << 31 else unit
@@ -719,7 +734,8 @@ class PythonFrames:
 
     def _code(self, p: _Proc, mem: ProcessMemory | CapturedMemory, tagged: int, o: dict[str, int]) -> _Code | None:
         """The code object at ``tagged``'s address, read and kept under ``tagged`` (its address and
-        tag), or None where it cannot be read or is not the object the sample saw there."""
+        tag); None where it cannot be read or is not the object the sample saw there; _NOT_CODE
+        where the object there is not a code object."""
         head = mem.read(tagged & PY_ADDR, o["code_adaptive"])
         if head is None:
             self.unreadable += 1
@@ -728,7 +744,7 @@ class PythonFrames:
             # ob_type: not a code object (a frame read while the interpreter set it up, its
             # f_code not written yet). Its "name" was bytes of garbage in stacks of 3.11's start-up.
             self.unreadable += 1
-            return None
+            return _NOT_CODE
         if code_tag(head, o["code_firstlineno"]) != tagged & ~PY_ADDR:
             self.unreadable += 1  # another code object than the sample's now lives there
             return None
