@@ -356,7 +356,7 @@ class BpfAggregator:
         The stacks read stay in the program's map until release_stacks (at the latest, the next
         drain, before it flips back to them): a Python process that exits while the caller names
         their frames finds them there, and its exit program copies their code objects
-        (pyframes.py's take_late)."""
+        (pyframes.py's _take_late)."""
         self.release_stacks()
         old = self.flip()
         keys, vals = self._take(self.fds[f"counts{old}"], KEY_DTYPE, VAL_DTYPE, self.entries)
