@@ -173,6 +173,36 @@ def test_resolver_names_images_by_build_id_and_computes_vaddrs(compile_c: Callab
     assert table[gone.image].offsets == "file" and gone.bias == 0x1000
 
 
+def test_a_perf_map_older_than_its_process_is_another_processs() -> None:
+    """Perf maps stay in /tmp after their process (hundreds here, from the tests' CPython -X perf
+    runs), and pids come round again (at 32,768 here): a map written before the process started is
+    not its map. This test once failed in a run of the suite, its own pid's stale map naming an
+    anonymous mapping of its process."""
+    import time
+
+    from cyclescope.images.procfs import started_at
+
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    after = time.time()
+    path = Path(f"/tmp/perf-{child.pid}.map")
+    try:
+        started = started_at(child.pid)
+        assert started is not None and before - 0.02 <= started <= after + 0.02, (before, started, after)
+        path.write_text("1000 10 f\n")
+        os.utime(path, (started - 5, started - 5))  # a stale map of an earlier process of this pid
+        assert ImageResolver(ImageTable()).jit_image(child.pid) is None
+        os.utime(path)  # written by this process
+        table = ImageTable()
+        idx = ImageResolver(table).jit_image(child.pid)
+        assert idx is not None and table[idx].kind == "jit"
+    finally:
+        child.kill()
+        child.wait()
+        path.unlink(missing_ok=True)
+    assert started_at(child.pid) is None  # gone
+
+
 def test_archived_symbols_outlive_the_binary(compile_c: Callable[..., Path], tmp_path: Path) -> None:
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db import symbols as symstore

@@ -53,6 +53,22 @@ def read_comm(pid: int, proc: str = "/proc") -> str | None:
         return None
 
 
+def started_at(pid: int, proc: str = "/proc") -> float | None:
+    """When process ``pid`` started, in the wall clock's seconds (to a clock tick): its start in
+    ticks since boot (/proc/PID/stat's 22nd field) after the boot's time, taken from the wall clock
+    and CLOCK_BOOTTIME now (/proc/stat's btime is whole seconds)."""
+    import time
+
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def list_pids(proc: str = "/proc") -> list[int]:
     try:
         return sorted(int(d) for d in os.listdir(proc) if d.isdigit())

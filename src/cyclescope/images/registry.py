@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from cyclescope.errors import DataError
 from cyclescope.images.elf import ElfInfo, info_from_bytes, read_load_info
+from cyclescope.images.procfs import started_at
 
 ImageIndex = int
 
@@ -30,6 +31,9 @@ class Unknown(enum.IntEnum):
 
 
 UNKNOWN_KEY = "[unknown]"
+# A perf map older than its process's start by more than this (the start is known to a clock tick)
+# is another process's: jit_image.
+STALE_MAP_SLACK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,12 @@ class ImageResolver:
             st = os.stat(path)
             owner = os.stat(f"/proc/{pid}").st_uid  # whose the map must be (procfs.read_perf_map)
         except OSError:
+            return None
+        started = started_at(pid)
+        if started is not None and st.st_mtime < started - STALE_MAP_SLACK_S:
+            # Written before the process started: another process's of the same pid (perf maps
+            # stay in /tmp after their process; pids come round again, at 32,768 here), whose names
+            # would be given to this one's JIT code.
             return None
         key = f"jit:{pid}:{int(st.st_mtime_ns)}:{owner}"
         idx = self.table.intern(ImageInfo(key, path, "jit", None, None, None, "absolute"))
