@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, build, cpython, fmt_spread, machine, save, tree_at
+from common import ROOT, build, contender_trees, cpython, fmt_spread, machine, save
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 PERF_EVENT, TRACEPOINT = 7, 5  # enum bpf_prog_type, as fdinfo's prog_type gives it
@@ -114,9 +114,7 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine(), "args": vars(args), "runs": []}
     with tempfile.TemporaryDirectory(prefix="bpfcost-") as d:
         tmp = Path(d)
-        trees = {"head": ROOT / "src"}
-        if args.base:
-            trees[args.base] = tree_at(args.base, tmp)
+        trees = contender_trees(args.base, tmp)
         loads = workloads(args.workloads.split(","), tmp)
         STATS.write_text("1\n")
         try:

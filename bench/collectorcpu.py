@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, build, cyclescope_cmd, fmt_spread, machine, median, run, save, tree_at
+from common import build, contender_trees, cyclescope_cmd, fmt_spread, machine, median, run, save
 
 CONTENDERS = {"flat": [], "fp": ["-g", "fp"], "dwarf": ["-g", "dwarf"]}
 # --python: one of the busy loops is CPython's, 30 calls deep, whose frames the daemon names with -g.
@@ -188,12 +188,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cs-bench-collectorcpu-") as td:
         tmp = Path(td)
-        srcs = {n: ROOT / "src" for n in names}
-        if args.base:
-            base = tree_at(args.base, tmp)
-            for n in list(names):
-                srcs[f"{n}@{args.base}"] = base
-            names = [x for n in names for x in (n, f"{n}@{args.base}")]
+        # Each contender per tree: MODE for the head, MODE@REV for --base's.
+        trees = contender_trees(args.base, tmp)
+        srcs = {n if rev == "head" else f"{n}@{rev}": src for n in names for rev, src in trees.items()}
+        names = list(srcs)
         exe = build("workload.c", tmp / "workload")
         db = tmp / "db"
         # One database for every run, its symbol tables archived first: a fresh database archives

@@ -137,6 +137,15 @@ def tree_at(rev: str, tmp: Path) -> Path:
     return dest / "src"
 
 
+def contender_trees(base: str | None, tmp: Path) -> dict[str, Path]:
+    """The contenders' src/ trees: "head" (this working tree's), and the one committed at ``base``
+    (tree_at) where one is given, under its own name."""
+    out = {"head": ROOT / "src"}
+    if base:
+        out[base] = tree_at(base, tmp)
+    return out
+
+
 def cyclescope_cmd(*args: str) -> list[str]:
     return [PY, "-m", "cyclescope", *args]
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import ROOT, fmt_spread, machine, save, tree_at
+from common import contender_trees, fmt_spread, machine, save
 
 
 def worker(n_stacks: int, repeats: int) -> dict[str, float]:
@@ -113,9 +113,7 @@ def main() -> None:
         print(json.dumps(worker(args.stacks, args.repeats)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"head": ROOT / "src"}
-        if args.base:
-            trees[args.base] = tree_at(args.base, Path(tmp))
+        trees = contender_trees(args.base, Path(tmp))
         runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
         for r in range(args.rounds):
             for name, src in trees.items():

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, cpython, fmt_spread, machine, save, tree_at
+from common import ROOT, contender_trees, cpython, fmt_spread, machine, save
 
 PROGRAM = ROOT / "tests" / "programs" / "pylast.py"
 RATE = 2000
@@ -111,9 +111,7 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine(), "args": vars(args), "runs": []}
     with tempfile.TemporaryDirectory(prefix="pyshort-") as d:
         tmp = Path(d)
-        trees = {"head": ROOT / "src"}
-        if args.base:
-            trees[args.base] = tree_at(args.base, tmp)
+        trees = contender_trees(args.base, tmp)
         for r in range(args.rounds):
             order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))  # alternated
             for v, exe in exes.items():
