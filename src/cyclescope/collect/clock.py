@@ -47,36 +47,21 @@ def _code(iterations: int) -> bytes:
 
 def measure_ghz(duration_s: float = 0.01, repeats: int = 3) -> float | None:
     """Core cycles per nanosecond on the CPU this thread runs on, or None if it cannot be measured."""
+    best = 0.0
+    iterations = 20_000
     try:
-        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-    except (OSError, ValueError):
-        return None  # W^X policy: no executable anonymous memory
-    try:
-        buf = ctypes.c_char.from_buffer(page)
-        addr = ctypes.addressof(buf)
-        fn_type = ctypes.CFUNCTYPE(ctypes.c_uint64)
-        best = 0.0
-        iterations = 20_000
         for _ in range(repeats + 1):
-            page.seek(0)
-            page.write(_code(iterations))
-            fn = fn_type(addr)
             # This thread's CPU time, not the wall clock, which also counts the time the task or
             # the VM is preempted (steal, which the kernel leaves out of the thread's time): the
             # best of four runs once came out at 2.1 GHz against 3.5, in a run of the tests beside
             # two busy loops, and its per-boot cache kept it (calc's CPI at half the model's best).
-            t0 = time.thread_time_ns()
-            fn()
-            dt = time.thread_time_ns() - t0
-            ghz = iterations * ADDS_PER_ITERATION / max(dt, 1)
-            best = max(best, ghz)  # the run least disturbed by interrupts
+            dt = _run_chain(iterations, time.thread_time_ns)
+            best = max(best, iterations * ADDS_PER_ITERATION / max(dt, 1))  # the run least disturbed
             # Scale so one run lasts about duration_s.
             iterations = max(1000, int(iterations * duration_s * 1e9 / max(dt, 1)))
-        del fn, buf
-        return best if 0.2 < best < 8.0 else None
-    finally:
-        with contextlib.suppress(BufferError):
-            page.close()
+    except (OSError, ValueError):
+        return None  # W^X policy: no executable anonymous memory
+    return best if 0.2 < best < 8.0 else None
 
 
 def _run_chain(iterations: int, clock: Callable[[], int]) -> int:

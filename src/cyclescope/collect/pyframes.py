@@ -800,17 +800,7 @@ class PythonFrames:
             return None
         return data.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind], errors="replace")
 
-    # --- splicing and symbols ---------------------------------------------------------------
-    def splice(self, pid: int, native: tuple[tuple[int, int], ...],
-               py: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-        """The stored stack: native frames up to the innermost evaluation loop, the Python frames,
-        and nothing of the interpreter's C frames beyond; without the evaluation loop in the
-        native part, the sampled frame and the Python frames."""
-        p = self.procs.get(pid)
-        if p is None or not py:
-            return native
-        return splice(native, py, p.eval_image, p.eval_range)
-
+    # --- symbols ----------------------------------------------------------------------------
     def symbols(self, image_key: str) -> SymbolTable | None:
         """The symbol table of a process's python image: one symbol per code object."""
         from cyclescope.images.elf import SymbolTable
