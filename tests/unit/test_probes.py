@@ -142,7 +142,9 @@ def test_hits_decode_to_each_sites_register_and_lost_hits_are_counted() -> None:
     id_a, id_b = 1000 + by_reg["rdi"].fds[0], 1000 + by_reg["rsi"].fds[0]
     # the sampled registers are rsi and rdi only, in perf's order (SI = 4 before DI = 5)
     ring = next(iter(k.rings.values()))
-    ring.data = (hit(id_a, 0x401010, 77, [5, 16]) + hit(id_b, 0x401020, 77, [9, 1]) + hit(id_a, 0x401010, 78, [0, 16])
+    # ids no open site has (an event of another kind redirected to the ring, below and above theirs) are dropped
+    ring.data = (hit(id_a, 0x401010, 77, [5, 16]) + hit(1, 0x401010, 77, [5, 16]) + hit(id_b, 0x401020, 77, [9, 1])
+                 + hit(id_b + 10**6, 0x401020, 77, [9, 1]) + hit(id_a, 0x401010, 78, [0, 16])
                  + pb.record(RecordType.LOST, 0, struct.pack("<QQ", id_a, 3) + struct.pack("<iiQQ", 77, 77, 2, id_a)))
     got = probes.poll()
     assert got.pid.tolist() == [77, 77, 78]
