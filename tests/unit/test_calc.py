@@ -89,6 +89,27 @@ def test_a_measured_loops_back_branch_is_not_blamed_for_mispredicts() -> None:
     assert 0x11BB not in c.culprits[k].culprit_addrs.get("p", [])
 
 
+def test_a_measured_loops_exit_is_still_blamed_for_the_stall_after_it() -> None:
+    """The measured loop again, now with a stall at its exit's first instruction: the back branch
+    mispredicts at most once an execution of the loop, which is every execution of its exit, so
+    it stays a candidate there (and only there)."""
+    from cyclescope.analysis.loopcount import LoopStats
+
+    code = read_code(str(DATA / "inl"), 0x1190, 0x11C6)
+    counts = {0x11A7: np.array([100.0]), 0x11AA: np.array([100.0]), 0x11B8: np.array([100.0]),
+              0x11A0: np.array([3000.0]), 0x1190: np.array([10.0]), 0x11BD: np.array([400.0])}
+    stats = {0x11A0: LoopStats(own=3300, own_period=3300 * 1e6, followed=3300, next_own=3299, pairs=3299,
+                               iterations=3299 * 1000.0, pair_period=3299 * 1e6)}
+    c = calc_procedure("work", 0x1190, 0x11C6, code, counts, ["cpu-clock"], "cpu-clock", 1_000_000.0, mcpu=MCPU,
+                       loop_stats=stats, mean_period=1e6)
+    loop = next(b for b in c.cfg.blocks if b.start == 0x11A0)
+    out = next(b for b in c.cfg.blocks if b.start == 0x11BD)
+    assert c.dyn[loop.first] > 10 and 0x11BB not in c.culprits[loop.first].culprit_addrs.get("p", [])
+    k = out.first
+    assert c.dyn[k] > 10 and c.culprits[k] is not None
+    assert "p" in c.culprits[k].codes and 0x11BB in c.culprits[k].culprit_addrs["p"]
+
+
 def _block(code: bytes, at: int = 0x1000) -> list[Insn]:
     return disassemble(code, at)
 

@@ -208,13 +208,14 @@ def _loops(cfg: CFG, infos: Sequence[InsnInfo]) -> list[Loop]:
 
 
 def _steady_branches(cfg: CFG, loops: list[Loop], freq: Frequencies,
-                     stats: dict[int, LoopStats]) -> frozenset[int]:
-    """The branches going back to measured loop headers whose loops run many iterations an entry:
-    a loop counted from pairs of samples runs for periods at a time, one counted from trips (in
-    registers, or its header's runs in trip windows against its entries) says how long it runs."""
+                     stats: dict[int, LoopStats]) -> dict[int, frozenset[int]]:
+    """The branches going back to measured loop headers whose loops run many iterations an entry,
+    each with its loop's blocks: a loop counted from pairs of samples runs for periods at a time,
+    one counted from trips (in registers, or its header's runs in trip windows against its entries)
+    says how long it runs."""
     from cyclescope.analysis.culprits import STEADY_TRIPS
 
-    out: set[int] = set()
+    out: dict[int, frozenset[int]] = {}
     block_at = {b.start: b.id for b in cfg.blocks}
     for lp in loops:
         h = block_at.get(lp.header)
@@ -235,8 +236,9 @@ def _steady_branches(cfg: CFG, loops: list[Loop], freq: Frequencies,
             continue
         for e in cfg.in_edges(h):
             if e.src >= 0 and e.src in lp.blocks:
-                out.add(cfg.insns[cfg.blocks[e.src].last].address)
-    return frozenset(out)
+                a = cfg.insns[cfg.blocks[e.src].last].address
+                out[a] = out.get(a, frozenset()) | frozenset(lp.blocks)
+    return out
 
 
 def _entry_flow(cfg: CFG, e: Edge, freq: Frequencies, s_cyc: np.ndarray) -> float | None:
