@@ -222,7 +222,7 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
             cu = c.culprits[k]
             if cu is not None and c.dyn[k] >= 0.5:
                 why = "".join(sorted(set(cu.codes))) or "?"
-                who = "; ".join(f"{code} after {', '.join(f'{a:x}' for a in addrs)}"
+                who = "; ".join(f"{code} at {', '.join(f'{a:x}' for a in addrs)}"
                                 for code, addrs in cu.culprit_addrs.items() if addrs)
                 rows.append(["", f"  {why}  {c.dyn[k]:.1f} cy dynamic stall" + (f" ({who})" if who else ""),
                              "", "", "", ""])
