@@ -12,7 +12,10 @@ the names copied at the process's exit).
 With --system-wide ROUNDS: `record -a --collector bpf -g fp -F 1000 -d 6`, and 2.5 s into it
 tests/programs/pyshares.py ROUNDS run under its own command name (a symlink to the interpreter):
 the share of its samples under `py::main` (the samples before the process is described to the
-program have no Python frames; with these, the interpreter's start-up and finalization).
+program have no Python frames; with these, the interpreter's start-up and finalization). Twice
+each round: as `pyshares-py`, a name the exec tracepoint's filter does not match (the collector
+sees it when the rings' side records are read), and as `python-pyshares`, one it matches
+(collect/pyframes.py's watch_execs).
 
 Contenders: the head, and with --base REV the tree committed at REV (`git archive`), alternated
 in each round.
@@ -60,12 +63,15 @@ def one(src: Path, exe: str, first: float, last: float, tmp: Path) -> dict[str, 
     return {"first": got["first"] / (first * RATE), "last": got["last"] / (last * RATE), "samples": got["total"]}
 
 
-def system_wide(src: Path, exe: str, rounds: int, tmp: Path) -> dict[str, float]:
+SYSTEM_WIDE_NAMES = ("pyshares-py", "python-pyshares")  # not matched, and matched, by the exec filter
+
+
+def system_wide(src: Path, exe: str, rounds: int, tmp: Path, name: str) -> dict[str, float]:
     import time
 
     db = tmp / "db"
     subprocess.run(["rm", "-rf", str(db)], check=True)
-    link = tmp / "pyshares-py"
+    link = tmp / name
     link.unlink(missing_ok=True)
     link.symlink_to(exe)
     env = dict(os.environ, PYTHONPATH=str(src))
@@ -79,7 +85,7 @@ def system_wide(src: Path, exe: str, rounds: int, tmp: Path) -> dict[str, float]
     if rec.returncode != 0:
         raise RuntimeError(err[-400:])
     ex = subprocess.run([sys.executable, "-m", "cyclescope", "export", "collapsed", "--db", str(db), "--process",
-                         "pyshares-py"], env=env, capture_output=True, text=True, check=True)
+                         name], env=env, capture_output=True, text=True, check=True)
     total = named = 0
     for line in ex.stdout.splitlines():
         s, n = line.rsplit(" ", 1)
@@ -123,12 +129,13 @@ def main() -> None:
                         print(f"round {r} {v:5} {case:5} {label:10} first {res['first']:5.2f} last {res['last']:5.2f}"
                               f" of their samples at {RATE} Hz ({res['samples']} samples in all)", flush=True)
                 if args.system_wide:
-                    for label, src in order:
-                        sw = system_wide(src, exe, args.system_wide, tmp)
-                        sw.update(round=r, python=v, case="system-wide", tree=label)
-                        results["runs"].append(sw)
-                        print(f"round {r} {v:5} system-wide {label:10} under main {sw['main']:5.3f} "
-                              f"({sw['samples']} samples)", flush=True)
+                    for name in SYSTEM_WIDE_NAMES:
+                        for label, src in order:
+                            sw = system_wide(src, exe, args.system_wide, tmp, name)
+                            sw.update(round=r, python=v, case=f"system-wide {name}", tree=label)
+                            results["runs"].append(sw)
+                            print(f"round {r} {v:5} system-wide {name:15} {label:10} under main {sw['main']:5.3f} "
+                                  f"({sw['samples']} samples)", flush=True)
     print("\nshare of the expected samples named, median [min, max] of the rounds:")
     for v in exes:
         for case in cases:
@@ -138,13 +145,13 @@ def main() -> None:
                 row.append(f"{label}: first {fmt_spread([x['first'] for x in pick], digits=2)}, "
                            f"last {fmt_spread([x['last'] for x in pick], digits=2)}")
             print(f"  {v:5} {case:5} " + "; ".join(row))
-        if args.system_wide:
+        for name in SYSTEM_WIDE_NAMES if args.system_wide else ():
             row = []
             for label in trees:
                 pick = [x["main"] for x in results["runs"]
-                        if (x["python"], x["case"], x["tree"]) == (v, "system-wide", label)]
+                        if (x["python"], x["case"], x["tree"]) == (v, f"system-wide {name}", label)]
                 row.append(f"{label}: under main {fmt_spread(pick, digits=3)}")
-            print(f"  {v:5} system-wide " + "; ".join(row))
+            print(f"  {v:5} system-wide as {name}: " + "; ".join(row))
     print(f"saved {save(args.save_as, results)}")
 
 

@@ -342,6 +342,74 @@ def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatc
         child.wait()
 
 
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
+def test_a_process_looked_at_before_it_mapped_its_interpreter_is_described_when_it_does() -> None:
+    """A drain brought by an exec can look at the process before its libpython is mapped (ld.so
+    maps it a moment later): the mapping's side record has it looked at again."""
+    from cyclescope.images.maps import Mapper
+    from cyclescope.images.registry import ImageResolver
+    from cyclescope.perf.records import MmapRecord, SampleId
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; print(1, flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"1"  # its runtime is up
+        table = ImageTable()
+        mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
+        described: dict[int, bytes] = {}
+        bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg),
+                              forget_python=lambda pid: None)
+        pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
+        pf.watch([child.pid])  # its mappings not known yet: nothing to describe
+        mapper.scan_proc([child.pid])
+        pf.watch([child.pid])
+        assert not described  # looked at already
+        with open(f"/proc/{child.pid}/maps") as f:
+            lib = next(line.split()[-1] for line in f
+                       if "r-xp" in line and pyframes.interpreter_version(line.split()[-1]))
+        mm = MmapRecord(child.pid, child.pid, 0x7F0000000000, 4096, 0, lib, None, 5, 2, 1, True, 2, SampleId())
+        assert pf.mapped_interpreters([mm]) == [child.pid]
+        pf.watch([child.pid])
+        assert child.pid in described
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_python_executed_is_watched_until_described_or_for_a_while() -> None:
+    """The exec wakers' records name the processes; each is watched (the collector reads the side
+    records every few ms) until it is described, waits for its runtime, or EXEC_WATCH_S passed."""
+    import struct
+
+    from cyclescope.perf.abi import RecordType
+
+    class Ring:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def pending(self) -> bool:
+            return bool(self.data)
+
+        def read(self) -> bytes:
+            out, self.data = self.data, b""
+            return out
+
+    def execd(pid: int) -> bytes:  # a sample record of the tracepoint: header, pid, tid
+        return struct.pack("<IHHII", RecordType.SAMPLE, 0, 16, pid, pid)
+
+    pf = PythonFrames(ImageTable(), SimpleNamespace(procs={}), SimpleNamespace())  # type: ignore[arg-type]
+    ring = Ring(b"")
+    pf._execs = [(-1, ring)]  # type: ignore[list-item]
+    assert pf.take_execs() == 0 and not pf.watching_exec()
+    ring.data = execd(4001) + execd(4002) + struct.pack("<IHHQ", RecordType.LOST, 0, 16, 1)
+    assert pf.take_execs() == 2 and pf.watching_exec()
+    pf.waiting[4001] = 0.0  # its interpreter found, waiting for its runtime
+    assert pf.watching_exec() and set(pf._exec_pids) == {4002}
+    pf._exec_pids[4002] -= pyframes.EXEC_WATCH_S + 1  # too long: given up (seen at the next side read)
+    assert not pf.watching_exec()
+
+
 def test_helpers_are_known_by_pid_while_they_run_and_a_while_after() -> None:
     from cyclescope.collect import helpers
 

@@ -245,6 +245,7 @@ class Collector:
             self.mapper.scan_proc(list_pids())
             if self.python is not None:
                 self.python.probe_known()  # the interpreters they run, ours too: their next starts
+                self.python.watch_execs()  # and any python executed: its first program too
         elif isinstance(self.session.target, Processes):
             self.mapper.scan_proc(list(self.session.target.pids))
         if self.cfg.lean_memory:  # the start-up's reads of kallsyms are done; the first flush is far off
@@ -309,13 +310,20 @@ class Collector:
             while not self._stop:
                 now = time.monotonic()
                 wake = min(next_rand, next_drain, next_flush, next_progress, deadline or next_flush)
-                if self.python is not None and self.python.waiting:
+                if self.python is not None and (self.python.waiting or self.python.watching_exec()):
                     wake = min(wake, now + PY_WAIT_POLL_S)
                 drain_fds = tuple(fd for p in self.processors for fd in getattr(p, "wake_fds", tuple)())
+                exec_fds: tuple[int, ...] = ()
                 if self.python is not None and now >= self._start_quiet_until:
                     drain_fds += self.python.start_fds()  # a CPython program starting: describe it now
-                ready = self._wait(max(0.0, wake - now), hooks.fds if hooks is not None else (), drain_fds)
+                    exec_fds = self.python.exec_fds()  # a python executed: look at its mappings now
+                ready = self._wait(max(0.0, wake - now), (hooks.fds if hooks is not None else ()) + exec_fds,
+                                   drain_fds)
                 now = time.monotonic()
+                if exec_fds and self.python is not None and self.python.take_execs():
+                    # Not a drain: the side records (_peek_side, below) bring one when they show
+                    # the process's interpreter, at once or within a few polls.
+                    self._start_quiet_until = now + PY_START_WAKE_S
                 if hooks is not None and hooks.tick is not None:
                     hooks.tick(now)
                 if self.python is not None and self.python.poll_waiting():
@@ -790,7 +798,8 @@ class Collector:
                           "them named from the copies" if copied else "")
                        + (f"; {py.unreadable:,} reads failed" if py.unreadable else "")
                        + (f" (processes that exit before a drain lose their names: {self.bpf.exit_error})"
-                          if self.bpf is not None and self.bpf.exit_error else ""))
+                          if self.bpf is not None and self.bpf.exit_error else "")
+                       + (f" (a python executed is seen up to 0.2 s late: {py.exec_error})" if py.exec_error else ""))
         if self.totals.lost_timeline:
             out.append(f"{self.totals.lost_timeline:,} samples were left out of the timeline (the eBPF program's "
                        "timeline map was full)")

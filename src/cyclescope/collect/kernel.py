@@ -171,6 +171,45 @@ def open_ring_owner(pid: int, cpu: int, inherit: bool = False, ring_bytes: int =
     return perf_event_open(a, pid, cpu, what=f"ring buffer on CPU {cpu}")
 
 
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+def tracepoint_id(group: str, name: str) -> int | None:
+    """A tracepoint's perf config (its id in tracefs), or None where tracefs does not have it."""
+    for root in TRACEFS:
+        try:
+            with open(f"{root}/events/{group}/{name}/id") as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def open_tracepoint_waker(tp_id: int, cpu: int, filter_expr: str) -> int:
+    """A tracepoint event on ``cpu`` (every task) that writes a record (pid and tid only) at each
+    hit passing ``filter_expr`` (ftrace's filter syntax, applied in the kernel before anything is
+    written) and wakes the reader at each: for a one-page ring whose records only say "now".
+    Opened disabled."""
+    from cyclescope.perf.abi import IOC_SET_FILTER, AttrFlag, EventType, Sample
+
+    a = PerfEventAttr()
+    a.type = int(EventType.TRACEPOINT)
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config = tp_id
+    a.sample_period = 1
+    a.sample_type = int(Sample.TID)
+    a.flags = int(AttrFlag.DISABLED | AttrFlag.WATERMARK)
+    a.wakeup_events = 1  # wakeup_watermark: one byte, so each record wakes
+    fd = perf_event_open(a, -1, cpu, what=f"tracepoint {tp_id} on CPU {cpu}")
+    expr = ctypes.create_string_buffer(filter_expr.encode())
+    # fcntl.ioctl takes an int argument as a C int: the filter's address is passed through libc.
+    if _libc.ioctl(fd, ctypes.c_ulong(IOC_SET_FILTER), expr) != 0:
+        err = ctypes.get_errno()
+        close_fd(fd)
+        raise PerfOpenError(f"tracepoint {tp_id}: filter {filter_expr!r} refused: {os.strerror(err)}", err)
+    return fd
+
+
 def ioctl_enable(fd: int) -> None:
     fcntl.ioctl(fd, IOC_ENABLE, 0)
 

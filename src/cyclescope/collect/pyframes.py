@@ -109,6 +109,8 @@ WAIT_INIT_S = 5.0  # how long a process mapping an interpreter is watched for it
 MAX_START_PROBES = 16  # interpreter files whose programs' starts wake the collector (system-wide)
 PERF_REG_IP = 8  # enum perf_event_x86_regs
 START = "Py_InitializeFromConfig"  # where a process's interpreter starts (PEP 587, 3.8+)
+EXEC_FILTER = 'filename ~ "*python*"'  # execs that wake the collector (watch_execs)
+EXEC_WATCH_S = 0.05  # a python exec'd is looked for in the side records for this long at most
 
 
 def code_tag(head: bytes, at: int) -> int:
@@ -332,6 +334,10 @@ class PythonFrames:
         # ring wakes the collector as a process of it starts its interpreter (start_fds).
         self.start_cpus = start_cpus
         self._starts: dict[tuple[int, int, int, int], list[tuple[int, RingBuffer]]] = {}
+        # And per CPU, the exec tracepoint of programs whose path names python (watch_execs).
+        self._execs: list[tuple[int, RingBuffer]] = []
+        self.exec_error: str | None = None  # why there are none, where they were wanted
+        self._exec_pids: dict[int, float] = {}  # processes exec'd lately: watched until then (monotonic s)
         self._closing: list[threading.Thread] = []  # stop_starts' closing of the probes
 
     # --- finding interpreters -------------------------------------------------------------
@@ -425,6 +431,38 @@ class PythonFrames:
                 if (found := self._interpreter(pid, info.path)) is not None:
                     self._probe_starts(*found)
 
+    def watch_execs(self) -> None:
+        """Have the kernel wake the collector when a program whose path names python is executed
+        (the sched_process_exec tracepoint, filtered in the kernel by ftrace's `filename ~
+        "*python*"`: the name as executed, `python3`, a virtualenv's `bin/python`, `env python3`'s
+        path). The start probes (probe_known, _probe_starts) wake it only for interpreter files
+        seen before; without this, the first program of another one was seen when the rings' side
+        records were read, up to 0.2 s after its start, and that share of it had no Python frames.
+        At the exec the kernel has mapped the program (its side records are in the rings), and the
+        drain it brings finds the interpreter, which then waits for its runtime (poll_waiting). A
+        symbolic link of another name, a script run by its #! line, and an embedding program are
+        not matched (the filter sees the name as executed) and are seen as before."""
+        if not self.start_cpus or self._execs or self._closing:
+            return
+        from cyclescope.collect import kernel
+
+        tp = kernel.tracepoint_id("sched", "sched_process_exec")
+        if tp is None:
+            self.exec_error = "no sched_process_exec tracepoint in tracefs"
+            return
+        for cpu in self.start_cpus:
+            fd = -1
+            try:
+                fd = kernel.open_tracepoint_waker(tp, cpu, EXEC_FILTER)
+                ring = kernel.RingBuffer(fd, 1)
+                kernel.ioctl_enable(fd)
+            except (OSError, kernel.PerfOpenError) as e:
+                if fd >= 0:
+                    kernel.close_fd(fd)
+                self.exec_error = str(e)
+                continue
+            self._execs.append((fd, ring))
+
     def start_fds(self) -> tuple[int, ...]:
         """The start probes' rings (the collector polls them: readable when an interpreter
         started)."""
@@ -440,11 +478,50 @@ class PythonFrames:
                     n += len(ring.read())
         return n
 
+    def exec_fds(self) -> tuple[int, ...]:
+        """The exec wakers' rings (the collector polls them, and take_execs empties them)."""
+        return tuple(fd for fd, _ in self._execs)
+
+    def take_execs(self) -> int:
+        """Empty the exec wakers' rings; the processes they name (each record's pid) are watched
+        for EXEC_WATCH_S (watching_exec). How many execs were read."""
+        from cyclescope.perf.abi import RecordType
+
+        now = time.monotonic()
+        n = 0
+        for _, ring in self._execs:
+            data = ring.read() if ring.pending() else b""
+            at = 0
+            while at + 16 <= len(data):  # perf_event_header, then the sample's pid and tid
+                kind, _, size = struct.unpack_from("<IHH", data, at)
+                if kind == RecordType.SAMPLE:
+                    self._exec_pids[struct.unpack_from("<I", data, at + 8)[0]] = now + EXEC_WATCH_S
+                    n += 1
+                at += max(size, 8)
+        return n
+
+    def watching_exec(self) -> bool:
+        """A python executed lately is not described yet: the collector reads the side records
+        every PY_WAIT_POLL_S until it is (or EXEC_WATCH_S has passed). A python that links libpython
+        maps it a moment after its exec, so the exec's own records show no interpreter yet; seen
+        at the next read of the side records otherwise, 0.1-0.2 s later."""
+        now = time.monotonic()
+        for pid, until in list(self._exec_pids.items()):
+            if until < now or pid in self.procs or pid in self.waiting or self._ours(pid):
+                del self._exec_pids[pid]
+        return bool(self._exec_pids)
+
     def stop_starts(self) -> None:
         """Begin closing the start probes, in a thread (about 85 ms each, one after another in the
         kernel): the collector's last drain and flush run meanwhile, and close() waits for it."""
         import threading
 
+        from cyclescope.collect import kernel
+
+        for fd, ring in self._execs:  # tracepoints: closed at once
+            ring.close()
+            kernel.close_fd(fd)
+        self._execs = []
         probes, self._starts = self._starts, {}
         if probes or not self._closing:  # a thread even with none: no probe is opened after this
             t = threading.Thread(target=self._close_probes, args=(probes,), daemon=True)
@@ -478,7 +555,10 @@ class PythonFrames:
         return pid == self.own or is_helper(pid)
 
     def mapped_interpreters(self, side: list[SideRecord]) -> list[int]:
-        """Processes (not described yet) that mapped a CPython interpreter among these records."""
+        """Processes (not described yet) that mapped a CPython interpreter among these records,
+        looked at again by the next watch even if they were before: a python that links libpython
+        maps it a moment after its exec, and one looked at in between (a drain brought by the exec,
+        or its samples from before it) had no interpreter then."""
         from cyclescope.perf.records import MmapRecord
 
         out = []
@@ -486,6 +566,7 @@ class PythonFrames:
             if (isinstance(r, MmapRecord) and r.executable and r.pid not in self.procs
                     and interpreter_version(r.filename) is not None and not self._ours(r.pid)):
                 out.append(r.pid)
+                self._checked.discard(r.pid)
         return out
 
     def _interpreter(self, pid: int, path: str) -> tuple[_Symbols, str] | None:

@@ -199,6 +199,7 @@ IOC_REFRESH = _io(2)
 IOC_RESET = _io(3)
 IOC_PERIOD = _iow(4, 8)
 IOC_SET_OUTPUT = _io(5)
+IOC_SET_FILTER = _iow(6, 8)  # a tracepoint event's ftrace filter (a char *)
 IOC_ID = _ior(7, 8)
 IOC_FLAG_GROUP = 1
 
