@@ -267,6 +267,13 @@ def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
     m.add(200, b"xyz")
     assert m.read(101, 3) == b"bcd" and m.read(104, 3) is None and m.read(200, 3) == b"xyz"
     assert m.read(99, 1) is None and m.read(203, 1) is None and len(m) == 2
+    # Copies overlap (each is of a fixed size from its object): a short one starting nearer below
+    # an address does not hide a longer, earlier one that holds it.
+    table = bytes(range(64)) * 16  # 1,024 bytes from 0x1000, as a line table's copy
+    m.add(0x1000, table)
+    m.add(0x1100, b"s" * 16)  # a name's copy, inside the table's
+    assert m.read(0x1200, 16) == table[0x200:0x210] and m.read(0x1104, 8) == b"s" * 8
+    assert m.read(0x13F8, 16) is None  # past the end of every range
 
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
@@ -466,3 +473,18 @@ def test_runs_are_told_by_the_programs_entry_bit_and_fall_back_to_a_splice() -> 
     assert pf.stacks([7, 8, 9, 7, 9], [native, native, native[:2], native[:2], native], [raw, raw, odd, (), odd]) == [
         whole, native, ((LIB, 0x10), (EV, 0x1005), (9, 1)), native[:2], ((LIB, 0x10), (EV, 0x1005), (9, 1))]
     assert pf.frames_named - before == 3 + 1 + 1
+
+
+def test_a_name_not_readable_again_is_the_one_read_at_its_address_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies made as a process exits can lack a str its finalization released (the module's
+    file, shared by all its code objects): the name read at that address of the process before
+    stands in; at another address, or in another process, nothing does."""
+    readable = {0x5000: "/tmp/prog.py", 0x6000: "spin"}
+    monkeypatch.setattr(PythonFrames, "_str", staticmethod(lambda mem, addr, o: readable.get(addr)))
+    pf = PythonFrames(ImageTable(), SimpleNamespace(procs={}), SimpleNamespace())  # type: ignore[arg-type]
+    p, other = pyframes._Proc((3, 11), 1, 0, (0, 0)), pyframes._Proc((3, 11), 2, 0, (0, 0))
+    assert pf._name(p, None, 0x5000, {}) == "/tmp/prog.py"  # type: ignore[arg-type]
+    readable.clear()  # the process exited: its copies lack both
+    assert pf._name(p, None, 0x5000, {}) == "/tmp/prog.py"  # type: ignore[arg-type]
+    assert pf._name(p, None, 0x6000, {}) is None  # type: ignore[arg-type]
+    assert pf._name(other, None, 0x5000, {}) is None  # type: ignore[arg-type]

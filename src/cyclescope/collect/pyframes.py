@@ -234,10 +234,12 @@ class CapturedMemory:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._ranges: list[tuple[int, bytes]] = []
+        self._longest = 0
 
     def add(self, addr: int, data: bytes) -> None:
         if not addr or not data:
             return
+        self._longest = max(self._longest, len(data))
         i = bisect.bisect_left(self._starts, addr)
         if i < len(self._starts) and self._starts[i] == addr:
             if len(data) <= len(self._ranges[i][1]):
@@ -248,13 +250,17 @@ class CapturedMemory:
         self._ranges.insert(i, (addr, data))
 
     def read(self, addr: int, size: int) -> bytes | None:
+        """The bytes at [addr, addr + size) from any one copied range that holds them. Ranges can
+        overlap (a code object's head is copied at a fixed size, and a str at least at its
+        compact size, past a short one's end), so the range that starts nearest below ``addr``
+        may be a short one that ends before it while an earlier, longer one holds it."""
         i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0:
-            return None
-        start, data = self._ranges[i]
-        if addr + size > start + len(data):
-            return None
-        return data[addr - start : addr - start + size]
+        while i >= 0 and self._starts[i] + self._longest >= addr + size:
+            start, data = self._ranges[i]
+            if addr + size <= start + len(data):
+                return data[addr - start : addr - start + size]
+            i -= 1
+        return None
 
     def __len__(self) -> int:
         return len(self._ranges)
@@ -299,6 +305,9 @@ class _Proc:
     # of frames seen before (a line lookup each was most of a busy Python process's cost).
     frame_cache: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     unnamed: int = -1  # the slot named UNNAMED, once a frame needed it
+    # The str objects read for code objects' names and files, by address: a fallback where one
+    # cannot be read again (_name).
+    strings: dict[int, str] = field(default_factory=dict)
 
 
 class PythonFrames:
@@ -833,8 +842,8 @@ class PythonFrames:
         def ptr(off: int) -> int:
             return int.from_bytes(head[off : off + 8], "little")
 
-        qual = self._str(mem, ptr(o["code_qualname"]), o)
-        fname = self._str(mem, ptr(o["code_filename"]), o)
+        qual = self._name(p, mem, ptr(o["code_qualname"]), o)
+        fname = self._name(p, mem, ptr(o["code_filename"]), o)
         first = int.from_bytes(head[o["code_firstlineno"] : o["code_firstlineno"] + 4], "little", signed=True)
         table = self._bytes(mem, ptr(o["code_linetable"]), o) or b""
         if qual is None or fname is None:
@@ -862,6 +871,19 @@ class PythonFrames:
         if n < 0 or n > MAX_CODE_BYTES:
             return None
         return mem.read(addr + o["bytes_sval"], n) if n else b""
+
+    def _name(self, p: _Proc, mem: ProcessMemory | CapturedMemory, addr: int, o: dict[str, int]) -> str | None:
+        """A code object's name or file, read at ``addr``; where it cannot be read, what was read
+        at that address of this process before. The code objects of a module share one file
+        object: the copies made as a process exits lack a str whose memory its finalization
+        released (pylast.py's file, in about one run in ten: last() went unnamed, though its code
+        object and name were copied), and the file read for the module's other functions names
+        it."""
+        got = self._str(mem, addr, o)
+        if got is not None:
+            p.strings[addr] = got
+            return got
+        return p.strings.get(addr)
 
     @staticmethod
     def _str(mem: ProcessMemory | CapturedMemory, addr: int, o: dict[str, int]) -> str | None:
