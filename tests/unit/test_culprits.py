@@ -52,3 +52,12 @@ def test_a_stack_push_is_not_a_d_cache_suspect() -> None:
     # push rbx; add rax, 1; ret: nothing but the stack is written
     st = stalls_at(bytes.fromhex("53" "4883c001" "c3"), 1)
     assert "d" not in st.codes
+
+
+def test_a_stack_slot_is_not_a_d_cache_suspect_but_a_stack_array_is() -> None:
+    # mov rax, [rsp + 8]; mov eax, [rsp + rcx*4 + 16]; add rax, 1; ret
+    code = bytes.fromhex("488b442408" "8b448c10" "4883c001" "c3")
+    st = stalls_at(code, 1)
+    assert "d" in st.codes and st.culprit_addrs["d"] == []  # the array's load itself (none listed), not the slot
+    only_slot = stalls_at(bytes.fromhex("488b442408" "4883c001" "c3"), 1)  # a spill reloaded, then used
+    assert "d" not in only_slot.codes
