@@ -315,34 +315,42 @@ def test_without_the_exit_tracepoint_the_program_loads_and_says_why(monkeypatch:
         agg.close()
 
 
+def _started_system_wide(tmp_path: Path, python: str, name: str, rounds: int) -> tuple[int, int]:
+    """pyshares.py ROUNDS run by ``python`` under the command ``name`` (a symbolic link), started
+    2.5 s into `record -a --collector bpf -g fp`: its samples under py::main, and all of them."""
+    import os
+    import time
+
+    exe = tmp_path / name
+    exe.symlink_to(os.path.realpath(python))
+    db = tmp_path / "db"
+    rec = cs_popen("record", "--db", str(db), "-a", "--collector", "bpf", "-g", "fp", "-F", "1000", "-d", "6")
+    time.sleep(2.5)  # sampling by then (its start-up takes about half a second)
+    subprocess.run([str(exe), str(PROGRAMS / "pyshares.py"), str(rounds)], check=True, timeout=120,
+                   capture_output=True)
+    _, err = rec.communicate(timeout=120)
+    assert rec.returncode == 0, err
+    st = folded(cs("export", "collapsed", "--db", str(db), "--process", name).stdout)
+    script = str(PROGRAMS / "pyshares.py")
+    return sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";")), sum(st.values())
+
+
 @pytest.mark.usefixtures("bpf_loads")
 def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_path: Path) -> None:
     """System-wide, drains are a second apart: a process starting an interpreter brings the drain
     that describes it forward, and the samples of its last drain keep their Python frames (its exit
     is read in that drain: it is forgotten after them)."""
-    import os
     import sys
-    import time
 
-    exe = tmp_path / "pyshares-py"  # its own command name, told apart from the recorder's
-    exe.symlink_to(os.path.realpath(sys.executable))
-    db = tmp_path / "db"
-    rec = cs_popen("record", "--db", str(db), "-a", "--collector", "bpf", "-g", "fp", "-F", "1000", "-d", "6")
-    time.sleep(2.5)  # sampling by then (its start-up takes about half a second)
-    subprocess.run([str(exe), str(PROGRAMS / "pyshares.py"), "300"], check=True, timeout=120,
-                   capture_output=True)
-    _, err = rec.communicate(timeout=120)
-    assert rec.returncode == 0, err
-    st = folded(cs("export", "collapsed", "--db", str(db), "--process", "pyshares-py").stdout)
-    script = str(PROGRAMS / "pyshares.py")
-    named = sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";"))
+    # Its own command name, told apart from the recorder's, and one the exec filter does not match.
+    named, total = _started_system_wide(tmp_path, sys.executable, "pyshares-py", 300)
     # The samples before the process is described have no Python frames. It is described as its
     # interpreter starts: the first CPython of a file seen (the recorder's own) put a uprobe on the
     # file's Py_InitializeFromConfig, whose ring wakes the collector. With 300 rounds 93-95% were
     # named under main, beside two busy loops too (the rest: the start-up's imports, finalization).
     # Before, when the rings' side records (read every 0.2 s) showed the interpreter mapped,
     # 76-90%, and with 150 rounds 55.9% once in a full run of the suite.
-    assert sum(st.values()) > 200 and named > 0.85 * sum(st.values()), (named, st.most_common(5))
+    assert total > 200 and named > 0.85 * total, (named, total)
 
 
 def _another_interpreter() -> str | None:
@@ -360,24 +368,12 @@ def test_the_first_python_of_its_file_is_named_from_its_exec_system_wide(tmp_pat
     sched_process_exec tracepoint, filtered in the kernel), though no process of its file was seen
     before: it is described as its runtime starts, not when the rings' side records are next read
     (every 0.2 s), and its libpython, mapped a moment after the exec, is looked for until found."""
-    import os
-    import time
-
     python = _another_interpreter()
     if python is None:
         pytest.skip("no CPython 3.10, 3.12 or 3.13 here besides the recorder's own")
-    exe = tmp_path / "python-first"  # "python" in the name as executed: the filter matches it
-    exe.symlink_to(os.path.realpath(python))
-    db = tmp_path / "db"
-    rec = cs_popen("record", "--db", str(db), "-a", "--collector", "bpf", "-g", "fp", "-F", "1000", "-d", "6")
-    time.sleep(2.5)
-    subprocess.run([str(exe), str(PROGRAMS / "pyshares.py"), "150"], check=True, timeout=120, capture_output=True)
-    _, err = rec.communicate(timeout=120)
-    assert rec.returncode == 0, err
-    st = folded(cs("export", "collapsed", "--db", str(db), "--process", "python-first").stdout)
-    script = str(PROGRAMS / "pyshares.py")
-    named = sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";"))
+    # "python" in the name as executed: the filter matches it (15 characters at most: a comm).
+    named, total = _started_system_wide(tmp_path, python, "python-first", 150)
     # bench/pyshort.py --system-wide 150, three rounds each: 0.95-0.98 under main with 3.10, 3.12
     # and 3.13 (the rest: the start-up before the runtime, finalization); 0.67-0.83 before the
     # exec wakes, when the process was seen at the next read of the side records.
-    assert sum(st.values()) > 200 and named > 0.88 * sum(st.values()), (named, st.most_common(5))
+    assert total > 200 and named > 0.88 * total, (named, total)

@@ -3,6 +3,7 @@ objects named from this very process's memory, and the splice into native stacks
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dis
 import glob
@@ -11,7 +12,9 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -316,13 +319,10 @@ def test_a_process_that_exits_as_its_frames_are_named_is_named_from_the_late_cop
     assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 3
 
 
-@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
-                    reason="a CPython version cyclescope reads frames of")
-def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The flusher's symbol archivers and compactions (collect/helpers.py) are Python processes
-    whose frames are not read (a daemon with -g spent most of its CPU naming them); any other
-    child, as `record -- CMD`'s command, is."""
-    from cyclescope.collect import helpers
+@contextlib.contextmanager
+def _python_child() -> Iterator[tuple[subprocess.Popen[bytes], Any, dict[int, bytes], PythonFrames]]:
+    """A CPython child whose runtime is up, the Mapper that will know it (not scanned yet), what
+    PythonFrames describes to a fake eBPF program, and the PythonFrames; the child killed after."""
     from cyclescope.images.maps import Mapper
     from cyclescope.images.registry import ImageResolver
 
@@ -332,18 +332,10 @@ def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatc
         assert child.stdout is not None and child.stdout.readline().strip() == b"1"  # its runtime is up
         table = ImageTable()
         mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
-        mapper.scan_proc([child.pid])
         described: dict[int, bytes] = {}
         bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg),
                               forget_python=lambda pid: None)
-        pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
-        monkeypatch.setitem(helpers._pids, child.pid, None)
-        pf.watch([child.pid])
-        assert not described
-        helpers._pids.pop(child.pid)
-        pf._checked.clear()
-        pf.watch([child.pid])
-        assert child.pid in described, "a child that is not a helper was not described"
+        yield child, mapper, described, PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
     finally:
         child.kill()
         child.wait()
@@ -351,23 +343,31 @@ def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
                     reason="a CPython version cyclescope reads frames of")
+def test_the_collectors_helpers_are_not_described(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flusher's symbol archivers and compactions (collect/helpers.py) are Python processes
+    whose frames are not read (a daemon with -g spent most of its CPU naming them); any other
+    child, as `record -- CMD`'s command, is."""
+    from cyclescope.collect import helpers
+
+    with _python_child() as (child, mapper, described, pf):
+        mapper.scan_proc([child.pid])
+        monkeypatch.setitem(helpers._pids, child.pid, None)
+        pf.watch([child.pid])
+        assert not described
+        helpers._pids.pop(child.pid)
+        pf._checked.clear()
+        pf.watch([child.pid])
+        assert child.pid in described, "a child that is not a helper was not described"
+
+
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
 def test_a_process_looked_at_before_it_mapped_its_interpreter_is_described_when_it_does() -> None:
     """A drain brought by an exec can look at the process before its libpython is mapped (ld.so
     maps it a moment later): the mapping's side record has it looked at again."""
-    from cyclescope.images.maps import Mapper
-    from cyclescope.images.registry import ImageResolver
     from cyclescope.perf.records import MmapRecord, SampleId
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; print(1, flush=True); time.sleep(60)"],
-                             stdout=subprocess.PIPE)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == b"1"  # its runtime is up
-        table = ImageTable()
-        mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
-        described: dict[int, bytes] = {}
-        bpf = SimpleNamespace(set_python=lambda pid, cfg: described.__setitem__(pid, cfg),
-                              forget_python=lambda pid: None)
-        pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
+    with _python_child() as (child, mapper, described, pf):
         pf.watch([child.pid])  # its mappings not known yet: nothing to describe
         mapper.scan_proc([child.pid])
         pf.watch([child.pid])
@@ -379,9 +379,6 @@ def test_a_process_looked_at_before_it_mapped_its_interpreter_is_described_when_
         assert pf.mapped_interpreters([mm]) == [child.pid]
         pf.watch([child.pid])
         assert child.pid in described
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_a_python_executed_is_watched_until_described_or_for_a_while() -> None:
