@@ -9,7 +9,8 @@ static M_i), every candidate reason is kept unless it can be ruled out:
   in a different line (rarely executed edges are ignored).
 - d / t: D-cache or DTLB miss. Only if the instruction (or one the samples
   skidded past) loads or stores, or reads a register that an earlier load in
-  its block wrote (the culprit address).
+  its block wrote (the culprit address); not a stack slot, nor an operand its
+  block just accessed (_may_miss).
 - p: branch mispredict. Only at the head of a block entered from a
   conditional or indirect branch (the culprit address).
 - u: long-latency unit. Only if the instruction divides or takes a square

@@ -447,10 +447,12 @@ class PythonFrames:
         path). The start probes (probe_known, _probe_starts) wake it only for interpreter files
         seen before; without this, the first program of another one was seen when the rings' side
         records were read, up to 0.2 s after its start, and that share of it had no Python frames.
-        At the exec the kernel has mapped the program (its side records are in the rings), and the
-        drain it brings finds the interpreter, which then waits for its runtime (poll_waiting). A
-        symbolic link of another name, a script run by its #! line, and an embedding program are
-        not matched (the filter sees the name as executed) and are seen as before."""
+        At the exec the kernel has mapped the program (its side records are in the rings; a
+        libpython comes a moment later): the collector reads the side records every few ms while
+        the process is watched (take_execs, watching_exec) and drains when they show its
+        interpreter, which then waits for its runtime (poll_waiting). A symbolic link of another
+        name, a script run by its #! line, and an embedding program are not matched (the filter
+        sees the name as executed) and are seen as before."""
         if not self.start_cpus or self._execs or self._closing:
             return
         from cyclescope.collect import kernel
