@@ -374,6 +374,6 @@ def test_the_first_python_of_its_file_is_named_from_its_exec_system_wide(tmp_pat
     # "python" in the name as executed: the filter matches it (15 characters at most: a comm).
     named, total = _started_system_wide(tmp_path, python, "python-first", 150)
     # bench/pyshort.py --system-wide 150, three rounds each: 0.95-0.98 under main with 3.10, 3.12
-    # and 3.13 (the rest: the start-up before the runtime, finalization); 0.67-0.83 before the
+    # and 3.13 (the rest: the start-up before the runtime, finalization); 0.66-0.83 before the
     # exec wakes, when the process was seen at the next read of the side records.
     assert total > 200 and named > 0.88 * total, (named, total)
