@@ -234,11 +234,12 @@ def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
     table = ImageTable()
     mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
     mapper.scan_proc([os.getpid()])
-    bpf = SimpleNamespace(set_python=lambda pid, cfg: None, forget_python=lambda pid: None)
+    bpf = SimpleNamespace(set_python=lambda pid, cfg: None, forget_python=lambda pid: None, take_codes=_no_codes)
     pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
     pf.own = -1
     pf.watch([os.getpid()])
-    pid = os.getpid()
+    pid = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
+    pf.procs[pid] = pf.procs.pop(os.getpid())  # a process whose memory is gone
     o = OFFSETS[(sys.version_info.major, sys.version_info.minor)]
 
     def short() -> None:
@@ -250,7 +251,9 @@ def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
     code = sample_function.__code__
     target = next(i for i in dis.get_instructions(code) if i.opname == "CALL" and i.positions.lineno is not None
                   and i.positions.lineno > code.co_firstlineno + 4)
-    pf.captured(*_as_copied_at_exit(pid, [code, long], o))
+    keys, vals = _as_copied_at_exit(os.getpid(), [code, long], o)
+    keys["pid"] = pid
+    pf.captured(keys, vals)
     assert len(pf._captured[pid]) == 7  # four ranges each, the file's str one object
     instr = id(code) + o["code_adaptive"] + target.offset
     frames = pf.frames(pid, (_tagged(code), instr, _tagged(long), 0, _tagged(_codes.__code__), 0))
@@ -315,8 +318,11 @@ def test_a_process_that_exits_as_its_frames_are_named_is_named_from_the_late_cop
     assert len(frames) == 2 and pf.codes_at_exit == 1 and len(calls) == 2
     unnamed = frames[1]
     assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 2
-    pf.take_codes()  # the next drain's: from then on its frames are named from the copies alone
-    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 3
+    # The next drain's take, and one more look for late copies at its first unreadable frame (the
+    # copies a process has may be its module bodies', made while it ran).
+    pf.take_codes()
+    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 4
+    assert pf.frames(gone, (_tagged(_codes.__code__), 0)) == (unnamed,) and len(calls) == 4
 
 
 @contextlib.contextmanager
@@ -485,3 +491,38 @@ def test_a_name_not_readable_again_is_the_one_read_at_its_address_before(monkeyp
     assert pf._name(p, None, 0x5000, {}) == "/tmp/prog.py"  # type: ignore[arg-type]
     assert pf._name(p, None, 0x6000, {}) is None  # type: ignore[arg-type]
     assert pf._name(other, None, 0x5000, {}) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
+def test_a_live_process_is_named_from_copies_where_its_memory_moved_on_and_from_memory_elsewhere() -> None:
+    """The program copies a module body's code object at a sample while it runs; by the drain the
+    process's memory holds another object there (here: the copy says first line 1, memory does
+    not), and the frame is named from the copy. Code objects not copied are read from the live
+    process as before (they were left unnamed while any copy of the process was kept)."""
+    import struct
+
+    import numpy as np
+
+    from cyclescope.images.maps import Mapper
+    from cyclescope.images.registry import ImageResolver
+
+    table = ImageTable()
+    mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
+    mapper.scan_proc([os.getpid()])
+    bpf = SimpleNamespace(set_python=lambda pid, cfg: None, forget_python=lambda pid: None, take_codes=_no_codes)
+    pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
+    pf.own = -1
+    pf.watch([os.getpid()])
+    pid, o = os.getpid(), OFFSETS[(sys.version_info.major, sys.version_info.minor)]
+    code = sample_function.__code__
+    keys, vals = _as_copied_at_exit(pid, [code], o)
+    at = o["code_firstlineno"]
+    vals[0]["r0"][at : at + 8] = np.frombuffer(struct.pack("<ii", 1, 0), np.uint8)  # a module body's
+    pf.captured(keys, vals)
+    module = pyframes.code_tag(struct.pack("<ii", 1, 0) + bytes(at), 0) | id(code)  # its tag: the value 1
+    (img, first), _ = pf.frames(pid, (module, 0, _tagged(_codes.__code__), 0))
+    syms = pf.symbols(table[img].key)
+    assert syms is not None
+    assert list(syms.names) == [f"py::sample_function:{__file__}", f"py::_codes:{__file__}"]
+    assert first & ((1 << SLOT_BITS) - 1) == 1 and pf.codes_at_exit == 1  # the copy's first line

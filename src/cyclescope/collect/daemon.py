@@ -794,8 +794,8 @@ class Collector:
             py = self.python
             copied = self._bpf_stats.get("py_codes", 0)
             out.append(f"Python frames: {py.procs_described:,} CPython processes read, {py.frames_named:,} frames named"
-                       + (f"; {copied:,} code objects copied as their processes exited, {py.codes_at_exit:,} of "
-                          "them named from the copies" if copied else "")
+                       + (f"; {copied:,} code objects copied (module bodies as they ran, others as their "
+                          f"processes exited), {py.codes_at_exit:,} of them named from the copies" if copied else "")
                        + (f"; {py.unreadable:,} reads failed" if py.unreadable else "")
                        + (f" (processes that exit before a drain lose their names: {self.bpf.exit_error})"
                           if self.bpf is not None and self.bpf.exit_error else "")

@@ -330,7 +330,7 @@ class PythonFrames:
         self.frames_named = 0
         self.procs_described = 0
         self.codes_read = 0  # code objects read (their names and line tables), over the run
-        self.codes_at_exit = 0  # of which from the memory the program copied as their process exited
+        self.codes_at_exit = 0  # of which from the memory the program copied (module bodies, and at exits)
         # Per process that exited: what the program copied of its code objects (take_codes).
         self._captured: dict[int, CapturedMemory] = {}
         self._late: set[int] = set()  # processes the copies were looked for again in this drain
@@ -794,17 +794,7 @@ class PythonFrames:
         code = tagged & PY_ADDR
         c = p.codes.get(tagged)
         if c is None:
-            gone = self._captured.get(pid)  # the process has exited: what was copied of it
-            if gone is not None:
-                c = self._code(p, gone, tagged, o)
-                self.codes_at_exit += c is not None and c is not _NOT_CODE
-            else:
-                if not mem:
-                    mem.append(ProcessMemory(pid))
-                c = self._code(p, mem[0], tagged, o)
-                if c is None and (late := self._take_late(pid)) is not None:
-                    c = self._code(p, late, tagged, o)  # it exited as we named its frames
-                    self.codes_at_exit += c is not None and c is not _NOT_CODE
+            c = self._read_code(p, pid, tagged, o, mem)
             if c is _NOT_CODE:
                 return None
             if c is None:
@@ -823,6 +813,32 @@ class PythonFrames:
             cache.clear()
         cache[(tagged, instr)] = f
         return f
+
+    def _read_code(self, p: _Proc, pid: int, tagged: int, o: dict[str, int],
+                   mem: list[ProcessMemory]) -> _Code | None:
+        """The code object at ``tagged``, from the copies the program made of it where it has one
+        (a module body's, copied at a sample while it ran: the process's memory holds another
+        object there by the drain; or any, copied as the process exited), else from the process's
+        memory, else from copies taken again now (it exited as this drain named its frames).
+        Counted unreadable once where none of them gives it."""
+        before = self.unreadable
+        copies = self._captured.get(pid)
+        if copies is not None and copies.read(tagged & PY_ADDR, 8) is not None:
+            c = self._code(p, copies, tagged, o)
+            if c is not None and c is not _NOT_CODE:
+                self.codes_at_exit += 1
+                self.unreadable = before
+                return c
+        if not mem:
+            mem.append(ProcessMemory(pid))
+        c = self._code(p, mem[0], tagged, o)
+        if (c is None or c is _NOT_CODE) and (late := self._take_late(pid)) is not None:
+            again = self._code(p, late, tagged, o)
+            if again is not None and again is not _NOT_CODE:
+                self.codes_at_exit += 1
+                c = again
+        self.unreadable = before + (c is None or c is _NOT_CODE)
+        return c
 
     def _code(self, p: _Proc, mem: ProcessMemory | CapturedMemory, tagged: int, o: dict[str, int]) -> _Code | None:
         """The code object at ``tagged``'s address, read and kept under ``tagged`` (its address and

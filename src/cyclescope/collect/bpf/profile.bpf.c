@@ -756,126 +756,6 @@ static __always_inline long user_frames(struct bpf_perf_event_data *ctx, struct 
 }
 #endif /* CYCLESCOPE_UNWIND */
 
-#ifndef CYCLESCOPE_UNWIND
-/* The user stack by frame pointers: the kernel's walk (bpf_get_stack), unless the sample is in user
- * mode and rbp cannot be a frame pointer, not pointing into the stack above rsp: code built without
- * frame pointers keeps data there, and the kernel's walk reads at it, a page fault each time it is
- * not mapped (2 us a sample in this VM, three times the rest of the program) for a frame that
- * would be garbage anyway. Then the stack is the sampled pc alone, as the walk's first frame. */
-#define FP_STACK_SPAN (64ULL << 20)
-static __always_inline long user_fp_frames(struct bpf_perf_event_data *ctx, struct trace *t, int kernel)
-{
-	__u64 sp = ctx->regs.rsp, fp = ctx->regs.rbp;
-	if (kernel || (fp >= sp && fp - sp < FP_STACK_SPAN))
-		return bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
-	for (int i = 1; i < MAX_USER; i++)
-		t->ip[MAX_KERNEL + i] = 0;
-	t->ip[MAX_KERNEL] = ctx->regs.rip;
-	return 8;
-}
-#endif
-
-static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen, __u64 pid_tgid)
-{
-	__u32 zero = 0;
-	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
-	if (!t)
-		return 0;
-	/* Both areas are written whole (frames, then zeros; zeros on failure): the hash below reads
-	 * no byte of an earlier sample. In user mode the kernel part is empty, and zeroed here: the
-	 * helper takes 0.2 us to find nothing. */
-	int kernel = (ctx->regs.cs & 3) == 0;
-	long nk = 0;
-	if (kernel)
-		nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
-	else
-		for (int i = 0; i < MAX_KERNEL; i++)
-			t->ip[i] = 0;
-	__u32 whole = 0; /* the user walk reached the outermost frame */
-#ifdef CYCLESCOPE_UNWIND
-	long nu = user_frames(ctx, t, pid_tgid >> 32, kernel, &whole);
-#else
-	long nu = user_fp_frames(ctx, t, kernel);
-#endif
-	if (nk < 0)
-		nk = 0;
-	if (nu < 0)
-		nu = 0;
-	t->npy = python_frames(t, pid_tgid >> 32, (__u32)pid_tgid, whole);
-	t->pid = pid_tgid >> 32;
-	t->zero = 0;
-	if (nk == 0 && nu == 0 && t->npy == 0) {
-		bump(STAT_STACK_ERRORS);
-		return 0;
-	}
-	t->nkernel = nk;
-	t->nuser = nu;
-	/* FNV-1a over the frames, mixed once more: collisions between two stacks seen in one
-	 * generation are about n^2 / 2^65 */
-	__u64 h = 0xcbf29ce484222325ULL ^ ((__u64)nk << 32) ^ (__u64)nu ^ ((__u64)t->pid << 16);
-	for (int i = 0; i < MAX_FRAMES; i++) {
-		h ^= t->ip[i];
-		h *= 0x100000001b3ULL;
-	}
-	for (int i = 0; i < 2 * MAX_PY; i++) {
-		h ^= t->py[i];
-		h *= 0x100000001b3ULL;
-	}
-	h ^= h >> 33;
-	h |= 1; /* 0 means no stack */
-	long err = bpf_map_update_elem(gen ? (void *)&stacks1 : (void *)&stacks0, &h, t, BPF_NOEXIST);
-	if (err && err != -17 /* EEXIST: seen already in this generation */) {
-		bump(STAT_LOST_STACKS);
-		return 0;
-	}
-	return h;
-}
-
-SEC("perf_event")
-int cyclescope_sample(struct bpf_perf_event_data *ctx)
-{
-	__u32 zero = 0;
-	struct control *c = bpf_map_lookup_elem(&control, &zero);
-	if (!c)
-		return 0;
-	__u32 gen = c->gen & 1;
-	bump(STAT_SAMPLES);
-
-	struct key k = {};
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	k.pid = pid_tgid >> 32;
-	k.event = bpf_get_attach_cookie(ctx);
-	k.kernel = (ctx->regs.cs & 3) == 0;
-	k.ip = ctx->regs.rip; /* uapi names (asm/ptrace.h) */
-	if (c->stacks)
-		k.stack = stack_of(ctx, gen, pid_tgid);
-
-	__u64 period = ctx->sample_period;
-	__u64 now = bpf_ktime_get_ns();
-
-	struct tkey tk = {k.pid, (__u32)pid_tgid, (__u32)(now / WINDOW_NS), k.event};
-	struct tval tinit = {};
-	struct tval *tv = value_of(gen ? (void *)&timeline1 : (void *)&timeline0, &tk, &tinit);
-	if (tv) {
-		__sync_fetch_and_add(&tv->count, 1);
-		__sync_fetch_and_add(&tv->period, period);
-	} else {
-		bump(STAT_LOST_TIMELINE);
-	}
-
-	struct val vinit = {};
-	struct val *v = value_of(gen ? (void *)&counts1 : (void *)&counts0, &k, &vinit);
-	if (!v) {
-		bump(STAT_LOST);
-		return 0;
-	}
-	__sync_fetch_and_add(&v->count, 1);
-	__sync_fetch_and_add(&v->period, period);
-	if (v->last_ns < now)
-		v->last_ns = now;
-	return 0;
-}
-
 /* --- Python code objects copied as their process exits -------------------------------------
  *
  * sched_process_exit runs in the exiting task; on recent kernels (6.18 here) before its memory is
@@ -972,6 +852,167 @@ static __always_inline void copy_code(struct capture_walk *w, __u64 code)
 		bump(STAT_PY_CODES);
 	else
 		bump(STAT_PY_CODES_LOST);
+}
+
+/* Module bodies die young: importlib frees a module's code object once its body has run, and the
+ * memory holds other objects within milliseconds, long before a drain reads it. At a sample, the
+ * code objects of its frames that are module bodies (first line 1, and the field after it 0: the
+ * tag of the value 1) are copied as at exit, once per drain (user space empties py_codes at each),
+ * so that user space names them from the copies where the process's memory holds another object. */
+#define MODULE_TAG 0x9e37000000000000ULL /* code_tag of the value 1 */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct capture_walk);
+} walk_scratch SEC(".maps");
+
+static long copy_module(__u32 j, void *data)
+{
+	__u32 zero = 0;
+	struct capture_walk *w = bpf_map_lookup_elem(&walk_scratch, &zero);
+	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
+	if (!w || !t || j >= t->npy || j >= MAX_PY)
+		return 1;
+	__u64 f = t->py[(2 * j) & (2 * MAX_PY - 1)];
+	if ((f & ~PY_ADDR) == MODULE_TAG)
+		copy_code(w, f & PY_ADDR & ~PY_ENTRY);
+	return 0;
+}
+
+static __always_inline void copy_modules(__u32 pid)
+{
+	__u32 zero = 0;
+	struct py_proc *pp = bpf_map_lookup_elem(&py_procs, &pid);
+	struct capture_walk *w = bpf_map_lookup_elem(&walk_scratch, &zero);
+	if (!pp || !w)
+		return;
+	w->pid = pid;
+	__builtin_memcpy(&w->o, pp, sizeof(w->o));
+	bpf_loop(MAX_PY, copy_module, NULL, 0); /* the walk in walk_scratch: a callback's context must be on the stack */
+}
+
+#ifndef CYCLESCOPE_UNWIND
+/* The user stack by frame pointers: the kernel's walk (bpf_get_stack), unless the sample is in user
+ * mode and rbp cannot be a frame pointer, not pointing into the stack above rsp: code built without
+ * frame pointers keeps data there, and the kernel's walk reads at it, a page fault each time it is
+ * not mapped (2 us a sample in this VM, three times the rest of the program) for a frame that
+ * would be garbage anyway. Then the stack is the sampled pc alone, as the walk's first frame. */
+#define FP_STACK_SPAN (64ULL << 20)
+static __always_inline long user_fp_frames(struct bpf_perf_event_data *ctx, struct trace *t, int kernel)
+{
+	__u64 sp = ctx->regs.rsp, fp = ctx->regs.rbp;
+	if (kernel || (fp >= sp && fp - sp < FP_STACK_SPAN))
+		return bpf_get_stack(ctx, &t->ip[MAX_KERNEL], MAX_USER * 8, BPF_F_USER_STACK);
+	for (int i = 1; i < MAX_USER; i++)
+		t->ip[MAX_KERNEL + i] = 0;
+	t->ip[MAX_KERNEL] = ctx->regs.rip;
+	return 8;
+}
+#endif
+
+static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen, __u64 pid_tgid)
+{
+	__u32 zero = 0;
+	struct trace *t = bpf_map_lookup_elem(&scratch, &zero);
+	if (!t)
+		return 0;
+	/* Both areas are written whole (frames, then zeros; zeros on failure): the hash below reads
+	 * no byte of an earlier sample. In user mode the kernel part is empty, and zeroed here: the
+	 * helper takes 0.2 us to find nothing. */
+	int kernel = (ctx->regs.cs & 3) == 0;
+	long nk = 0;
+	if (kernel)
+		nk = bpf_get_stack(ctx, &t->ip[0], MAX_KERNEL * 8, 0);
+	else
+		for (int i = 0; i < MAX_KERNEL; i++)
+			t->ip[i] = 0;
+	__u32 whole = 0; /* the user walk reached the outermost frame */
+#ifdef CYCLESCOPE_UNWIND
+	long nu = user_frames(ctx, t, pid_tgid >> 32, kernel, &whole);
+#else
+	long nu = user_fp_frames(ctx, t, kernel);
+#endif
+	if (nk < 0)
+		nk = 0;
+	if (nu < 0)
+		nu = 0;
+	t->npy = python_frames(t, pid_tgid >> 32, (__u32)pid_tgid, whole);
+	t->pid = pid_tgid >> 32;
+	if (t->npy)
+		copy_modules(t->pid);
+	t->zero = 0;
+	if (nk == 0 && nu == 0 && t->npy == 0) {
+		bump(STAT_STACK_ERRORS);
+		return 0;
+	}
+	t->nkernel = nk;
+	t->nuser = nu;
+	/* FNV-1a over the frames, mixed once more: collisions between two stacks seen in one
+	 * generation are about n^2 / 2^65 */
+	__u64 h = 0xcbf29ce484222325ULL ^ ((__u64)nk << 32) ^ (__u64)nu ^ ((__u64)t->pid << 16);
+	for (int i = 0; i < MAX_FRAMES; i++) {
+		h ^= t->ip[i];
+		h *= 0x100000001b3ULL;
+	}
+	for (int i = 0; i < 2 * MAX_PY; i++) {
+		h ^= t->py[i];
+		h *= 0x100000001b3ULL;
+	}
+	h ^= h >> 33;
+	h |= 1; /* 0 means no stack */
+	long err = bpf_map_update_elem(gen ? (void *)&stacks1 : (void *)&stacks0, &h, t, BPF_NOEXIST);
+	if (err && err != -17 /* EEXIST: seen already in this generation */) {
+		bump(STAT_LOST_STACKS);
+		return 0;
+	}
+	return h;
+}
+
+SEC("perf_event")
+int cyclescope_sample(struct bpf_perf_event_data *ctx)
+{
+	__u32 zero = 0;
+	struct control *c = bpf_map_lookup_elem(&control, &zero);
+	if (!c)
+		return 0;
+	__u32 gen = c->gen & 1;
+	bump(STAT_SAMPLES);
+
+	struct key k = {};
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	k.pid = pid_tgid >> 32;
+	k.event = bpf_get_attach_cookie(ctx);
+	k.kernel = (ctx->regs.cs & 3) == 0;
+	k.ip = ctx->regs.rip; /* uapi names (asm/ptrace.h) */
+	if (c->stacks)
+		k.stack = stack_of(ctx, gen, pid_tgid);
+
+	__u64 period = ctx->sample_period;
+	__u64 now = bpf_ktime_get_ns();
+
+	struct tkey tk = {k.pid, (__u32)pid_tgid, (__u32)(now / WINDOW_NS), k.event};
+	struct tval tinit = {};
+	struct tval *tv = value_of(gen ? (void *)&timeline1 : (void *)&timeline0, &tk, &tinit);
+	if (tv) {
+		__sync_fetch_and_add(&tv->count, 1);
+		__sync_fetch_and_add(&tv->period, period);
+	} else {
+		bump(STAT_LOST_TIMELINE);
+	}
+
+	struct val vinit = {};
+	struct val *v = value_of(gen ? (void *)&counts1 : (void *)&counts0, &k, &vinit);
+	if (!v) {
+		bump(STAT_LOST);
+		return 0;
+	}
+	__sync_fetch_and_add(&v->count, 1);
+	__sync_fetch_and_add(&v->period, period);
+	if (v->last_ns < now)
+		v->last_ns = now;
+	return 0;
 }
 
 static long capture_frame(__u32 j, void *data)
