@@ -46,7 +46,8 @@ PY_CKEY_DTYPE = np.dtype([("pid", "<u4"), ("pad", "<u4"), ("code", "<u8")])
 PY_CODE_CAPS = (256, 256, 512, 1024)  # CODE_HEAD, NAME_CAP, FILE_CAP, TABLE_CAP
 PY_CODE_DTYPE = np.dtype([("addr", "<u8", (4,)), ("len", "<u4", (4,)),
                           *((f"r{i}", "u1", (cap,)) for i, cap in enumerate(PY_CODE_CAPS))])
-PY_CODES = 8192  # py_codes' size
+PY_CODES = 8192  # py_codes' size (allocated as it fills: 2 KiB an entry)
+PY_CODES_PREALLOC = 1024  # its size where the kernel needs it preallocated (before 6.1): 2 MiB
 EXIT_TRACEPOINT = (b"sched", b"sched_process_exit")  # where the program copies them
 TKEY_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("window", "<u4"), ("event", "<u4")])
 TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
@@ -221,7 +222,11 @@ class BpfAggregator:
             lib.bpf_map__set_max_entries(self._map("uw_slots"), unwind_procs if unwind else 1)
             exit_prog = lib.bpf_object__find_program_by_name(obj, b"cyclescope_exit")
             exits = exits and stack_entries > 0 and bool(exit_prog)
-            lib.bpf_map__set_max_entries(self._map("py_codes"), PY_CODES if exits else 1)
+            # Code objects copied at exits, and module bodies' copied at samples (with stacks).
+            codes = self._map("py_codes")
+            lib.bpf_map__set_max_entries(codes, (PY_CODES_PREALLOC if prealloc else PY_CODES) if stack_entries else 1)
+            if prealloc:  # the sampling program writes it: before 6.1 only a preallocated map will do
+                lib.bpf_map__set_map_flags(codes, lib.bpf_map__map_flags(codes) & ~_BPF_F_NO_PREALLOC)
             if exit_prog and not exits:
                 lib.bpf_program__set_autoload(exit_prog, False)
             if not prealloc:
@@ -435,11 +440,12 @@ class BpfAggregator:
         return np.concatenate(kparts), np.concatenate(vparts)
 
     def take_codes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The code objects copied at exits since the last call (PY_CKEY_DTYPE, PY_CODE_DTYPE),
-        deleted from the program's map."""
-        if self._exit_link is None:
+        """The code objects copied since the last call, at exits and (module bodies) at samples
+        (PY_CKEY_DTYPE, PY_CODE_DTYPE), deleted from the program's map."""
+        if not self.stack_entries:
             return np.zeros(0, PY_CKEY_DTYPE), np.zeros(0, PY_CODE_DTYPE)
-        return self._take(self.fds["py_codes"], PY_CKEY_DTYPE, PY_CODE_DTYPE, PY_CODES)
+        return self._take(self.fds["py_codes"], PY_CKEY_DTYPE, PY_CODE_DTYPE,
+                          PY_CODES_PREALLOC if self.prealloc else PY_CODES)
 
     def stats(self) -> dict[str, int]:
         """The program's counters since it was loaded, summed over CPUs."""
