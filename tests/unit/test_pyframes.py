@@ -221,13 +221,9 @@ def _as_copied_at_exit(pid: int, codes: list, o: dict[str, int]):
     return keys, vals
 
 
-@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
-                    reason="a CPython version cyclescope reads frames of")
-def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
-    """A process that exited before its code objects were read: the program copied them as it
-    exited, and they are read from the copies as from the process (names and lines), until the
-    process is forgotten; a name longer than was copied leaves its frame unnamed."""
-    from cyclescope.collect.pyframes import CapturedMemory
+def _this_process_described() -> tuple[ImageTable, PythonFrames]:
+    """PythonFrames with this process described (its own pid not left out), its fake program
+    copying nothing."""
     from cyclescope.images.maps import Mapper
     from cyclescope.images.registry import ImageResolver
 
@@ -238,6 +234,18 @@ def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
     pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
     pf.own = -1
     pf.watch([os.getpid()])
+    return table, pf
+
+
+@pytest.mark.skipif((sys.version_info.major, sys.version_info.minor) not in OFFSETS,
+                    reason="a CPython version cyclescope reads frames of")
+def test_a_process_gone_is_named_from_what_was_copied_at_its_exit() -> None:
+    """A process that exited before its code objects were read: the program copied them as it
+    exited, and they are read from the copies as from the process (names and lines), until the
+    process is forgotten; a name longer than was copied leaves its frame unnamed."""
+    from cyclescope.collect.pyframes import CapturedMemory
+
+    table, pf = _this_process_described()
     pid = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
     pf.procs[pid] = pf.procs.pop(os.getpid())  # a process whose memory is gone
     o = OFFSETS[(sys.version_info.major, sys.version_info.minor)]
@@ -504,16 +512,7 @@ def test_a_live_process_is_named_from_copies_where_its_memory_moved_on_and_from_
 
     import numpy as np
 
-    from cyclescope.images.maps import Mapper
-    from cyclescope.images.registry import ImageResolver
-
-    table = ImageTable()
-    mapper = Mapper(ImageResolver(table), None, [])  # type: ignore[arg-type]
-    mapper.scan_proc([os.getpid()])
-    bpf = SimpleNamespace(set_python=lambda pid, cfg: None, forget_python=lambda pid: None, take_codes=_no_codes)
-    pf = PythonFrames(table, mapper, bpf)  # type: ignore[arg-type]
-    pf.own = -1
-    pf.watch([os.getpid()])
+    table, pf = _this_process_described()
     pid, o = os.getpid(), OFFSETS[(sys.version_info.major, sys.version_info.minor)]
     code = sample_function.__code__
     keys, vals = _as_copied_at_exit(pid, [code], o)
