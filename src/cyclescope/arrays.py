@@ -71,3 +71,13 @@ def counts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     s = np.sort(x)
     first = np.flatnonzero(_starts(s))
     return s[first], np.diff(np.append(first, len(s)))
+
+
+def lookup(keys: np.ndarray, values: np.ndarray, x: np.ndarray, missing: int = -1) -> np.ndarray:
+    """``values`` at each of ``x`` among the ascending ``keys`` (``missing`` where it is none of
+    them): one search of the sorted keys, where a dictionary look-up per element costs a Python
+    call each (a sample's event by its id, a probe's site by its hit's id)."""
+    if not len(keys):
+        return np.full(len(x), missing, values.dtype)
+    pos = np.minimum(np.searchsorted(keys, x), len(keys) - 1)
+    return np.where(keys[pos] == x, values[pos], missing)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cyclescope.arrays import counts, distinct, group, group_rows
+from cyclescope.arrays import counts, distinct, group, group_rows, lookup
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 300])
@@ -36,3 +36,10 @@ def test_group_rows_gives_what_np_unique_over_rows_gives(n: int) -> None:
     _, first, inv = np.unique(rows, return_index=True, return_inverse=True)
     got_first, got_inv = group_rows(a, b)
     assert got_first.tolist() == first.tolist() and got_inv.tolist() == inv.reshape(-1).tolist()
+
+
+def test_lookup_finds_each_value_among_sorted_keys_and_says_where_none() -> None:
+    keys, values = np.array([3, 7, 20], np.uint64), np.array([0, 1, 2], np.int64)
+    x = np.array([7, 1, 20, 21, 3], np.uint64)  # found, below every key, the last, above every key
+    assert lookup(keys, values, x).tolist() == [1, -1, 2, -1, 0]
+    assert lookup(keys[:0], values[:0], x).tolist() == [-1] * 5

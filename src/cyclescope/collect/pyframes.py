@@ -496,19 +496,17 @@ class PythonFrames:
     def take_execs(self) -> int:
         """Empty the exec wakers' rings; the processes they name (each record's pid) are watched
         for EXEC_WATCH_S (watching_exec). How many execs were read."""
-        from cyclescope.perf.abi import RecordType
+        from cyclescope.perf.abi import Sample
+        from cyclescope.perf.records import RecordDecoder, SampleLayout
 
         now = time.monotonic()
         n = 0
         for _, ring in self._execs:
-            data = ring.read() if ring.pending() else b""
-            at = 0
-            while at + 16 <= len(data):  # perf_event_header, then the sample's pid and tid
-                kind, _, size = struct.unpack_from("<IHH", data, at)
-                if kind == RecordType.SAMPLE:
-                    self._exec_pids[struct.unpack_from("<I", data, at + 8)[0]] = now + EXEC_WATCH_S
-                    n += 1
-                at += max(size, 8)
+            if not ring.pending() or not (data := ring.read()):
+                continue
+            pids = RecordDecoder(SampleLayout(int(Sample.TID))).decode(data).samples["pid"].tolist()
+            self._exec_pids.update(dict.fromkeys(pids, now + EXEC_WATCH_S))
+            n += len(pids)
         return n
 
     def watching_exec(self) -> bool:

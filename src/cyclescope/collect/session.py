@@ -26,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cyclescope.arrays import lookup
 from cyclescope.collect import kernel
 from cyclescope.collect.events import (
     DEFAULT_BAND,
@@ -530,11 +531,7 @@ class Session:
     def event_index(self, ids: np.ndarray) -> np.ndarray:
         """Event index per sample id; -1 for ids we did not open."""
         assert self._id_index is not None
-        keys, vals = self._id_index
-        pos = np.searchsorted(keys, ids)
-        pos = np.minimum(pos, len(keys) - 1)
-        ok = keys[pos] == ids
-        return np.where(ok, vals[pos], -1)
+        return lookup(*self._id_index, ids)
 
     def account(self, ev_idx: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """Add samples and the true period of each to the per-event totals; the period of each

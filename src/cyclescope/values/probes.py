@@ -289,15 +289,12 @@ class GoalProbes:
     def _sites_of(self, ids: np.ndarray) -> np.ndarray:
         """The site index of each hit's event id (-1: an id no open site has), as one search of the
         sorted ids (a dictionary look-up per hit: 3.4 ms for 40,000 hits, against 0.8 ms)."""
+        from cyclescope.arrays import lookup
+
         if self._id_keys is None:
             keys = np.array(sorted(self._by_id), np.uint64)
             self._id_keys, self._id_sites = keys, np.array([self._by_id[int(k)] for k in keys], np.int64)
-        keys, where = self._id_keys, self._id_sites
-        ids = ids.astype(np.uint64, copy=False)
-        if not len(keys):
-            return np.full(len(ids), -1, np.int64)
-        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
-        return np.where(keys[pos] == ids, where[pos], -1)
+        return lookup(self._id_keys, self._id_sites, ids.astype(np.uint64, copy=False))
 
     def poll(self) -> ExactValues:
         """The hits since the last poll, from every CPU's ring."""
