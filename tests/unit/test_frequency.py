@@ -69,6 +69,21 @@ def test_few_samples_use_the_sum_ratio() -> None:
     assert est.method == "sum-ratio" and est.value == pytest.approx(13 / 3) and est.confidence == "low"
 
 
+def test_a_class_whose_samples_all_skid_off_its_issue_points_is_not_estimated_never_to_run() -> None:
+    # bzip2's mainGtU: a block comparing a byte (lea, lea, movzx, movzx, cmp, je), its one issue point
+    # the closing je (the skid moves the model's cycle there), whose samples land in the next block.
+    # 113 samples on the others: the block ran, about 113 times a period by its model's cycle, not 0.
+    block = [(20, 0.0), (87, 0.0), (0, 0.0), (3, 0.0), (3, 0.0), (0, 1.0)]
+    points = [(s, m) for s, m in block if m > 0]
+    est = estimate_class(points, 113, block)
+    assert est.method == "sum-ratio" and est.confidence == "low"
+    assert est.value == pytest.approx(113.0)
+    few = estimate_class([(0, 1.0)], 30, [(30, 0.0), (0, 1.0)])
+    assert few.value == pytest.approx(30.0)
+    # Samples on an issue point keep DCPI's rule: sum S / sum M over the points.
+    assert estimate_class([(4, 1.0)], 30, [(26, 0.0), (4, 1.0)]).value == pytest.approx(4.0)
+
+
 def test_dependence_windows_absorb_overlapping_stalls() -> None:
     # i=2 depends on i=0; the stall at i=1 overlaps i=2's latency: S2 alone is too small.
     pts = issue_point_ratios([10, 90, 2], [1, 1, 3], [-1, -1, 0])

@@ -168,10 +168,8 @@ def _issue_point_estimate(points: list[tuple[float, float]], class_samples: floa
     n = len(points)
     if n == 0:
         return ClassEstimate(None, "low", "none")
-    total_m = sum(m for _, m in points)
     if class_samples < FEW_SAMPLES:
-        s = sum(s for s, _ in points)
-        return ClassEstimate(s / total_m if total_m else None, "low", "sum-ratio", n, n)
+        return _sum_ratio(points, class_samples, all_insns)
     ratios = sorted(((s / m if m else math.inf), s, m) for s, m in points)
     need = max(1, math.ceil(MIN_FRACTION * n))
     for start in range(n):
@@ -190,7 +188,23 @@ def _issue_point_estimate(points: list[tuple[float, float]], class_samples: floa
         conf = "high" if len(cluster) >= 3 and cs >= 200 and len(cluster) >= 0.4 * n else (
             "medium" if len(cluster) >= 2 or cs >= 100 else "low")
         return ClassEstimate(f, conf, "issue-points", len(cluster), n, spread)
+    return _sum_ratio(points, class_samples, all_insns)
+
+
+def _sum_ratio(points: list[tuple[float, float]], class_samples: float,
+               all_insns: list[tuple[float, float]]) -> ClassEstimate:
+    """DCPI's fallback: sum S / sum M over the issue points; where none of the class's samples fell on
+    an issue point, over all its instructions. A class with samples ran, and an F of 0 is the skid's
+    doing: the model (moved by the skid) often puts a short block's cycles on its closing jump, whose
+    samples land in the next block (bzip2's mainGtU, a chain of 6-instruction blocks comparing a
+    byte each: every issue point a `jne` without samples, the blocks' 2,000 samples on the others,
+    F = 0, and the repair set 12 of them at a thousandth of their exact counts)."""
+    n = len(points)
     s = sum(s for s, _ in points)
+    if s <= 0 < class_samples:
+        all_m = sum(m for _, m in all_insns)
+        return ClassEstimate(class_samples / all_m if all_m else None, "low", "sum-ratio", n, n)
+    total_m = sum(m for _, m in points)
     return ClassEstimate(s / total_m if total_m else None, "low", "sum-ratio", n, n)
 
 
