@@ -194,6 +194,26 @@ def test_a_block_with_samples_keeps_at_least_its_floor_through_the_repair() -> N
     assert fr.block[1] == pytest.approx(1000 - floor, rel=1e-3)
 
 
+def test_the_repair_splits_a_branch_whose_arms_the_model_overestimates_instead_of_starving_one() -> None:
+    """kernels.c's branchy: a 50/50 branch in a measured loop, both arms stalled by mispredicts, so
+    their model estimates are 2-4 times what reaches them. With a linear cost every split costs the
+    same and the solution was a vertex: one arm took the loop's whole flow, the other its floor,
+    1/250 of its exact count. A model's estimate now pulls twice as hard below a quarter of it."""
+    from cyclescope.analysis.frequency import Measured
+
+    # ENTRY -> 0 -> {1 | 2} -> 3 -> EXIT; blocks 0 and 3 measured at 1,000, the arms estimated.
+    cfg = make_cfg(4, [(ENTRY, 0), (0, 1), (0, 2), (1, 3), (2, 3), (3, EXIT)])
+    cfg = with_insns(cfg, [2, 2, 2, 2])
+    ms = [[1, 1]] * 4
+    samples = [1000, 1000, 2000, 2000, 2400, 2400, 1000, 1000]
+    measured = {b: Measured(1000.0, "high", "loop-counter", "pairs") for b in (0, 3)}
+    fr = estimate_frequencies(cfg, cycle_equivalence(cfg), model_for(ms), samples, measured=measured)
+    assert fr.block[0] == pytest.approx(1000) and fr.block[3] == pytest.approx(1000)
+    assert fr.block[1] + fr.block[2] == pytest.approx(1000, rel=1e-6)
+    assert 400 <= fr.block[1] <= 600 and 400 <= fr.block[2] <= 600, fr.block
+    assert fr.block_method[1] == fr.block_method[2] == "repaired"
+
+
 def test_blocks_with_few_samples_have_no_floor() -> None:
     from cyclescope.analysis.frequency import sample_floors
 
