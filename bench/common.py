@@ -139,10 +139,17 @@ def tree_at(rev: str, tmp: Path) -> Path:
 
 def contender_trees(base: str | None, tmp: Path) -> dict[str, Path]:
     """The contenders' src/ trees: "head" (this working tree's), and the one committed at ``base``
-    (tree_at) where one is given, under its own name."""
+    (tree_at) where one is given, under its own name. Both compiled to bytecode first: an unpacked
+    tree has none, and with PYTHONDONTWRITEBYTECODE (these machines set it) every module its
+    collector imports lazily was compiled again at each run (a first Python process described
+    system-wide 0.1 later of its run: bench/pyshort.py's unmatched name, 0.67-0.75 against
+    0.77-0.85 for the same code)."""
     out = {"head": ROOT / "src"}
     if base:
         out[base] = tree_at(base, tmp)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    for src in out.values():
+        subprocess.run([PY, "-m", "compileall", "-q", str(src)], check=True, capture_output=True, env=env)
     return out
 
 

@@ -14,8 +14,9 @@ tests/programs/pyshares.py ROUNDS run under its own command name (a symlink to t
 the share of its samples under `py::main` (the samples before the process is described to the
 program have no Python frames; with these, the interpreter's start-up and finalization). Twice
 each round: as `pyshares-py`, a name the exec tracepoint's filter does not match (the collector
-sees it when the rings' side records are read), and as `python-pyshares`, one it matches
-(collect/pyframes.py's watch_execs).
+sees it when the rings' side records are read), as `python-pyshares`, one it matches
+(collect/pyframes.py's watch_execs), and as `pyshares-run.py`, a copy of the script run by its #!
+line (the filter's .py pattern).
 
 Contenders: the head, and with --base REV the tree committed at REV (`git archive`), alternated
 in each round.
@@ -63,7 +64,8 @@ def one(src: Path, exe: str, first: float, last: float, tmp: Path) -> dict[str, 
     return {"first": got["first"] / (first * RATE), "last": got["last"] / (last * RATE), "samples": got["total"]}
 
 
-SYSTEM_WIDE_NAMES = ("pyshares-py", "python-pyshares")  # not matched, and matched, by the exec filter
+# Not matched, and matched, by the exec filter; the last a script run by its #! line.
+SYSTEM_WIDE_NAMES = ("pyshares-py", "python-pyshares", "pyshares-run.py")
 
 
 def system_wide(src: Path, exe: str, rounds: int, tmp: Path, name: str) -> dict[str, float]:
@@ -71,16 +73,22 @@ def system_wide(src: Path, exe: str, rounds: int, tmp: Path, name: str) -> dict[
 
     db = tmp / "db"
     subprocess.run(["rm", "-rf", str(db)], check=True)
+    script = ROOT / "tests" / "programs" / "pyshares.py"
     link = tmp / name
     link.unlink(missing_ok=True)
-    link.symlink_to(exe)
+    if name.endswith(".py"):
+        link.write_text(f"#!{exe}\n" + script.read_text())
+        link.chmod(0o755)
+        cmd, script = [str(link), str(rounds)], link
+    else:
+        link.symlink_to(exe)
+        cmd = [str(link), str(script), str(rounds)]
     env = dict(os.environ, PYTHONPATH=str(src))
     rec = subprocess.Popen([sys.executable, "-m", "cyclescope", "record", "--db", str(db), "-a", "--collector", "bpf",
                             "-g", "fp", "-F", "1000", "-d", "6"], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     time.sleep(2.5)
-    script = ROOT / "tests" / "programs" / "pyshares.py"
-    subprocess.run([str(link), str(script), str(rounds)], check=True, capture_output=True)
+    subprocess.run(cmd, check=True, capture_output=True)
     _, err = rec.communicate()
     if rec.returncode != 0:
         raise RuntimeError(err[-400:])

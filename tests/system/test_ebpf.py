@@ -316,24 +316,43 @@ def test_without_the_exit_tracepoint_the_program_loads_and_says_why(monkeypatch:
         agg.close()
 
 
-def _started_system_wide(tmp_path: Path, python: str, name: str, rounds: int) -> tuple[int, int]:
-    """pyshares.py ROUNDS run by ``python`` under the command ``name`` (a symbolic link), started
-    2.5 s into `record -a --collector bpf -g fp`: its samples under py::main, and all of them."""
+def _started_system_wide(tmp_path: Path, python: str, name: str, rounds: int,
+                         script: bool = False) -> tuple[int, int]:
+    """pyshares.py ROUNDS run by ``python`` under the command ``name`` (a symbolic link; with
+    ``script``, a copy of pyshares.py of that name run by its #! line), started 2.5 s into `record -a
+    --collector bpf -g fp`: its samples under py::main, and all of them. The command lives in a
+    directory of its own: the exec filter matches the whole path, and pytest names tmp_path after
+    the test ("test_a_python_started_..." matched every name)."""
+    import shutil
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="cs-exec-"))
+    try:
+        return _started_in(home, tmp_path, python, name, rounds, script)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _started_in(home: Path, tmp_path: Path, python: str, name: str, rounds: int, script: bool) -> tuple[int, int]:
     import os
     import time
 
-    exe = tmp_path / name
-    exe.symlink_to(os.path.realpath(python))
+    exe = home / name
+    if script:
+        exe.write_text(f"#!{os.path.realpath(python)}\n" + (PROGRAMS / "pyshares.py").read_text())
+        exe.chmod(0o755)
+        cmd, path = [str(exe), str(rounds)], str(exe)
+    else:
+        exe.symlink_to(os.path.realpath(python))
+        cmd, path = [str(exe), str(PROGRAMS / "pyshares.py"), str(rounds)], str(PROGRAMS / "pyshares.py")
     db = tmp_path / "db"
     rec = cs_popen("record", "--db", str(db), "-a", "--collector", "bpf", "-g", "fp", "-F", "1000", "-d", "6")
     time.sleep(2.5)  # sampling by then (its start-up takes about half a second)
-    subprocess.run([str(exe), str(PROGRAMS / "pyshares.py"), str(rounds)], check=True, timeout=120,
-                   capture_output=True)
+    subprocess.run(cmd, check=True, timeout=120, capture_output=True)
     _, err = rec.communicate(timeout=120)
     assert rec.returncode == 0, err
     st = folded(cs("export", "collapsed", "--db", str(db), "--process", name).stdout)
-    script = str(PROGRAMS / "pyshares.py")
-    return sum(n for s, n in st.items() if f"py::main:{script}" in s.split(";")), sum(st.values())
+    return sum(n for s, n in st.items() if f"py::main:{path}" in s.split(";")), sum(st.values())
 
 
 @pytest.mark.usefixtures("bpf_loads")
@@ -377,6 +396,18 @@ def test_the_first_python_of_its_file_is_named_from_its_exec_system_wide(tmp_pat
     # bench/pyshort.py --system-wide 150, three rounds each: 0.95-0.98 under main with 3.10, 3.12
     # and 3.13 (the rest: the start-up before the runtime, finalization); 0.66-0.83 before the
     # exec wakes, when the process was seen at the next read of the side records.
+    assert total > 200 and named > 0.88 * total, (named, total)
+
+
+@pytest.mark.usefixtures("bpf_loads")
+def test_the_first_python_of_its_file_run_as_a_script_is_named_from_its_exec_system_wide(tmp_path: Path) -> None:
+    """A script run by its #! line is executed under its own name: one that ends in .py wakes the
+    collector at its exec too (the exec filter's second pattern)."""
+    python = _another_interpreter()
+    if python is None:
+        pytest.skip("no CPython 3.10, 3.12 or 3.13 here besides the recorder's own")
+    # 15 characters at most (a comm), without "python": only the .py suffix matches.
+    named, total = _started_system_wide(tmp_path, python, "pyshares-run.py", 150, script=True)
     assert total > 200 and named > 0.88 * total, (named, total)
 
 

@@ -109,7 +109,7 @@ WAIT_INIT_S = 5.0  # how long a process mapping an interpreter is watched for it
 MAX_START_PROBES = 16  # interpreter files whose programs' starts wake the collector (system-wide)
 PERF_REG_IP = 8  # enum perf_event_x86_regs
 START = "Py_InitializeFromConfig"  # where a process's interpreter starts (PEP 587, 3.8+)
-EXEC_FILTER = 'filename ~ "*python*"'  # execs that wake the collector (watch_execs)
+EXEC_FILTER = 'filename ~ "*python*" || filename ~ "*.py"'  # execs that wake the collector (watch_execs)
 EXEC_WATCH_S = 0.05  # a python exec'd is looked for in the side records for this long at most
 
 
@@ -441,18 +441,20 @@ class PythonFrames:
                     self._probe_starts(*found)
 
     def watch_execs(self) -> None:
-        """Have the kernel wake the collector when a program whose path names python is executed
-        (the sched_process_exec tracepoint, filtered in the kernel by ftrace's `filename ~
-        "*python*"`: the name as executed, `python3`, a virtualenv's `bin/python`, `env python3`'s
-        path). The start probes (probe_known, _probe_starts) wake it only for interpreter files
+        """Have the kernel wake the collector when a program whose path names python, or a script
+        whose name ends in .py, is executed (the sched_process_exec tracepoint, filtered in the
+        kernel by ftrace's `filename ~ "*python*" || filename ~ "*.py"`: the name as executed,
+        `python3`, a virtualenv's `bin/python`, `env python3`'s path, `./tool.py` run by its #!
+        line). The start probes (probe_known, _probe_starts) wake it only for interpreter files
         seen before; without this, the first program of another one was seen when the rings' side
         records were read, up to 0.2 s after its start, and that share of it had no Python frames.
         At the exec the kernel has mapped the program (its side records are in the rings; a
         libpython comes a moment later): the collector reads the side records every few ms while
         the process is watched (take_execs, watching_exec) and drains when they show its
         interpreter, which then waits for its runtime (poll_waiting). A symbolic link of another
-        name, a script run by its #! line, and an embedding program are not matched (the filter
-        sees the name as executed) and are seen as before."""
+        name, a script without the .py suffix run by its #! line (pip's, the console scripts), and
+        an embedding program are not matched (the filter sees the name as executed) and are seen as
+        before."""
         if not self.start_cpus or self._execs or self._closing:
             return
         from cyclescope.collect import kernel
