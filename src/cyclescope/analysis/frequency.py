@@ -198,7 +198,7 @@ def _sum_ratio(points: list[tuple[float, float]], class_samples: float,
     an issue point, over all its instructions. A class with samples ran, and an F of 0 is the skid's
     doing: the model (moved by the skid) often puts a short block's cycles on its closing jump, whose
     samples land in the next block (bzip2's mainGtU, a chain of 6-instruction blocks comparing a
-    byte each: every issue point a `jne` without samples, the blocks' 2,000 samples on the others,
+    byte each: every issue point a `jne` without samples, the twelve blocks' 507 samples on the others,
     F = 0, and the repair set 12 of them at a thousandth of their exact counts)."""
     n = len(points)
     s = sum(s for s, _ in points)
