@@ -191,3 +191,31 @@ def test_windows_go_to_procedures_as_their_samples_do(monkeypatch: pytest.Monkey
     assert cold.total_windows >= 1 and hot.total_windows + cold.total_windows == 50
     assert hot.total_windows == pytest.approx(45, abs=1)
     assert hot.spent_s / hot.seen == pytest.approx(cold.spent_s / cold.seen, rel=0.25)
+
+
+def test_a_block_held_at_its_floor_shows_its_cpi_and_stall_as_upper_bounds() -> None:
+    """A block the repair holds at its floor has a lower bound for a count (analysis/frequency.py's
+    sample_floors), so its CPI and dynamic stalls are upper bounds: the listing says "at least" of
+    the one and "at most" of the others (they read 600-1,500 CPI where the count is thousands of
+    times low)."""
+    from cyclescope.analysis.culprits import Stall
+    from cyclescope.report.calc import calc_table, summarize
+
+    c = work()
+    loop = block(c, 0x11A0)
+    c.freq.block_method[loop] = "floor"
+    k = next(i for i, ins in enumerate(c.cfg.insns) if ins.address == 0x11B8)  # its 300 samples
+    c.dyn[k], c.culprits[k] = 600.0, Stall("d", 600.0, {"d": [0x11B8]})
+    sections: dict[str, list[list[str]]] = {}
+    for r in calc_table(c, summarize(c)).rows:
+        if r[1].startswith("block "):
+            at = r[1].split(":")[0].split()[1]
+        sections.setdefault(at, []).append(r)
+    head, *body = sections["11a0"]
+    assert "at least" in head[1] and "actual at most" in head[1]
+    cpis = [r[4] for r in body if r[0] and r[4] not in ("", "(0)")]
+    stalls = [r[1] for r in body if "cy dynamic stall" in r[1]]
+    assert cpis and all(x.startswith("<=") for x in cpis)
+    assert stalls and all(" at most " in x for x in stalls)
+    # The other blocks keep plain figures.
+    assert not any("at most" in r[1] or r[4].startswith("<=") for r in sections["1190"])
