@@ -38,8 +38,11 @@ def test_the_goal_finds_the_planted_invariants_and_profiles_only_the_kept_candid
     p = cs("specialize", "--db", str(first), "--plan", str(plan), "--json", timeout=300)
     report = json.loads(p.stdout)
     counts = report["counts"]
-    # Static elimination keeps a small share of the candidates (the paper: under 1% on SPEC).
-    assert 0 < counts["kept"] <= 0.05 * counts["candidates"], counts
+    # Static elimination keeps a small share of the candidates (the paper: under 1% on SPEC). Which
+    # share moves with calc's counts: six plain recordings kept 2.7-3.6% of 166-238 candidates when
+    # calc put `scaled`'s entry at 4,382 executions (at its floor; 1.5 million exact) and keeps
+    # 3.6-6.0% with it at 13 million (the candidates at its entry are judged on that count).
+    assert 0 < counts["kept"] <= 0.08 * counts["candidates"], counts
     doc = json.loads(plan.read_text())
     assert {(pt["procedure"], pt["what"]) for pt in doc["points"]} >= {("bucket_sum", "rdx"), ("scaled", "rdx")}
 
