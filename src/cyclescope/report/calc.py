@@ -200,16 +200,17 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
         f = c.freq.block[blk.id]
         n = blk.last - blk.first + 1
         best = c.model.blocks[blk.id].cycles
+        # Held at its floor: its count a lower bound (analysis/frequency.py sample_floors), its CPI
+        # and stalls upper bounds.
+        floor = c.freq.block_method[blk.id] == "floor"
         if blk.id in c.cfg.unreachable:
             head = f"block {blk.start:x}: unreachable (padding)"
         elif f is None:
             head = f"block {blk.start:x}: no frequency estimate" + NO_ESTIMATE.get(c.freq.block_method[blk.id], "")
         else:
             ex = c.executions(blk.id)
-            floor = c.freq.block_method[blk.id] == "floor"  # a lower bound (analysis/frequency.py sample_floors)
             exs = "" if ex is None else f", {'at least ' if floor else '~'}{ex:,.0f} executions"
             actual = bs / f / n if f else 0.0
-            # Its count a lower bound, its CPI and stalls are upper bounds.
             head = (f"block {blk.start:x}: F={f:,.2f}{exs} ({c.freq.block_confidence[blk.id]} confidence, "
                     f"{c.freq.block_method[blk.id]}) · best-case {best:.1f}/{n} = {best / n:.2f} CPI · "
                     f"actual {'at most ' if floor else ''}{bs / f if f else 0:,.1f}/{n} = {actual:.2f} CPI")
@@ -218,7 +219,6 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
         if blk.id in c.evidence and f is not None:  # what a measured count rests on
             rows.append(["", f"  evidence: {c.evidence[blk.id]}", "", "", "", ""])
             styles.append("dim")
-        bound = c.freq.block_method[blk.id] == "floor"
         for k in range(blk.first, blk.last + 1):
             ins = c.cfg.insns[k]
             cu = c.culprits[k]
@@ -226,14 +226,14 @@ def calc_table(c: Calc, s: Summary, hot_only: bool = False) -> Table:
                 why = "".join(sorted(set(cu.codes))) or "?"
                 who = "; ".join(f"{code} at {', '.join(f'{a:x}' for a in addrs)}"
                                 for code, addrs in cu.culprit_addrs.items() if addrs)
-                rows.append(["", f"  {why}  {'at most ' if bound else ''}{c.dyn[k]:.1f} cy dynamic stall"
+                rows.append(["", f"  {why}  {'at most ' if floor else ''}{c.dyn[k]:.1f} cy dynamic stall"
                              + (f" ({who})" if who else ""),
                              "", "", "", ""])
                 styles.append("yellow")
             st = c.static[k]
             m = c.model.blocks[blk.id].insns[k - blk.first].m
             cpi = c.cpi[k]
-            cpi_s = f"{'<=' if bound else ''}{cpi:.2f}cy" if cpi is not None and float(c.samples[k, ev]) else ""
+            cpi_s = f"{'<=' if floor else ''}{cpi:.2f}cy" if cpi is not None and float(c.samples[k, ev]) else ""
             if not float(c.samples[k, ev]) and m == 0:
                 cpi_s = "(0)"
             cul = ""
