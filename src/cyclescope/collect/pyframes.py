@@ -503,10 +503,12 @@ class PythonFrames:
 
         now = time.monotonic()
         n = 0
+        decoder = None
         for _, ring in self._execs:
             if not ring.pending() or not (data := ring.read()):
                 continue
-            pids = RecordDecoder(SampleLayout(int(Sample.TID))).decode(data).samples["pid"].tolist()
+            decoder = decoder or RecordDecoder(SampleLayout(int(Sample.TID)))
+            pids = decoder.decode(data).samples["pid"].tolist()
             self._exec_pids.update(dict.fromkeys(pids, now + EXEC_WATCH_S))
             n += len(pids)
         return n
