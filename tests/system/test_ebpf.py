@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -314,6 +315,67 @@ def test_without_the_exit_tracepoint_the_program_loads_and_says_why(monkeypatch:
         assert agg.exit_error == "no stacks: no Python frames"
     finally:
         agg.close()
+
+
+@pytest.mark.usefixtures("bpf_loads")
+def test_the_exit_program_leaves_other_tools_their_exit_events() -> None:
+    """A tracepoint program that returns 0 drops the hit for every perf event of the tracepoint,
+    other tools' too (perf record -e sched:sched_process_exit saw nothing while it was attached):
+    with the exit program attached, another tracepoint event still gets its records."""
+    from cyclescope.collect import ebpf, kernel
+
+    tp = kernel.tracepoint_id("sched", "sched_process_exit")
+    assert tp is not None
+
+    def exits_seen() -> int:
+        rings = []
+        try:
+            for cpu in (0, 1) if (os.cpu_count() or 1) > 1 else (0,):
+                fd = kernel.open_tracepoint_waker(tp, cpu, "pid > 0")
+                rings.append((fd, kernel.RingBuffer(fd, 1)))
+                kernel.ioctl_enable(fd)
+            for _ in range(5):
+                subprocess.run(["true"], check=True)
+            return sum(len(ring.read()) for _, ring in rings)
+        finally:
+            for fd, ring in rings:
+                ring.close()
+                kernel.close_fd(fd)
+
+    agg = ebpf.load(1 << 10, 1 << 10)
+    try:
+        assert agg.exit_error is None
+        assert exits_seen() > 0
+    finally:
+        agg.close()
+
+
+def test_tracepoints_are_found_where_tracefs_is_not_mounted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine booted without systemd has no tracefs mounted (this project's VMs): tracepoint
+    ids are read from a private mount made for the read, which leaves the mounts as they were,
+    and the exit program attaches through it."""
+    from cyclescope.collect import ebpf, kernel
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting tracefs needs root")
+    mounts = Path("/proc/self/mountinfo").read_text()
+    monkeypatch.setattr(kernel, "TRACEFS", ("/nonexistent/tracing",))
+    monkeypatch.setattr(kernel, "_tracepoint_ids", {})
+    exit_id = kernel.tracepoint_id("sched", "sched_process_exit")
+    assert isinstance(exit_id, int) and exit_id > 0
+    assert kernel.tracepoint_id("sched", "no_such_tracepoint") is None
+    why = kernel.no_tracepoint("sched", "no_such_tracepoint")
+    assert why == "the kernel has no sched:no_such_tracepoint tracepoint"
+    assert Path("/proc/self/mountinfo").read_text() == mounts
+    try:
+        agg = ebpf.load(1 << 10, 1 << 10)
+    except (ebpf.BpfUnavailable, OSError) as e:
+        pytest.skip(f"the eBPF path cannot run here: {e}")
+    try:
+        assert agg.exit_error is None
+    finally:
+        agg.close()
+    assert Path("/proc/self/mountinfo").read_text() == mounts
 
 
 def _started_system_wide(tmp_path: Path, python: str, name: str, rounds: int,

@@ -120,8 +120,6 @@ class _Lib:
             ("bpf_map__fd", i, [vp]),
             ("bpf_program__fd", i, [vp]),
             ("bpf_program__set_autoload", i, [vp, ctypes.c_bool]),
-            ("bpf_program__attach_tracepoint", vp, [vp, ctypes.c_char_p, ctypes.c_char_p]),
-            ("bpf_link__destroy", i, [vp]),
             ("bpf_link_create", i, [i, i, i, ctypes.POINTER(_LinkOpts)]),
             ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
             ("bpf_map_lookup_elem", i, [i, vp, vp]),
@@ -210,6 +208,7 @@ class BpfAggregator:
             raise BpfUnavailable(f"libbpf could not open {obj_path.name}: {self._l.last_message()}")
         self._obj = obj
         self._links: list[int] = []
+        self._events: list[int] = []  # tracepoints' perf events that programs are linked to
         try:
             for name in ("counts0", "counts1"):
                 lib.bpf_map__set_max_entries(self._map(name), entries)
@@ -252,15 +251,8 @@ class BpfAggregator:
             # (6.18 here). Where the tracepoint has no group_dead the attach is refused, and a
             # process that exits before a drain names its frames keeps none.
             self.exit_error: str | None = "no stacks: no Python frames" if not exits else None
-            self._exit_link: int | None = None
             if exits:
-                link = lib.bpf_program__attach_tracepoint(exit_prog, *EXIT_TRACEPOINT)
-                err = lib.libbpf_get_error(link) if link else -(ctypes.get_errno() or errno.ENOENT)
-                if not link or err:
-                    where = b":".join(EXIT_TRACEPOINT).decode()
-                    self.exit_error = f"attaching to {where} failed: {os.strerror(-err if err < 0 else err)}"
-                else:
-                    self._exit_link = link
+                self.exit_error = self._attach_exit(lib.bpf_program__fd(exit_prog))
         except BaseException:
             lib.bpf_object__close(obj)
             self._obj = None
@@ -289,6 +281,31 @@ class BpfAggregator:
         val = (ctypes.c_uint32 * 2)(self.gen, 1 if self.stack_entries else 0)
         if self._l.lib.bpf_map_update_elem(self.fds["control"], ctypes.byref(key), val, _BPF_ANY):
             raise OSError(ctypes.get_errno(), "updating the BPF program's control map")
+
+    def _attach_exit(self, prog_fd: int) -> str | None:
+        """Attach the exit program to EXIT_TRACEPOINT (its id read from tracefs by
+        kernel.tracepoint_id, which mounts tracefs privately where it is not mounted: libbpf's
+        bpf_program__attach_tracepoint fails there); why not, or None."""
+        from cyclescope.collect import kernel
+
+        group, name = (part.decode() for part in EXIT_TRACEPOINT)
+        tp = kernel.tracepoint_id(group, name)
+        if tp is None:
+            return f"attaching to {group}:{name} failed: {kernel.no_tracepoint(group, name)}"
+        try:
+            pfd = kernel.open_tracepoint(tp, f"tracepoint {group}:{name}")
+        except kernel.PerfOpenError as e:
+            return f"attaching to {group}:{name} failed: {e}"
+        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts))
+        fd = self._l.lib.bpf_link_create(prog_fd, pfd, _BPF_PERF_EVENT, ctypes.byref(opts))
+        if fd < 0:
+            err = -fd if fd < -1 else ctypes.get_errno()
+            kernel.close_fd(pfd)
+            return f"attaching to {group}:{name} failed: {os.strerror(err)}"
+        kernel.ioctl_enable(pfd)
+        self._links.append(fd)
+        self._events.append(pfd)
+        return None
 
     def attach(self, perf_fd: int, event: int) -> None:
         """Run the program at each overflow of ``perf_fd``, counting its samples as event ``event``."""
@@ -462,9 +479,9 @@ class BpfAggregator:
         for fd in self._links:
             os.close(fd)
         self._links = []
-        if getattr(self, "_exit_link", None) is not None:
-            self._l.lib.bpf_link__destroy(self._exit_link)
-            self._exit_link = None
+        for fd in self._events:  # after the links that run programs at their hits
+            os.close(fd)
+        self._events = []
         if self._obj is not None:
             self._l.lib.bpf_object__close(self._obj)
             self._obj = None

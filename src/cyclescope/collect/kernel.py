@@ -172,17 +172,81 @@ def open_ring_owner(pid: int, cpu: int, inherit: bool = False, ring_bytes: int =
 
 
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MNT_DETACH = 2
+_tracepoint_ids: dict[tuple[str, str], int] = {}
 
 
 def tracepoint_id(group: str, name: str) -> int | None:
-    """A tracepoint's perf config (its id in tracefs), or None where tracefs does not have it."""
-    for root in TRACEFS:
+    """A tracepoint's perf config (its id in tracefs), or None where the kernel has no such
+    tracepoint or tracefs cannot be read. Where tracefs is mounted at neither of its usual places
+    (a machine booted without systemd, which mounts it at /sys/kernel/tracing: this project's
+    Firecracker VMs), it is mounted for the read on a private directory and unmounted at once
+    (root only), so the system's mounts stay as they were."""
+    key = (group, name)
+    if key not in _tracepoint_ids:
+        rel = f"events/{group}/{name}/id"
+        found = next((i for root in TRACEFS if (i := _read_id(f"{root}/{rel}")) is not None), None)
+        if found is None and not any(os.path.isdir(f"{root}/events") for root in TRACEFS):
+            found = _read_id_privately(rel)
+        if found is None:
+            return None
+        _tracepoint_ids[key] = found
+    return _tracepoint_ids[key]
+
+
+def no_tracepoint(group: str, name: str) -> str:
+    """Why tracepoint_id found no id: tracefs unreadable, or no such tracepoint."""
+    if any(os.path.isdir(f"{root}/events") for root in TRACEFS) or _read_id_privately("") is not None:
+        return f"the kernel has no {group}:{name} tracepoint"
+    return ("tracefs is not mounted and this process cannot mount it "
+            "(as root: mount -t tracefs nodev /sys/kernel/tracing)")
+
+
+def _read_id(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_id_privately(rel: str) -> int | None:
+    """The id at ``rel`` in a tracefs mounted read-only on a fresh directory for this read only
+    (0 for ``rel`` empty: whether the mount works). None where it cannot be mounted."""
+    import tempfile
+
+    try:
+        where = tempfile.mkdtemp(prefix="cyclescope-tracefs-")
+    except OSError:
+        return None
+    try:
+        flags = ctypes.c_ulong(_MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        if _libc.mount(b"nodev", where.encode(), b"tracefs", flags, None) != 0:
+            return None
         try:
-            with open(f"{root}/events/{group}/{name}/id") as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-    return None
+            return _read_id(f"{where}/{rel}") if rel else 0
+        finally:
+            _libc.umount2(where.encode(), _MNT_DETACH)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(where)
+
+
+def open_tracepoint(tp_id: int, what: str = "tracepoint") -> int:
+    """A tracepoint event for a BPF program to be attached to (bpf_link_create with
+    BPF_PERF_EVENT): the kernel then runs the program at every hit on every CPU, whatever the
+    event's own CPU (libbpf's bpf_program__attach_tracepoint opens the same, on CPU 0). Opened
+    disabled: enable it once the program is attached."""
+    from cyclescope.perf.abi import AttrFlag, EventType
+
+    a = PerfEventAttr()
+    a.type = int(EventType.TRACEPOINT)
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config = tp_id
+    a.sample_period = 1
+    a.flags = int(AttrFlag.DISABLED)
+    return perf_event_open(a, -1, 0, what=what)
 
 
 def open_tracepoint_waker(tp_id: int, cpu: int, filter_expr: str) -> int:

@@ -461,7 +461,7 @@ class PythonFrames:
 
         tp = kernel.tracepoint_id("sched", "sched_process_exec")
         if tp is None:
-            self.exec_error = "no sched_process_exec tracepoint in tracefs"
+            self.exec_error = kernel.no_tracepoint("sched", "sched_process_exec")
             return
         for cpu in self.start_cpus:
             fd = -1

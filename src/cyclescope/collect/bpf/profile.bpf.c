@@ -1037,12 +1037,14 @@ static long capture_stack(void *map, __u64 *key, struct trace *t, struct capture
 SEC("tracepoint/sched/sched_process_exit")
 int cyclescope_exit(struct exit_args *ctx)
 {
+	/* Returns 1 always: a tracepoint program's 0 drops the hit for every perf event of the
+	 * tracepoint, other tools' included (perf_trace_run_bpf_submit), not only for ours. */
 	if (!ctx->group_dead)
-		return 0;
+		return 1;
 	__u32 pid = bpf_get_current_pid_tgid() >> 32;
 	struct py_proc *pp = bpf_map_lookup_elem(&py_procs, &pid);
 	if (!pp)
-		return 0;
+		return 1;
 	struct capture_walk w = {.pid = pid};
 	__builtin_memcpy(&w.o, pp, sizeof(w.o));
 	bump(STAT_PY_EXITS);
@@ -1050,7 +1052,7 @@ int cyclescope_exit(struct exit_args *ctx)
 	bpf_for_each_map_elem(&stacks0, capture_stack, &w, 0);
 	w.gen = 1;
 	bpf_for_each_map_elem(&stacks1, capture_stack, &w, 0);
-	return 0;
+	return 1;
 }
 
 char LICENSE[] SEC("license") = "GPL";
