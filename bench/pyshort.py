@@ -12,11 +12,12 @@ the names copied at the process's exit).
 With --system-wide ROUNDS: `record -a --collector bpf -g fp -F 1000 -d 6`, and 2.5 s into it
 tests/programs/pyshares.py ROUNDS run under its own command name (a symlink to the interpreter):
 the share of its samples under `py::main` (the samples before the process is described to the
-program have no Python frames; with these, the interpreter's start-up and finalization). Twice
-each round: as `pyshares-py`, a name the exec tracepoint's filter does not match (the collector
-sees it when the rings' side records are read), as `python-pyshares`, one it matches
-(collect/pyframes.py's watch_execs), and as `pyshares-run.py`, a copy of the script run by its #!
-line (the filter's .py pattern).
+program have no Python frames; with these, the interpreter's start-up and finalization). Once
+each round: as `pyshares-py` and `python-pyshares`, links to the interpreter, and as
+`pyshares-run.py` and `pyshares-cli`, copies of the script run by their #! line (collect/
+pyframes.py's watch_execs: exec.bpf.c wakes the collector at the exec of each; ftrace's filter on
+the name executed, its fallback, only at the second and third's; a process not woken for is seen
+when the rings' side records are next read).
 
 Contenders: the head, and with --base REV the tree committed at REV (`git archive`), alternated
 in each round.
@@ -64,8 +65,11 @@ def one(src: Path, exe: str, first: float, last: float, tmp: Path) -> dict[str, 
     return {"first": got["first"] / (first * RATE), "last": got["last"] / (last * RATE), "samples": got["total"]}
 
 
-# Not matched, and matched, by the exec filter; the last a script run by its #! line.
-SYSTEM_WIDE_NAMES = ("pyshares-py", "python-pyshares", "pyshares-run.py")
+# Links to the interpreter, not named python and named python; scripts run by their #! line,
+# with the .py suffix and without (a console script's name). ftrace's filter on the name executed
+# (the fallback) matches the second and third; exec.bpf.c, which looks at the file run, all four.
+SYSTEM_WIDE_NAMES = ("pyshares-py", "python-pyshares", "pyshares-run.py", "pyshares-cli")
+SCRIPTS = ("pyshares-run.py", "pyshares-cli")
 
 
 def system_wide(src: Path, exe: str, rounds: int, tmp: Path, name: str) -> dict[str, float]:
@@ -76,7 +80,7 @@ def system_wide(src: Path, exe: str, rounds: int, tmp: Path, name: str) -> dict[
     script = ROOT / "tests" / "programs" / "pyshares.py"
     link = tmp / name
     link.unlink(missing_ok=True)
-    if name.endswith(".py"):
+    if name in SCRIPTS:
         link.write_text(f"#!{exe}\n" + script.read_text())
         link.chmod(0o755)
         cmd, script = [str(link), str(rounds)], link

@@ -378,6 +378,64 @@ def test_tracepoints_are_found_where_tracefs_is_not_mounted(monkeypatch: pytest.
     assert Path("/proc/self/mountinfo").read_text() == mounts
 
 
+def _execs_woken(monkeypatch: pytest.MonkeyPatch, bpf: bool) -> tuple[set[str], str | None]:
+    """Which of a few programs executed woke PythonFrames' exec watch (watch_execs): through
+    exec.bpf.c, or (``bpf`` false: its object made missing) through ftrace's filter on the name as
+    executed. The programs live in a directory whose path says neither python nor .py."""
+    import os
+    import shutil
+    import tempfile
+    from types import SimpleNamespace
+
+    from cyclescope.collect import ebpf
+    from cyclescope.collect.pyframes import PythonFrames
+    from cyclescope.images.registry import ImageTable
+
+    if not bpf:
+        monkeypatch.setattr(ebpf, "EXEC_OBJECT", Path("/nonexistent/exec.bpf.o"))
+    python = os.path.realpath(sys.executable)
+    home = Path(tempfile.mkdtemp(prefix="cs-exec-"))
+    pf = PythonFrames(ImageTable(), SimpleNamespace(procs={}), SimpleNamespace(),  # type: ignore[arg-type]
+                      start_cpus=tuple(sorted(os.sched_getaffinity(0))))
+    try:
+        pf.watch_execs()
+        assert pf._execs, (pf.exec_error, pf.exec_bpf_error)
+        for name in ("console-tool", "run-me.py"):  # scripts run by their #! line
+            (home / name).write_text(f"#!{python}\npass\n")
+            (home / name).chmod(0o755)
+        for name in ("py-alias", "python-alias"):  # links to the interpreter
+            (home / name).symlink_to(python)
+        shutil.copy("/bin/true", home / "plain")
+        child_pids = {}
+        for name in ("console-tool", "run-me.py", "py-alias", "python-alias", "plain"):
+            args = [] if name in ("console-tool", "run-me.py", "plain") else ["-c", "pass"]
+            p = subprocess.Popen([str(home / name), *args])
+            assert p.wait(timeout=60) == 0
+            child_pids[p.pid] = name
+        pf.take_execs()
+        return {name for pid, name in child_pids.items() if pid in pf._exec_pids}, pf.exec_bpf_error
+    finally:
+        pf.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.usefixtures("bpf_loads")
+def test_a_python_executed_under_any_name_wakes_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """exec.bpf.c looks at the executable file the new program runs from: a console script's
+    interpreter and a link's target say python whatever the name executed."""
+    woken, why = _execs_woken(monkeypatch, bpf=True)
+    assert why is None
+    assert woken == {"console-tool", "run-me.py", "py-alias", "python-alias"}
+
+
+def test_without_the_exec_program_the_filter_on_the_name_wakes_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where exec.bpf.c cannot load (a kernel without BTF), ftrace's filter on the name as
+    executed: a name that says python or ends in .py."""
+    woken, why = _execs_woken(monkeypatch, bpf=False)
+    assert why is not None and "exec.bpf.o" in why
+    assert woken == {"run-me.py", "python-alias"}
+
+
 def _started_system_wide(tmp_path: Path, python: str, name: str, rounds: int,
                          script: bool = False) -> tuple[int, int]:
     """pyshares.py ROUNDS run by ``python`` under the command ``name`` (a symbolic link; with
@@ -424,7 +482,8 @@ def test_a_python_started_while_recording_system_wide_is_named_to_its_end(tmp_pa
     is read in that drain: it is forgotten after them)."""
     import sys
 
-    # Its own command name, told apart from the recorder's, and one the exec filter does not match.
+    # Its own command name, told apart from the recorder's (the recorder's own interpreter file,
+    # whose starts it probes from the start).
     named, total = _started_system_wide(tmp_path, sys.executable, "pyshares-py", 300)
     # The samples before the process is described have no Python frames. It is described as its
     # interpreter starts: the first CPython of a file seen (the recorder's own) put a uprobe on the
@@ -462,14 +521,18 @@ def test_the_first_python_of_its_file_is_named_from_its_exec_system_wide(tmp_pat
 
 
 @pytest.mark.usefixtures("bpf_loads")
-def test_the_first_python_of_its_file_run_as_a_script_is_named_from_its_exec_system_wide(tmp_path: Path) -> None:
-    """A script run by its #! line is executed under its own name: one that ends in .py wakes the
-    collector at its exec too (the exec filter's second pattern)."""
+@pytest.mark.parametrize("name", ["pyshares-run.py", "pyshares-cli"])
+def test_the_first_python_of_its_file_run_as_a_script_is_named_from_its_exec_system_wide(tmp_path: Path,
+                                                                                        name: str) -> None:
+    """A script run by its #! line is executed under its own name, and its interpreter is the
+    file the process runs: exec.bpf.c wakes the collector at its exec whatever the name (a
+    console script's, without the .py suffix), ftrace's filter, its fallback, for a name ending in
+    .py."""
     python = _another_interpreter()
     if python is None:
         pytest.skip("no CPython 3.10, 3.12 or 3.13 here besides the recorder's own")
-    # 15 characters at most (a comm), without "python": only the .py suffix matches.
-    named, total = _started_system_wide(tmp_path, python, "pyshares-run.py", 150, script=True)
+    # 15 characters at most (a comm), without "python".
+    named, total = _started_system_wide(tmp_path, python, name, 150, script=True)
     assert total > 200 and named > 0.88 * total, (named, total)
 
 

@@ -24,9 +24,10 @@ from .test_stacks import _Mapper
 def test_the_committed_object_is_built_from_the_committed_source() -> None:
     d = Path(ebpf.__file__).parent / "bpf"
     want = (d / "SOURCES.sha256").read_text().strip()
-    assert hashlib.sha256((d / "profile.bpf.c").read_bytes()).hexdigest() == want, (
-        "profile.bpf.c changed: run scripts/build-bpf and commit profile.bpf.o")
-    assert all((d / n).read_bytes()[:4] == b"\x7fELF" for n in ("profile.bpf.o", "profile-unwind.bpf.o"))
+    sources = (d / "profile.bpf.c").read_bytes() + (d / "exec.bpf.c").read_bytes()
+    assert hashlib.sha256(sources).hexdigest() == want, (
+        "profile.bpf.c or exec.bpf.c changed: run scripts/build-bpf and commit the .bpf.o files")
+    assert all((d / n).read_bytes()[:4] == b"\x7fELF" for n in ("profile.bpf.o", "profile-unwind.bpf.o", "exec.bpf.o"))
     # The dtypes here are the C structs' layouts.
     assert (KEY_DTYPE.itemsize, VAL_DTYPE.itemsize, ebpf.TRACE_DTYPE.itemsize) == (
         24, 24, 8 + 8 * ebpf.MAX_FRAMES + 8 + 16 * ebpf.MAX_PY + 8)

@@ -799,7 +799,9 @@ class Collector:
                        + (f"; {py.unreadable:,} reads failed" if py.unreadable else "")
                        + (f" (processes that exit before a drain lose their names: {self.bpf.exit_error})"
                           if self.bpf is not None and self.bpf.exit_error else "")
-                       + (f" (a python executed is seen up to 0.2 s late: {py.exec_error})" if py.exec_error else ""))
+                       + (f" (a python executed is seen up to 0.2 s late: {py.exec_error})" if py.exec_error
+                          else f" (a console script or a python run under another name is seen up to 0.2 s late:"
+                               f" {py.exec_bpf_error})" if py.exec_bpf_error else ""))
         if self.totals.lost_timeline:
             out.append(f"{self.totals.lost_timeline:,} samples were left out of the timeline (the eBPF program's "
                        "timeline map was full)")

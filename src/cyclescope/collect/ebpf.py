@@ -49,6 +49,8 @@ PY_CODE_DTYPE = np.dtype([("addr", "<u8", (4,)), ("len", "<u4", (4,)),
 PY_CODES = 8192  # py_codes' size (allocated as it fills: 2 KiB an entry)
 PY_CODES_PREALLOC = 1024  # its size where the kernel needs it preallocated (before 6.1): 2 MiB
 EXIT_TRACEPOINT = (b"sched", b"sched_process_exit")  # where the program copies them
+EXEC_OBJECT = Path(__file__).parent / "bpf" / "exec.bpf.o"  # ExecWaker's
+EXEC_TRACEPOINT = ("sched", "sched_process_exec")
 TKEY_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("window", "<u4"), ("event", "<u4")])
 TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
 WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
@@ -283,29 +285,9 @@ class BpfAggregator:
             raise OSError(ctypes.get_errno(), "updating the BPF program's control map")
 
     def _attach_exit(self, prog_fd: int) -> str | None:
-        """Attach the exit program to EXIT_TRACEPOINT (its id read from tracefs by
-        kernel.tracepoint_id, which mounts tracefs privately where it is not mounted: libbpf's
-        bpf_program__attach_tracepoint fails there); why not, or None."""
-        from cyclescope.collect import kernel
-
+        """Attach the exit program to EXIT_TRACEPOINT; why not, or None."""
         group, name = (part.decode() for part in EXIT_TRACEPOINT)
-        tp = kernel.tracepoint_id(group, name)
-        if tp is None:
-            return f"attaching to {group}:{name} failed: {kernel.no_tracepoint(group, name)}"
-        try:
-            pfd = kernel.open_tracepoint(tp, f"tracepoint {group}:{name}")
-        except kernel.PerfOpenError as e:
-            return f"attaching to {group}:{name} failed: {e}"
-        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts))
-        fd = self._l.lib.bpf_link_create(prog_fd, pfd, _BPF_PERF_EVENT, ctypes.byref(opts))
-        if fd < 0:
-            err = -fd if fd < -1 else ctypes.get_errno()
-            kernel.close_fd(pfd)
-            return f"attaching to {group}:{name} failed: {os.strerror(err)}"
-        kernel.ioctl_enable(pfd)
-        self._links.append(fd)
-        self._events.append(pfd)
-        return None
+        return _attach_to_tracepoint(self._l, prog_fd, group, name, self._links, self._events)
 
     def attach(self, perf_fd: int, event: int) -> None:
         """Run the program at each overflow of ``perf_fd``, counting its samples as event ``event``."""
@@ -482,6 +464,87 @@ class BpfAggregator:
         for fd in self._events:  # after the links that run programs at their hits
             os.close(fd)
         self._events = []
+        if self._obj is not None:
+            self._l.lib.bpf_object__close(self._obj)
+            self._obj = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _attach_to_tracepoint(lib: _Lib, prog_fd: int, group: str, name: str, links: list[int],
+                          events: list[int]) -> str | None:
+    """Link a tracepoint program to a perf event of tracepoint ``group``:``name`` (its id read by
+    kernel.tracepoint_id, which mounts tracefs privately where it is not mounted: libbpf's
+    bpf_program__attach_tracepoint fails there), appending the link's fd to ``links`` and the
+    event's to ``events`` (close the links first); why not, or None."""
+    from cyclescope.collect import kernel
+
+    tp = kernel.tracepoint_id(group, name)
+    if tp is None:
+        return f"attaching to {group}:{name} failed: {kernel.no_tracepoint(group, name)}"
+    try:
+        pfd = kernel.open_tracepoint(tp, f"tracepoint {group}:{name}")
+    except kernel.PerfOpenError as e:
+        return f"attaching to {group}:{name} failed: {e}"
+    opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts))
+    fd = lib.lib.bpf_link_create(prog_fd, pfd, _BPF_PERF_EVENT, ctypes.byref(opts))
+    if fd < 0:
+        err = -fd if fd < -1 else ctypes.get_errno()
+        kernel.close_fd(pfd)
+        return f"attaching to {group}:{name} failed: {os.strerror(err)}"
+    kernel.ioctl_enable(pfd)
+    links.append(fd)
+    events.append(pfd)
+    return None
+
+
+class ExecWaker:
+    """exec.bpf.c loaded and attached to sched_process_exec: at each exec of a program whose
+    executable file's name holds "python" (a script's interpreter, a link's target), the process's
+    pid goes to the ring of its CPU's BPF output event (``outputs``: CPU -> the fd of
+    kernel.open_bpf_output_waker). Raises BpfUnavailable where it cannot run (no libbpf, a kernel
+    without BTF, which the object is relocated against, or no tracepoint)."""
+
+    def __init__(self, outputs: dict[int, int]) -> None:
+        if not EXEC_OBJECT.is_file():
+            raise BpfUnavailable(f"{EXEC_OBJECT} is missing (scripts/build-bpf builds it)")
+        self._l = _libbpf()
+        lib = self._l.lib
+        data = EXEC_OBJECT.read_bytes()
+        self._data = ctypes.create_string_buffer(data, len(data))
+        self._links: list[int] = []
+        self._events: list[int] = []
+        obj = lib.bpf_object__open_mem(self._data, len(data), None)
+        if not obj or lib.libbpf_get_error(obj):
+            raise BpfUnavailable(f"libbpf could not open {EXEC_OBJECT.name}: {self._l.last_message()}")
+        self._obj: int | None = obj
+        try:
+            if lib.bpf_object__load(obj):
+                why = self._l.last_message() or os.strerror(ctypes.get_errno())
+                raise BpfUnavailable(f"the kernel refused the exec waker: {why}")
+            wake = lib.bpf_object__find_map_by_name(obj, b"wake")
+            prog = lib.bpf_object__find_program_by_name(obj, b"cyclescope_exec")
+            if not wake or not prog:
+                raise BpfUnavailable(f"{EXEC_OBJECT.name} has no wake map or program (rebuild it)")
+            wake_fd = lib.bpf_map__fd(wake)
+            for cpu, fd in outputs.items():
+                key, val = ctypes.c_uint32(cpu), ctypes.c_uint32(fd)
+                if lib.bpf_map_update_elem(wake_fd, ctypes.byref(key), ctypes.byref(val), _BPF_ANY):
+                    raise BpfUnavailable(f"the exec waker's ring on CPU {cpu}: {os.strerror(ctypes.get_errno())}")
+            failed = _attach_to_tracepoint(self._l, lib.bpf_program__fd(prog), *EXEC_TRACEPOINT, self._links,
+                                           self._events)
+            if failed is not None:
+                raise BpfUnavailable(failed)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for fd in (*self._links, *self._events):
+            os.close(fd)
+        self._links, self._events = [], []
         if self._obj is not None:
             self._l.lib.bpf_object__close(self._obj)
             self._obj = None

@@ -233,6 +233,23 @@ def _read_id_privately(rel: str) -> int | None:
             os.rmdir(where)
 
 
+def open_bpf_output_waker(cpu: int) -> int:
+    """A BPF output event on ``cpu``, for a one-page ring that a BPF program writes to
+    (bpf_perf_event_output into a perf event array): each record carries the writing task's pid
+    and tid and wakes the reader. Opened disabled."""
+    from cyclescope.perf.abi import AttrFlag, EventType, Sample, SwId
+
+    a = PerfEventAttr()
+    a.type = int(EventType.SOFTWARE)
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config = int(SwId.BPF_OUTPUT)
+    a.sample_period = 1
+    a.sample_type = int(Sample.TID)
+    a.flags = int(AttrFlag.DISABLED | AttrFlag.WATERMARK)
+    a.wakeup_events = 1  # wakeup_watermark: one byte, so each record wakes
+    return perf_event_open(a, -1, cpu, what=f"BPF output event on CPU {cpu}")
+
+
 def open_tracepoint(tp_id: int, what: str = "tracepoint") -> int:
     """A tracepoint event for a BPF program to be attached to (bpf_link_create with
     BPF_PERF_EVENT): the kernel then runs the program at every hit on every CPU, whatever the

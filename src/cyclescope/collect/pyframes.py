@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-    from cyclescope.collect.ebpf import BpfAggregator
+    from cyclescope.collect.ebpf import BpfAggregator, ExecWaker
     from cyclescope.collect.kernel import RingBuffer
     from cyclescope.images.elf import SymbolTable
     from cyclescope.images.maps import Mapper
@@ -343,9 +343,11 @@ class PythonFrames:
         # ring wakes the collector as a process of it starts its interpreter (start_fds).
         self.start_cpus = start_cpus
         self._starts: dict[tuple[int, int, int, int], list[tuple[int, RingBuffer]]] = {}
-        # And per CPU, the exec tracepoint of programs whose path names python (watch_execs).
+        # And per CPU, the ring the kernel writes to when a python is executed (watch_execs).
         self._execs: list[tuple[int, RingBuffer]] = []
-        self.exec_error: str | None = None  # why there are none, where they were wanted
+        self._exec_waker: ExecWaker | None = None  # exec.bpf.c, where it loads
+        self.exec_bpf_error: str | None = None  # why not (then the ftrace filter on the exec's name)
+        self.exec_error: str | None = None  # why there are no exec wakes at all, where they were wanted
         self._exec_pids: dict[int, float] = {}  # processes exec'd lately: watched until then (monotonic s)
         self._closing: list[threading.Thread] = []  # stop_starts' closing of the probes
 
@@ -441,24 +443,27 @@ class PythonFrames:
                     self._probe_starts(*found)
 
     def watch_execs(self) -> None:
-        """Have the kernel wake the collector when a program whose path names python, or a script
-        whose name ends in .py, is executed (the sched_process_exec tracepoint, filtered in the
-        kernel by ftrace's `filename ~ "*python*" || filename ~ "*.py"`: the name as executed,
-        `python3`, a virtualenv's `bin/python`, `env python3`'s path, `./tool.py` run by its #!
-        line). The start probes (probe_known, _probe_starts) wake it only for interpreter files
-        seen before; without this, the first program of another one was seen when the rings' side
-        records were read, up to 0.2 s after its start, and that share of it had no Python frames.
-        At the exec the kernel has mapped the program (its side records are in the rings; a
-        libpython comes a moment later): the collector reads the side records every few ms while
-        the process is watched (take_execs, watching_exec) and drains when they show its
-        interpreter, which then waits for its runtime (poll_waiting). A symbolic link of another
-        name, a script without the .py suffix run by its #! line (pip's, the console scripts), and
-        an embedding program are not matched (the filter sees the name as executed) and are seen as
-        before."""
+        """Have the kernel wake the collector when a CPython interpreter is executed: the
+        sched_process_exec tracepoint, with exec.bpf.c (collect/ebpf.ExecWaker) writing the pid
+        where the executable file's name holds "python" (the file run: a script's interpreter, a
+        symbolic link's target, so that pip's and the other console scripts, `python3` and a
+        virtualenv's `bin/python` all match), or where that program cannot load (a kernel without
+        BTF), filtered by ftrace on the name as executed (EXEC_FILTER: `python3`, `./tool.py`;
+        not a link of another name or a console script). The start probes (probe_known,
+        _probe_starts) wake it only for interpreter files seen before; without this, the first
+        program of another one was seen when the rings' side records were read, up to 0.2 s
+        after its start, and that share of it had no Python frames. At the exec the kernel has
+        mapped the program (its side records are in the rings; a libpython comes a moment later):
+        the collector reads the side records every few ms while the process is watched
+        (take_execs, watching_exec) and drains when they show its interpreter, which then waits
+        for its runtime (poll_waiting). An embedding program is not matched either way."""
         if not self.start_cpus or self._execs or self._closing:
             return
         from cyclescope.collect import kernel
 
+        self._watch_execs_bpf()
+        if self._execs:
+            return
         tp = kernel.tracepoint_id("sched", "sched_process_exec")
         if tp is None:
             self.exec_error = kernel.no_tracepoint("sched", "sched_process_exec")
@@ -475,6 +480,28 @@ class PythonFrames:
                 self.exec_error = str(e)
                 continue
             self._execs.append((fd, ring))
+
+    def _watch_execs_bpf(self) -> None:
+        """watch_execs through exec.bpf.c: a BPF output event and its ring per CPU, the program
+        writing to them. Leaves _execs empty where it cannot (exec_bpf_error says why)."""
+        from cyclescope.collect import kernel
+        from cyclescope.collect.ebpf import BpfUnavailable, ExecWaker
+
+        outputs: dict[int, int] = {}
+        try:
+            for cpu in self.start_cpus:
+                fd = kernel.open_bpf_output_waker(cpu)
+                outputs[cpu] = fd
+                self._execs.append((fd, kernel.RingBuffer(fd, 1)))
+                kernel.ioctl_enable(fd)
+            self._exec_waker = ExecWaker(outputs)
+        except (OSError, kernel.PerfOpenError, BpfUnavailable) as e:
+            self.exec_bpf_error = str(e)
+            for _, ring in self._execs:
+                ring.close()
+            for fd in outputs.values():
+                kernel.close_fd(fd)
+            self._execs = []
 
     def start_fds(self) -> tuple[int, ...]:
         """The start probes' rings (the collector polls them: readable when an interpreter
@@ -531,7 +558,10 @@ class PythonFrames:
 
         from cyclescope.collect import kernel
 
-        for fd, ring in self._execs:  # tracepoints: closed at once
+        if self._exec_waker is not None:  # its program first, then the rings it writes to
+            self._exec_waker.close()
+            self._exec_waker = None
+        for fd, ring in self._execs:  # tracepoints, BPF output events: closed at once
             ring.close()
             kernel.close_fd(fd)
         self._execs = []

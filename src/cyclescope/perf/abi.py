@@ -45,6 +45,7 @@ class SwId(enum.IntEnum):
     ALIGNMENT_FAULTS = 7
     EMULATION_FAULTS = 8
     DUMMY = 9
+    BPF_OUTPUT = 10
 
 
 # HW_CACHE config = id | (op << 8) | (result << 16)
