@@ -185,7 +185,68 @@ def load(entries: int, stack_entries: int, unwind_rows: int = 0, unwind_procs: i
     raise first
 
 
-class BpfAggregator:
+class _BpfObject:
+    """A BPF object opened through libbpf, and the links and perf events its programs run from
+    (closed together, the links first)."""
+
+    _obj: int | None = None
+    _links: list[int]
+    _events: list[int]
+
+    def _open(self, path: Path) -> int:
+        """Open the object at ``path`` (not loaded yet)."""
+        if not path.is_file():
+            raise BpfUnavailable(f"{path} is missing (scripts/build-bpf builds it)")
+        self._l = _libbpf()
+        self._links = []
+        self._events = []  # tracepoints' perf events that programs are linked to
+        data = path.read_bytes()
+        self._data = ctypes.create_string_buffer(data, len(data))  # kept alive with the object
+        obj = self._l.lib.bpf_object__open_mem(self._data, len(data), None)
+        if not obj or self._l.lib.libbpf_get_error(obj):
+            raise BpfUnavailable(f"libbpf could not open {path.name}: {self._l.last_message()}")
+        self._obj = obj
+        return int(obj)
+
+    def _attach_to_tracepoint(self, prog: int, group: str, name: str) -> str | None:
+        """Link the program ``prog`` to a perf event of tracepoint ``group``:``name`` (its id read by
+        kernel.tracepoint_id, which mounts tracefs privately where it is not mounted: libbpf's
+        bpf_program__attach_tracepoint fails there); why not, or None."""
+        from cyclescope.collect import kernel
+
+        tp = kernel.tracepoint_id(group, name)
+        if tp is None:
+            return f"attaching to {group}:{name} failed: {kernel.no_tracepoint(group, name)}"
+        try:
+            pfd = kernel.open_tracepoint(tp, f"tracepoint {group}:{name}")
+        except kernel.PerfOpenError as e:
+            return f"attaching to {group}:{name} failed: {e}"
+        lib = self._l.lib
+        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts))
+        fd = lib.bpf_link_create(lib.bpf_program__fd(prog), pfd, _BPF_PERF_EVENT, ctypes.byref(opts))
+        if fd < 0:
+            err = -fd if fd < -1 else ctypes.get_errno()
+            kernel.close_fd(pfd)
+            return f"attaching to {group}:{name} failed: {os.strerror(err)}"
+        kernel.ioctl_enable(pfd)
+        self._links.append(fd)
+        self._events.append(pfd)
+        return None
+
+    def close(self) -> None:
+        for fd in (*getattr(self, "_links", ()), *getattr(self, "_events", ())):
+            os.close(fd)
+        self._links, self._events = [], []
+        if self._obj is not None:
+            self._l.lib.bpf_object__close(self._obj)
+            self._obj = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class BpfAggregator(_BpfObject):
     """The loaded program and its maps. ``entries``: the most distinct keys one generation holds
     (samples beyond it are counted as lost); ``stack_entries``: the most distinct stacks (0: no
     stacks); ``unwind_rows``, ``unwind_procs``: room for the unwind rows of the images and for the
@@ -199,18 +260,8 @@ class BpfAggregator:
             raise BpfUnavailable(f"the BPF program reads x86-64 registers; this machine is {os.uname().machine}")
         unwind = unwind_rows > 0 and unwind_procs > 0 and stack_entries > 0
         obj_path = OBJECT_UNWIND if unwind else OBJECT
-        if not obj_path.is_file():
-            raise BpfUnavailable(f"{obj_path} is missing (scripts/build-bpf builds it)")
-        self._l = _libbpf()
+        obj = self._open(obj_path)
         lib = self._l.lib
-        data = obj_path.read_bytes()
-        self._data = ctypes.create_string_buffer(data, len(data))
-        obj = lib.bpf_object__open_mem(self._data, len(data), None)
-        if not obj or lib.libbpf_get_error(obj):
-            raise BpfUnavailable(f"libbpf could not open {obj_path.name}: {self._l.last_message()}")
-        self._obj = obj
-        self._links: list[int] = []
-        self._events: list[int] = []  # tracepoints' perf events that programs are linked to
         try:
             for name in ("counts0", "counts1"):
                 lib.bpf_map__set_max_entries(self._map(name), entries)
@@ -254,10 +305,9 @@ class BpfAggregator:
             # process that exits before a drain names its frames keeps none.
             self.exit_error: str | None = "no stacks: no Python frames" if not exits else None
             if exits:
-                self.exit_error = self._attach_exit(lib.bpf_program__fd(exit_prog))
+                self.exit_error = self._attach_to_tracepoint(exit_prog, *(p.decode() for p in EXIT_TRACEPOINT))
         except BaseException:
-            lib.bpf_object__close(obj)
-            self._obj = None
+            self.close()
             raise
         self.entries = entries
         self.timeline_entries = max(1 << 12, entries // 4)
@@ -283,11 +333,6 @@ class BpfAggregator:
         val = (ctypes.c_uint32 * 2)(self.gen, 1 if self.stack_entries else 0)
         if self._l.lib.bpf_map_update_elem(self.fds["control"], ctypes.byref(key), val, _BPF_ANY):
             raise OSError(ctypes.get_errno(), "updating the BPF program's control map")
-
-    def _attach_exit(self, prog_fd: int) -> str | None:
-        """Attach the exit program to EXIT_TRACEPOINT; why not, or None."""
-        group, name = (part.decode() for part in EXIT_TRACEPOINT)
-        return _attach_to_tracepoint(self._l, prog_fd, group, name, self._links, self._events)
 
     def attach(self, perf_fd: int, event: int) -> None:
         """Run the program at each overflow of ``perf_fd``, counting its samples as event ``event``."""
@@ -457,50 +502,7 @@ class BpfAggregator:
             out[name] = int(sum(vals))
         return out
 
-    def close(self) -> None:
-        for fd in self._links:
-            os.close(fd)
-        self._links = []
-        for fd in self._events:  # after the links that run programs at their hits
-            os.close(fd)
-        self._events = []
-        if self._obj is not None:
-            self._l.lib.bpf_object__close(self._obj)
-            self._obj = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-def _attach_to_tracepoint(lib: _Lib, prog_fd: int, group: str, name: str, links: list[int],
-                          events: list[int]) -> str | None:
-    """Link a tracepoint program to a perf event of tracepoint ``group``:``name`` (its id read by
-    kernel.tracepoint_id, which mounts tracefs privately where it is not mounted: libbpf's
-    bpf_program__attach_tracepoint fails there), appending the link's fd to ``links`` and the
-    event's to ``events`` (close the links first); why not, or None."""
-    from cyclescope.collect import kernel
-
-    tp = kernel.tracepoint_id(group, name)
-    if tp is None:
-        return f"attaching to {group}:{name} failed: {kernel.no_tracepoint(group, name)}"
-    try:
-        pfd = kernel.open_tracepoint(tp, f"tracepoint {group}:{name}")
-    except kernel.PerfOpenError as e:
-        return f"attaching to {group}:{name} failed: {e}"
-    opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts))
-    fd = lib.lib.bpf_link_create(prog_fd, pfd, _BPF_PERF_EVENT, ctypes.byref(opts))
-    if fd < 0:
-        err = -fd if fd < -1 else ctypes.get_errno()
-        kernel.close_fd(pfd)
-        return f"attaching to {group}:{name} failed: {os.strerror(err)}"
-    kernel.ioctl_enable(pfd)
-    links.append(fd)
-    events.append(pfd)
-    return None
-
-
-class ExecWaker:
+class ExecWaker(_BpfObject):
     """exec.bpf.c loaded and attached to sched_process_exec: at each exec of a program whose
     executable file's name holds "python" (a script's interpreter, a link's target), the process's
     pid goes to the ring of its CPU's BPF output event (``outputs``: CPU -> the fd of
@@ -508,18 +510,8 @@ class ExecWaker:
     without BTF, which the object is relocated against, or no tracepoint)."""
 
     def __init__(self, outputs: dict[int, int]) -> None:
-        if not EXEC_OBJECT.is_file():
-            raise BpfUnavailable(f"{EXEC_OBJECT} is missing (scripts/build-bpf builds it)")
-        self._l = _libbpf()
+        obj = self._open(EXEC_OBJECT)
         lib = self._l.lib
-        data = EXEC_OBJECT.read_bytes()
-        self._data = ctypes.create_string_buffer(data, len(data))
-        self._links: list[int] = []
-        self._events: list[int] = []
-        obj = lib.bpf_object__open_mem(self._data, len(data), None)
-        if not obj or lib.libbpf_get_error(obj):
-            raise BpfUnavailable(f"libbpf could not open {EXEC_OBJECT.name}: {self._l.last_message()}")
-        self._obj: int | None = obj
         try:
             if lib.bpf_object__load(obj):
                 why = self._l.last_message() or os.strerror(ctypes.get_errno())
@@ -533,25 +525,12 @@ class ExecWaker:
                 key, val = ctypes.c_uint32(cpu), ctypes.c_uint32(fd)
                 if lib.bpf_map_update_elem(wake_fd, ctypes.byref(key), ctypes.byref(val), _BPF_ANY):
                     raise BpfUnavailable(f"the exec waker's ring on CPU {cpu}: {os.strerror(ctypes.get_errno())}")
-            failed = _attach_to_tracepoint(self._l, lib.bpf_program__fd(prog), *EXEC_TRACEPOINT, self._links,
-                                           self._events)
+            failed = self._attach_to_tracepoint(prog, *EXEC_TRACEPOINT)
             if failed is not None:
                 raise BpfUnavailable(failed)
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        for fd in (*self._links, *self._events):
-            os.close(fd)
-        self._links, self._events = [], []
-        if self._obj is not None:
-            self._l.lib.bpf_object__close(self._obj)
-            self._obj = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 def _possible_cpus() -> int:
