@@ -14,8 +14,12 @@ Modes: flat (no stacks), fp (-g fp) and dwarf (-g dwarf); workloads: tests/progr
 under CPython 3.11 and 3.12 (Python frames read by the program) and bench/workload.c (native).
 Each round runs every (workload, mode, contender) once, contenders alternated.
 
+With --execs N: the exec waker's program instead (collect/bpf/exec.bpf.c, loaded by
+collect/ebpf.ExecWaker as a system-wide recording does), its nanoseconds per exec over N execs of
+/bin/true and N/10 of a CPython (which it wakes for), in this process, per round.
+
 Usage: python bench/bpfcost.py [--rounds 3] [--modes flat,fp,dwarf] [--base REV]
-       [--workloads py3.11,py3.12,native] [--save-as NAME]
+       [--workloads py3.11,py3.12,native] [--execs N] [--save-as NAME]
 """
 
 from __future__ import annotations
@@ -100,18 +104,59 @@ def one(src: Path, mode: str, cmd: list[str], tmp: Path) -> dict[str, Any]:
             "exit_ns_per_run": ens / ecnt if ecnt else float("nan")}
 
 
+def exec_cost(n: int) -> dict[str, Any]:
+    """The exec waker's program, per exec: N execs of /bin/true and N/10 of a CPython."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from cyclescope.collect import kernel
+    from cyclescope.collect.ebpf import ExecWaker
+
+    python = cpython("3.12") or sys.executable
+    outputs = {cpu: kernel.open_bpf_output_waker(cpu) for cpu in sorted(os.sched_getaffinity(0))}
+    waker = ExecWaker(outputs)
+    try:
+        before = prog_stats(os.getpid())
+        for i in range(n):
+            subprocess.run(["/bin/true"], check=True)
+            if i % 10 == 0:
+                subprocess.run([python, "-S", "-c", "pass"], check=True)
+        after = prog_stats(os.getpid())
+    finally:
+        waker.close()
+        for fd in outputs.values():
+            kernel.close_fd(fd)
+    ns = sum(after[k][0] - before.get(k, (0, 0))[0] for k in after)
+    runs = sum(after[k][1] - before.get(k, (0, 0))[1] for k in after)
+    return {"ns_per_run": ns / runs if runs else float("nan"), "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="flat,fp,dwarf")
     ap.add_argument("--workloads", default="py3.11,py3.12,native")
     ap.add_argument("--base", help="a git revision to compare with the head")
+    ap.add_argument("--execs", type=int, default=0, metavar="N",
+                    help="measure the exec waker's program over N execs a round instead")
     ap.add_argument("--save-as", default="bpfcost")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bpfcost: needs root (BPF statistics and the eBPF collector)")
     before = STATS.read_text().strip()
     results: dict[str, Any] = {"machine": machine(), "args": vars(args), "runs": []}
+    if args.execs:
+        STATS.write_text("1\n")
+        try:
+            for r in range(args.rounds):
+                res = exec_cost(args.execs)
+                res.update(round=r)
+                results["runs"].append(res)
+                print(f"round {r} exec waker {res['ns_per_run']:6.0f} ns/exec ({res['runs']:,} execs)", flush=True)
+        finally:
+            STATS.write_text(before + "\n")
+        xs = [x["ns_per_run"] for x in results["runs"]]
+        print(f"\nns per exec in the kernel, median [quartiles] of the rounds: {fmt_spread(xs, digits=0)}")
+        print(f"saved {save(args.save_as, results)}")
+        return
     with tempfile.TemporaryDirectory(prefix="bpfcost-") as d:
         tmp = Path(d)
         trees = contender_trees(args.base, tmp)
