@@ -123,6 +123,17 @@ def test_the_path_is_chosen_by_what_the_processors_need(monkeypatch: pytest.Monk
         bpf_collector(_args(collector="bpf"), [], 1000, 2, "record")
 
 
+def test_the_bpf_collector_says_which_options_leave_out_what_needs_registers() -> None:
+    """Anchors and trip windows run only with loop counts: --no-loop-counts takes the three, and
+    --anchors (which turns loop counts on system-wide) must go too; values need --values dropped."""
+    from cyclescope.cli.sampling import bpf_without
+
+    assert bpf_without(["loops", "anchors", "trips"], _args()) == "add --no-loop-counts"
+    assert bpf_without(["loops", "anchors"], _args(anchors=True)) == "add --no-loop-counts and drop --anchors"
+    assert bpf_without(["values"], _args()) == "drop --values (or --goal)"
+    assert bpf_without(["loops", "values"], _args()) == "add --no-loop-counts and drop --values (or --goal)"
+
+
 # --- JIT frames: no CFI, stepped over by frame pointer or as CPython's trampolines -------------
 JIT, LIB = 0x7F0000001000, 0x7F0000100000
 

@@ -295,6 +295,18 @@ def processors(args: argparse.Namespace, value_opts: ValueOptions | None, system
     return out
 
 
+def bpf_without(needs: list[str], args: argparse.Namespace) -> str:
+    """The options that leave out the processors ``needs`` names, for --collector bpf's error:
+    anchors and trip windows run only with loop counts, so --no-loop-counts takes all three (and
+    --anchors, which turns loop counts on system-wide, must go too)."""
+    hints = []
+    if {"loops", "anchors", "trips"} & set(needs):
+        hints.append("add --no-loop-counts" + (" and drop --anchors" if getattr(args, "anchors", False) else ""))
+    if "values" in needs:
+        hints.append("drop --values (or --goal)")
+    return " and ".join(hints) if hints else "leave them out"
+
+
 def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: float | None, ncpus: int,
                   who: str) -> BpfAggregator | None:
     """The eBPF program loaded for this run, or None for the perf ring path, as --collector asks:
@@ -310,9 +322,11 @@ def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: flo
     needs = [p.name for p in procs if p.name not in ("stacks", "timeline")]
     if needs:
         if choice == "bpf":
-            flags = {"loops": "--no-loop-counts", "anchors": "no --anchors", "values": "no --values"}
-            raise UsageError("--collector bpf counts samples in the kernel, without their registers: "
-                             f"{', '.join(needs)} need them (use {', '.join(flags.get(n, n) for n in needs)})")
+            what = {"loops": "loop counts", "trips": "trip windows", "values": "value capture"}
+            need = "needs" if len(needs) == 1 else "need"
+            raise UsageError(f"--collector bpf counts samples in the kernel, without the registers that "
+                             f"{', '.join(what.get(n, n) for n in needs)} {need}: {bpf_without(needs, args)}, "
+                             "or use --collector perf")
         return None
     from cyclescope.collect.ebpf import BpfUnavailable, load
 
