@@ -330,7 +330,7 @@ def test_the_exit_program_leaves_other_tools_their_exit_events() -> None:
     def exits_seen() -> int:
         rings = []
         try:
-            for cpu in (0, 1) if (os.cpu_count() or 1) > 1 else (0,):
+            for cpu in sorted(os.sched_getaffinity(0)):
                 fd = kernel.open_tracepoint_waker(tp, cpu, "pid > 0")
                 rings.append((fd, kernel.RingBuffer(fd, 1)))
                 kernel.ioctl_enable(fd)
@@ -382,7 +382,6 @@ def _execs_woken(monkeypatch: pytest.MonkeyPatch, bpf: bool) -> tuple[set[str], 
     """Which of a few programs executed woke PythonFrames' exec watch (watch_execs): through
     exec.bpf.c, or (``bpf`` false: its object made missing) through ftrace's filter on the name as
     executed. The programs live in a directory whose path says neither python nor .py."""
-    import os
     import shutil
     import tempfile
     from types import SimpleNamespace
@@ -400,15 +399,16 @@ def _execs_woken(monkeypatch: pytest.MonkeyPatch, bpf: bool) -> tuple[set[str], 
     try:
         pf.watch_execs()
         assert pf._execs, (pf.exec_error, pf.exec_bpf_error)
-        for name in ("console-tool", "run-me.py"):  # scripts run by their #! line
+        scripts, links = ("console-tool", "run-me.py"), ("py-alias", "python-alias")
+        for name in scripts:  # run by their #! line
             (home / name).write_text(f"#!{python}\npass\n")
             (home / name).chmod(0o755)
-        for name in ("py-alias", "python-alias"):  # links to the interpreter
+        for name in links:  # to the interpreter
             (home / name).symlink_to(python)
         shutil.copy("/bin/true", home / "plain")
         child_pids = {}
-        for name in ("console-tool", "run-me.py", "py-alias", "python-alias", "plain"):
-            args = [] if name in ("console-tool", "run-me.py", "plain") else ["-c", "pass"]
+        for name in (*scripts, *links, "plain"):
+            args = ["-c", "pass"] if name in links else []
             p = subprocess.Popen([str(home / name), *args])
             assert p.wait(timeout=60) == 0
             child_pids[p.pid] = name

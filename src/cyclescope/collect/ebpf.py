@@ -221,17 +221,24 @@ class _BpfObject:
             pfd = kernel.open_tracepoint(tp, f"tracepoint {group}:{name}")
         except kernel.PerfOpenError as e:
             return f"attaching to {group}:{name} failed: {e}"
-        lib = self._l.lib
-        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts))
-        fd = lib.bpf_link_create(lib.bpf_program__fd(prog), pfd, _BPF_PERF_EVENT, ctypes.byref(opts))
-        if fd < 0:
-            err = -fd if fd < -1 else ctypes.get_errno()
+        try:
+            self._link(self._l.lib.bpf_program__fd(prog), pfd)
+        except OSError as e:
             kernel.close_fd(pfd)
-            return f"attaching to {group}:{name} failed: {os.strerror(err)}"
+            return f"attaching to {group}:{name} failed: {e.strerror}"
         kernel.ioctl_enable(pfd)
-        self._links.append(fd)
         self._events.append(pfd)
         return None
+
+    def _link(self, prog_fd: int, perf_fd: int, cookie: int = 0) -> None:
+        """Run the program ``prog_fd`` at each hit of ``perf_fd`` (the link kept in _links;
+        ``cookie``: what bpf_get_attach_cookie gives the program). OSError where the kernel refuses."""
+        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts), bpf_cookie=cookie)
+        fd = self._l.lib.bpf_link_create(prog_fd, perf_fd, _BPF_PERF_EVENT, ctypes.byref(opts))
+        if fd < 0:
+            err = -fd if fd < -1 else ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self._links.append(fd)
 
     def close(self) -> None:
         for fd in (*getattr(self, "_links", ()), *getattr(self, "_events", ())):
@@ -336,12 +343,10 @@ class BpfAggregator(_BpfObject):
 
     def attach(self, perf_fd: int, event: int) -> None:
         """Run the program at each overflow of ``perf_fd``, counting its samples as event ``event``."""
-        opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts), bpf_cookie=event)
-        fd = self._l.lib.bpf_link_create(self.prog_fd, perf_fd, _BPF_PERF_EVENT, ctypes.byref(opts))
-        if fd < 0:
-            err = -fd if fd < -1 else ctypes.get_errno()
-            raise BpfUnavailable(f"attaching the BPF program to a perf event failed: {os.strerror(err)}")
-        self._links.append(fd)
+        try:
+            self._link(self.prog_fd, perf_fd, event)
+        except OSError as e:
+            raise BpfUnavailable(f"attaching the BPF program to a perf event failed: {e.strerror}") from None
 
     def set_python(self, pid: int, cfg: bytes) -> None:
         """Describe a CPython process to the program (collect/pyframes.py: struct py_proc)."""

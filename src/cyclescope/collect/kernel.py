@@ -187,7 +187,7 @@ def tracepoint_id(group: str, name: str) -> int | None:
     if key not in _tracepoint_ids:
         rel = f"events/{group}/{name}/id"
         found = next((i for root in TRACEFS if (i := _read_id(f"{root}/{rel}")) is not None), None)
-        if found is None and not any(os.path.isdir(f"{root}/events") for root in TRACEFS):
+        if found is None and not _tracefs_mounted():
             found = _read_id_privately(rel)
         if found is None:
             return None
@@ -197,10 +197,14 @@ def tracepoint_id(group: str, name: str) -> int | None:
 
 def no_tracepoint(group: str, name: str) -> str:
     """Why tracepoint_id found no id: tracefs unreadable, or no such tracepoint."""
-    if any(os.path.isdir(f"{root}/events") for root in TRACEFS) or _read_id_privately("") is not None:
+    if _tracefs_mounted() or _read_id_privately("") is not None:
         return f"the kernel has no {group}:{name} tracepoint"
     return ("tracefs is not mounted and this process cannot mount it "
             "(as root: mount -t tracefs nodev /sys/kernel/tracing)")
+
+
+def _tracefs_mounted() -> bool:
+    return any(os.path.isdir(f"{root}/events") for root in TRACEFS)
 
 
 def _read_id(path: str) -> int | None:
@@ -237,17 +241,26 @@ def open_bpf_output_waker(cpu: int) -> int:
     """A BPF output event on ``cpu``, for a one-page ring that a BPF program writes to
     (bpf_perf_event_output into a perf event array): each record carries the writing task's pid
     and tid and wakes the reader. Opened disabled."""
-    from cyclescope.perf.abi import AttrFlag, EventType, Sample, SwId
+    from cyclescope.perf.abi import EventType, SwId
+
+    return perf_event_open(_waker_attr(EventType.SOFTWARE, SwId.BPF_OUTPUT), -1, cpu,
+                           what=f"BPF output event on CPU {cpu}")
+
+
+def _waker_attr(type_: int, config: int) -> PerfEventAttr:
+    """A waker's event: a record (pid and tid only) at every hit, each waking the reader of its
+    one-page ring (the records only say "now"). Disabled."""
+    from cyclescope.perf.abi import AttrFlag, Sample
 
     a = PerfEventAttr()
-    a.type = int(EventType.SOFTWARE)
+    a.type = int(type_)
     a.size = ctypes.sizeof(PerfEventAttr)
-    a.config = int(SwId.BPF_OUTPUT)
+    a.config = int(config)
     a.sample_period = 1
     a.sample_type = int(Sample.TID)
     a.flags = int(AttrFlag.DISABLED | AttrFlag.WATERMARK)
     a.wakeup_events = 1  # wakeup_watermark: one byte, so each record wakes
-    return perf_event_open(a, -1, cpu, what=f"BPF output event on CPU {cpu}")
+    return a
 
 
 def open_tracepoint(tp_id: int, what: str = "tracepoint") -> int:
@@ -271,17 +284,9 @@ def open_tracepoint_waker(tp_id: int, cpu: int, filter_expr: str) -> int:
     hit passing ``filter_expr`` (ftrace's filter syntax, applied in the kernel before anything is
     written) and wakes the reader at each: for a one-page ring whose records only say "now".
     Opened disabled."""
-    from cyclescope.perf.abi import IOC_SET_FILTER, AttrFlag, EventType, Sample
+    from cyclescope.perf.abi import IOC_SET_FILTER, EventType
 
-    a = PerfEventAttr()
-    a.type = int(EventType.TRACEPOINT)
-    a.size = ctypes.sizeof(PerfEventAttr)
-    a.config = tp_id
-    a.sample_period = 1
-    a.sample_type = int(Sample.TID)
-    a.flags = int(AttrFlag.DISABLED | AttrFlag.WATERMARK)
-    a.wakeup_events = 1  # wakeup_watermark: one byte, so each record wakes
-    fd = perf_event_open(a, -1, cpu, what=f"tracepoint {tp_id} on CPU {cpu}")
+    fd = perf_event_open(_waker_attr(EventType.TRACEPOINT, tp_id), -1, cpu, what=f"tracepoint {tp_id} on CPU {cpu}")
     expr = ctypes.create_string_buffer(filter_expr.encode())
     # fcntl.ioctl takes an int argument as a C int: the filter's address is passed through libc.
     if _libc.ioctl(fd, ctypes.c_ulong(IOC_SET_FILTER), expr) != 0:
