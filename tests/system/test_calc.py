@@ -133,13 +133,16 @@ def test_a_samples_cost_is_measured_alike_on_a_busy_machine() -> None:
     clock, the measurement beside a busy loop per CPU gave 0 to 59 us (five runs: 17, 40, 24, 18
     and 0; then 18, 9, 16, 35, 59), and once 41 us, cached for the boot, put calc's CPI for the
     stall-free loop at 0.58 of the model's best; timed by the thread's own cpu-clock, 16-17.5 us
-    quiet and busy alike."""
+    quiet and busy alike on a Xeon. On a Zen 5 VM one measurement moves more (eight in a row:
+    18.2-28.0 us quiet, 20.2-29.2 us beside two busy loops), so the medians of three are compared,
+    and each busy one is held to what the wall clock's failure (0 and 59 us) would break."""
     import os
+    import statistics
     import subprocess
 
     from cyclescope.collect.clock import measure_sample_overhead
 
-    quiet = measure_sample_overhead(200_000)
+    quiet = [measure_sample_overhead(200_000) for _ in range(3)]
     loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 1)]
     try:
         busy = [measure_sample_overhead(200_000) for _ in range(3)]
@@ -147,8 +150,10 @@ def test_a_samples_cost_is_measured_alike_on_a_busy_machine() -> None:
         for p in loops:
             p.kill()
             p.wait()
-    assert quiet is not None and quiet > 0 and all(b is not None for b in busy)
-    assert all(0.7 * quiet < b < 1.4 * quiet for b in busy), (quiet, busy)  # type: ignore[operator]
+    assert all(q is not None and q > 0 for q in quiet) and all(b is not None for b in busy), (quiet, busy)
+    q = statistics.median(quiet)  # type: ignore[type-var]
+    assert 0.75 * q < statistics.median(busy) < 1.35 * q, (quiet, busy)  # type: ignore[type-var,operator]
+    assert all(0.5 * q < b < 1.8 * q for b in busy), (quiet, busy)  # type: ignore[operator]
 
 
 def test_a_uprobe_hit_is_measured_on_this_machine() -> None:

@@ -39,10 +39,12 @@ def test_the_goal_finds_the_planted_invariants_and_profiles_only_the_kept_candid
     report = json.loads(p.stdout)
     counts = report["counts"]
     # Static elimination keeps a small share of the candidates (the paper: under 1% on SPEC). Which
-    # share moves with calc's counts: six plain recordings kept 2.7-3.6% of 166-238 candidates when
-    # calc put `scaled`'s entry at 4,382 executions (at its floor; 1.5 million exact) and keeps
-    # 3.6-6.0% with it at 13 million (the candidates at its entry are judged on that count).
-    assert 0 < counts["kept"] <= 0.08 * counts["candidates"], counts
+    # share moves with calc's counts and with which procedures are hot enough to be candidates: on
+    # a Xeon six plain recordings kept 3.6-6.0% of 166-238; on a Zen 5 VM sixteen kept 7-12 (all in
+    # the two planted procedures) of 141-1,031, 0.8-8.5%, the most where only those two procedures
+    # are candidates and both keep their entry's arguments (12 of 141; an 8% bound failed there on
+    # main, one recording in five).
+    assert 0 < counts["kept"] <= 0.12 * counts["candidates"], counts
     doc = json.loads(plan.read_text())
     assert {(pt["procedure"], pt["what"]) for pt in doc["points"]} >= {("bucket_sum", "rdx"), ("scaled", "rdx")}
 
