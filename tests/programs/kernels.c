@@ -39,7 +39,7 @@ __attribute__((noinline)) long nested(long n) {            /* loops in loops, wi
 }
 
 int main(int argc, char **argv) {
-    long scale = 1;
+    long scale = argc > 2 ? atol(argv[2]) : 1;  /* the loops' counts times this */
     const char *which = argc > 1 ? argv[1] : "all";
     int all = !strcmp(which, "all");
     long r = 0;

@@ -328,7 +328,7 @@ def test_stop_ends_every_window_and_closes_every_probe() -> None:
     assert len(probes.closed) == len(probes.open_at)
 
 
-def test_loop_counts_and_anchors_are_off_system_wide_unless_asked() -> None:
+def test_anchors_are_off_system_wide_unless_asked_and_loop_counts_on() -> None:
     import argparse
 
     from cyclescope.cli.sampling import processors
@@ -341,10 +341,11 @@ def test_loop_counts_and_anchors_are_off_system_wide_unless_asked() -> None:
 
     assert names(False) == ["timeline", "loops", "anchors", "trips"]
     assert names(False, no_anchors=True) == ["timeline", "loops"] and names(False, no_loops=True) == ["timeline"]
-    # System-wide: loop counts and anchors off (samples counted in the kernel; anchors count almost
-    # nothing there: bench/anchors.py), unless asked; anchors need the loop counter.
-    assert names(True) == ["timeline"]
-    assert names(True, loops=True) == ["timeline", "loops"]
+    # System-wide: loop counts on (the eBPF program sends the samples of watched procedures:
+    # collect/loopwatch.py), anchors off unless asked (they count almost nothing there:
+    # bench/anchors.py); anchors need the loop counter.
+    assert names(True) == ["timeline", "loops"] and names(True, loops=True) == ["timeline", "loops"]
+    assert names(True, no_loops=True) == ["timeline"]
     assert names(True, anchors=True) == ["timeline", "loops", "anchors", "trips"]
     quiet = argparse.Namespace(no_loop_counts=False, loop_counts=False, no_anchors=False, anchors=False,
                                anchor_budget=None, call_graph=None, no_trip_windows=True)

@@ -235,7 +235,8 @@ def test_samples_wait_for_their_binary_and_procedure_in_the_worker(tmp_path: Pat
         lc.finish(timeout_s=60)
     finally:
         lc.close()
-    assert stats(lc)["iterations"] == 10 and lc.skipped == 0
+    t = lc.take().to_pydict()
+    assert t["header"] == [header] and t["iterations"] == [10] and lc.skipped == 0
 
 
 def test_executions_from_the_rate_and_the_sampled_time() -> None:

@@ -24,6 +24,7 @@ periods (the thread ran throughout), and spans the time between them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -64,6 +65,9 @@ ANALYSIS_BUDGET = 0.10
 # again is asked for again, and comes from the user's cache by build-id. A daemon under a fork storm
 # of compilers otherwise gathered the tables of every hot procedure of cc1 and kept them.
 MAX_TABLE_BYTES = 48 << 20
+RECENT_DECAY = 0.9  # LoopCounter.recent: a drain's weight in the next
+SETTLING_DRAIN_S = 0.25  # system-wide: drains while procedures are analyzed (LoopCountProcessor.next_drain_s)
+MAX_RECENT = 1 << 16  # LoopCounter.recent's entries before those faded under one sample go
 STATS = ("own", "own_period", "followed", "next_own", "pairs", "iterations", "pair_period", "mismatched",
          "rejected", "trip_samples", "inv_trip")
 _S = {n: i for i, n in enumerate(STATS)}
@@ -479,6 +483,17 @@ class LoopCounter:
         self._moving: dict[tuple[int, int, int], list[int]] = {}  # since the start: [pairs moving forward, back]
         self.analysis_s = 0.0
         self.skipped = 0  # samples whose procedure could not be analyzed in time
+        # Samples per procedure from note (the eBPF path's rows), decayed by RECENT_DECAY a drain
+        # (kept as the weight and the note it was last updated at): which procedures the program's
+        # few watched ranges per process go to.
+        self.recent: dict[tuple[int, int], tuple[float, int]] = {}
+        self._notes = 0
+        self._landed = 0  # tables landed or evicted so far: watched() is computed again when it moves
+        self._watched: tuple[int, dict[tuple[int, int], int]] | None = None
+        # add gets some samples of each thread only (the eBPF path sends those in watched ranges and
+        # the next one on their CPU): a thread's time is not the sum of their periods, so the
+        # arguments' moves (analysis/progress.py, per task only in calc) are not tallied.
+        self.partial = False
 
     # --- images and procedures ----------------------------------------------------------------
     def _call(self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], land: Callable[[Any], None],
@@ -522,6 +537,7 @@ class LoopCounter:
         def land(got: tuple[LoopTable, float]) -> None:
             with self._lock:
                 self._tables[(img, start)] = got[0]
+                self._landed += 1
                 self.analysis_s += got[1]
                 self._hold((img, start), got[0])
 
@@ -569,6 +585,7 @@ class LoopCounter:
             self._held_bytes -= m
             self._tables.pop(old, None)
             self.evicted += 1
+            self._landed += 1
 
     def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Start and end of every procedure of the image, once known (None: not yet, or none)."""
@@ -583,6 +600,72 @@ class LoopCounter:
             return t
 
     # --- samples ------------------------------------------------------------------------
+    def note(self, img: np.ndarray, off: np.ndarray, count: np.ndarray) -> None:
+        """Samples counted elsewhere, ``count`` of them at each image offset (the eBPF path's rows,
+        whose registers stay in the kernel): their images are opened and their procedures
+        analyzed as add's samples would have them, and each procedure's samples weigh it among
+        those :meth:`watched` gives (the program then sends their samples' registers to add)."""
+        self._notes += 1
+        if len(self.recent) > MAX_RECENT:
+            self.recent = {k: v for k, v in self.recent.items() if self._weight(v) >= 1.0}
+        if not len(img):
+            return
+        ui, where = group(img.astype(np.int64))
+        n_img = np.bincount(where, weights=count.astype(np.float64))
+        for g, (i, n) in enumerate(zip(ui.tolist(), n_img.tolist(), strict=True)):
+            with self._lock:
+                bounds = self._bounds.get(i)
+                asked = i in self._bounds or i in self._pending_bounds
+            if not asked:
+                seen = self._img_seen[i] = self._img_seen.get(i, 0) + int(n)
+                if seen < self.analyze_after:
+                    continue
+                self._ask_bounds(int(i))  # from the cache at once, where it has them
+                with self._lock:
+                    bounds = self._bounds.get(i)
+            if bounds is None:
+                continue
+            m = where == g
+            k = procedure_index(bounds, off[m].astype(np.uint64))
+            ok = k >= 0
+            if not ok.any():
+                continue
+            starts = bounds[0][k[ok]].astype(np.int64)
+            us, w = group(starts)
+            per = np.bincount(w, weights=count[m][ok].astype(np.float64))
+            keys = {(int(i), int(st)): int(c) for st, c in zip(us.tolist(), per.tolist(), strict=True)}
+            for key, c in keys.items():
+                self.recent[key] = (self._weight(self.recent.get(key, (0.0, self._notes))) + c, self._notes)
+            self._request(keys)
+
+    def _weight(self, v: tuple[float, int]) -> float:
+        """A ``recent`` entry's weight now: decayed by RECENT_DECAY for each note since."""
+        return v[0] * RECENT_DECAY ** (self._notes - v[1])
+
+    def busy(self) -> bool:
+        """Are images' procedures being read, or procedures analyzed?"""
+        with self._lock:
+            return bool(self._pending_bounds) or any(t is None for t in self._tables.values())
+
+    def watched(self) -> dict[tuple[int, int], tuple[int, float]]:
+        """(image, procedure start) -> (its end, its recent samples) of every procedure analyzed so
+        far with a loop a counter register counts: the ones whose samples' registers add needs."""
+        with self._lock:
+            if self._watched is None or self._watched[0] != self._landed:
+                items = [(k, t) for k, t in self._tables.items() if t is not None and not t.empty]
+                bounds = dict(self._bounds)
+                ends: dict[tuple[int, int], int] = {}
+                for (i, st), t in items:
+                    if not any(t.counters) or bounds.get(i) is None:
+                        continue
+                    starts, stops = bounds[i]  # type: ignore[misc]
+                    j = int(np.searchsorted(starts, np.uint64(st)))
+                    if j < len(starts) and int(starts[j]) == st:
+                        ends[(i, st)] = int(stops[j])
+                self._watched = (self._landed, ends)
+            ends = self._watched[1]
+        return {k: (e, self._weight(self.recent.get(k, (0.0, self._notes)))) for k, e in ends.items()}
+
     def add(self, tid: np.ndarray, time_ns: np.ndarray, cpu: np.ndarray, img: np.ndarray, off: np.ndarray,
             period: np.ndarray, regs: np.ndarray) -> None:
         """One drain's samples: tid, time, CPU, image index, offset, period (event units) and the 16
@@ -613,7 +696,7 @@ class LoopCounter:
         for i in counts(b.img)[0].tolist():
             with self._lock:
                 bounds = self._bounds.get(i)
-            if bounds is None:
+            if bounds is None or not len(bounds[0]):
                 continue
             m = b.img == i
             k = procedure_index(bounds, b.off[m])
@@ -707,21 +790,23 @@ class LoopCounter:
         tables: dict[tuple[int, int], LoopTable] = {}
         ukeys, inv = group(_pack(img, func))
         uniq = _unpack(ukeys)
+        # Each group's rows, in order (one sort: a mask per group over every sample cost the
+        # system-wide collector's drains, a hundred procedures each, most of their time).
+        members = _members(inv, len(uniq))
         for g, (i, s) in enumerate(uniq):
             if s < 0:
                 continue
             t = self.table(int(i), int(s))
-            m = inv == g
+            rows = members[g]
             if t is None:  # not analyzed (yet): its samples break pairs and count nowhere
-                self.skipped += int((m & fresh).sum())
+                self.skipped += int(fresh[rows].sum())
                 continue
             if t.empty:
                 continue
             tables[(int(i), int(s))] = t
-            k = np.searchsorted(t.addrs, off[m])
+            k = np.searchsorted(t.addrs, off[rows])
             k = np.minimum(k, len(t.addrs) - 1)
-            exact = t.addrs[k] == off[m]
-            rows = np.flatnonzero(m)
+            exact = t.addrs[k] == off[rows]
             ix[rows[exact]] = k[exact]
             inner[rows[exact]] = t.inner[k[exact]]
         # Own samples of every loop (fresh ones only: a carried sample was counted in its drain).
@@ -729,7 +814,8 @@ class LoopCounter:
             t = tables.get((int(i), int(s)))
             if t is None:
                 continue
-            rows = np.flatnonzero((inv == g) & fresh & (inner >= 0))
+            rows = members[g]
+            rows = rows[fresh[rows] & (inner[rows] >= 0)]
             if not len(rows):
                 continue
             la = inner[rows]
@@ -745,7 +831,8 @@ class LoopCounter:
                         n_trip, inv_sum = _trips(t.trips[L], b.regs[order[these]], ix[these])
                         st[_S["trip_samples"]] += n_trip
                         st[_S["inv_trip"]] += inv_sum
-        self._progress(b, order, fresh, tid, ix, inv, uniq, tables)
+        if not self.partial:
+            self._progress(b, order, fresh, tid, ix, members, uniq, tables)
         # Pairs: consecutive samples of one thread, the first in a loop.
         a = np.flatnonzero((tid[:-1] == tid[1:]) & (inner[:-1] >= 0))
         if not len(a):
@@ -756,17 +843,15 @@ class LoopCounter:
             dt = b.time[ob].astype(np.float64) - b.time[oa].astype(np.float64)
             keep = (b.cpu[oa] == b.cpu[ob]) & (dt <= 1.25 * b.period[ob])
             a, bb = a[keep], bb[keep]
-        for g, (i, s) in enumerate(uniq):
-            t = tables.get((int(i), int(s)))
-            if t is None:
+        for g, sel in enumerate(_members(inv[a], len(uniq))):
+            t = tables.get((int(uniq[g][0]), int(uniq[g][1])))
+            if t is None or not len(sel):
                 continue
-            sel = inv[a] == g
-            if not sel.any():
-                continue
-            self._pairs(int(i), t, a[sel], bb[sel], inv[bb[sel]] == g, inner, ix, order, b)
+            self._pairs(int(uniq[g][0]), t, a[sel], bb[sel], inv[bb[sel]] == g, inner, ix, order, b)
 
     def _progress(self, b: _Batch, order: np.ndarray, fresh: np.ndarray, tid: np.ndarray, ix: np.ndarray,
-                  inv: np.ndarray, uniq: list[tuple[int, int]], tables: dict[tuple[int, int], LoopTable]) -> None:
+                  members: list[np.ndarray], uniq: list[tuple[int, int]],
+                  tables: dict[tuple[int, int], LoopTable]) -> None:
         """How far the arguments of each sampled procedure moved between consecutive samples of a
         thread in it (analysis/progress.py). A thread's time is the sum of its samples' periods (per
         task, exactly its CPU time; system-wide, its expected value)."""
@@ -790,7 +875,8 @@ class LoopCounter:
             t = tables.get((int(i), int(s)))
             if t is None or not len(t.args):
                 continue
-            rows = np.flatnonzero(fresh & (inv == g) & (ix >= 0))
+            rows = members[g]
+            rows = rows[fresh[rows] & (ix[rows] >= 0)]
             if not len(rows):
                 continue
             codes = t.args[ix[rows]].astype(np.int64)
@@ -921,10 +1007,21 @@ class LoopCounter:
         return build(LOOPS, cols)
 
 
+def _members(inv: np.ndarray, n: int) -> list[np.ndarray]:
+    """For each of ``n`` groups, the positions in ``inv`` (each position's group) that hold it,
+    in increasing order."""
+    order = np.argsort(inv, kind="stable")
+    ends = np.cumsum(np.bincount(inv, minlength=n)) if len(inv) else np.zeros(n, np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64) if n else ends
+    return [order[starts[g] : ends[g]] for g in range(n)]
+
+
 def procedure_index(bounds: tuple[np.ndarray, np.ndarray], off: np.ndarray) -> np.ndarray:
     """The index in ``bounds`` (sorted starts, ends) of the procedure holding each offset, -1 where
     none does."""
     starts, ends = bounds
+    if not len(starts):  # an image without procedures (a stripped one's symbols)
+        return np.full(len(off), -1, np.int64)
     k = np.searchsorted(starts, off, side="right").astype(np.int64) - 1
     return np.where((k >= 0) & (off < ends[np.maximum(k, 0)]), k, -1)
 
@@ -1022,23 +1119,59 @@ class LoopCountProcessor:
         self.counter: LoopCounter | None = None
         self._cols: np.ndarray | None = None
         self._time_event = -1
+        self._own = -1
 
     def bind(self, ctx: Any) -> None:
         self.counter = LoopCounter(None, lambda i: ctx.table[i].key, ctx.per_task, self.background,
                                    info_of=lambda i: ctx.table[i])
+        if not ctx.per_task:
+            # System-wide on the eBPF path, a procedure's samples bring their registers only once it
+            # is analyzed and watched: the first drain early, and more while analyses are under way
+            # (settling), so that a command recorded for a second or two is watched for most of it.
+            self.first_drain_s = SETTLING_DRAIN_S
         self._cols = np.array([ctx.regs_columns[r] for r in GPRS], np.intp)
         self._time_event = ctx.time_event
+        self._own = os.getpid()
 
     def process(self, d: Any) -> None:
-        if self.counter is None or d.regs is None or self._time_event < 0 or not len(d.samples):
+        if self.counter is None or self._time_event < 0 or not len(d.samples):
             return
         s = d.samples
+        if d.regs is None:
+            if d.count is not None:  # the eBPF path's rows: which procedures to analyze and watch
+                from cyclescope.perf.abi import MISC_USER
+
+                # Not the recorder's own samples (system-wide it samples itself): its libraries'
+                # procedures (numpy's, the interpreter's) would be analyzed and watched for nothing.
+                m = ((d.event == self._time_event) & (s["cpumode"] == MISC_USER) & (d.image > 0)
+                     & (s["pid"] != self._own))
+                self.counter.note(d.image[m], d.offset[m], d.count[m])
+            return
         m = (d.event == self._time_event) & (s["regs"] >= 0)
         if not m.any():
             return
         rows = s["regs"][m]
         self.counter.add(s["tid"][m], s["time"][m], s["cpu"][m], d.image[m], d.offset[m], d.period[m],
                          d.regs[rows][:, self._cols])
+
+    def process_watched(self, d: Any) -> None:
+        """The eBPF path's samples in the ranges :meth:`watched` named, each with the next sample
+        on its CPU, with their registers (collect/loopwatch.py)."""
+        if self.counter is not None:
+            self.counter.partial = True
+            self.process(d)
+
+    def watched(self) -> dict[tuple[int, int], tuple[int, float]]:
+        """The procedures whose samples' registers the loop counter needs (LoopCounter.watched)."""
+        return self.counter.watched() if self.counter is not None else {}
+
+    def next_drain_s(self) -> float | None:
+        """How soon the next drain should come: system-wide, SETTLING_DRAIN_S while images or
+        procedures asked for are being read or analyzed (the eBPF path watches them once they
+        land); None (no hurry) otherwise."""
+        if self.counter is None or self.counter.per_task or not self.counter.busy():
+            return None
+        return SETTLING_DRAIN_S
 
     def forget(self, pid: int, tid: int) -> None:
         if self.counter is not None:

@@ -113,7 +113,7 @@ class Daemon(Command):
             with contextlib.suppress(Offline):
                 destination(args.ship_to, ship_token)
         procs = processors(args, value_opts, system_wide=True)
-        bpf = bpf_collector(args, procs, rate, len(cpus), "daemon")
+        bpf = bpf_collector(args, procs, rate, len(cpus), "daemon", system_wide=True)
         session, db = open_session(args, events, SystemWide(cpus), rate, value_opts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval,
                               compact_after=args.compact_after, new_epoch=args.new_epoch, archive=args.archive,

@@ -95,7 +95,7 @@ class Record(Command):
             return int(run_exact(args, cmd, events, rate, value_opts))
         procs = processors(args, value_opts, system_wide=bool(args.all_cpus))
         ncpus = len(target.cpus) if isinstance(target, SystemWide) else len(online_cpus())
-        bpf = bpf_collector(args, procs, rate, ncpus, "record")
+        bpf = bpf_collector(args, procs, rate, ncpus, "record", system_wide=bool(args.all_cpus))
         session, db = open_session(args, events, target, rate, value_opts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",

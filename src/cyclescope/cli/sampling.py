@@ -216,16 +216,17 @@ def value_options(args: argparse.Namespace) -> ValueOptions | None:
 
 
 def add_count_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("execution counts (what calc rests on; on by default per task, off system-wide)")
+    g = p.add_argument_group("execution counts (what calc rests on; loop counts on by default, anchors and trip "
+                             "windows per task only unless asked)")
     loops = g.add_mutually_exclusive_group()
     loops.add_argument("--no-loop-counts", action="store_true",
-                       help="do not count loop iterations between samples (the user registers are then not "
-                            "sampled, and samples can be counted in the kernel: --collector; calc falls back to "
-                            "its model where loops had counts)")
+                       help="do not count loop iterations between samples (per task the user registers are then "
+                            "not sampled, and samples can be counted in the kernel: --collector; calc falls back "
+                            "to its model where loops had counts)")
     loops.add_argument("--loop-counts", action="store_true",
-                       help="count loop iterations also when sampling system-wide (-a, daemon), where they are "
-                            "off by default: every sample then comes with its registers through the rings, "
-                            "instead of being counted in the kernel by eBPF")
+                       help="count loop iterations (the default; system-wide the eBPF program sends the samples "
+                            "of procedures whose loops have a counter register, with their registers, and counts "
+                            "the rest in the kernel)")
     g.add_argument("--no-anchors", action="store_true",
                    help="do not count hot procedures' entries exactly with uprobes (calc then scales "
                         "straight-line code by its model)")
@@ -244,15 +245,16 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
 
 def processors(args: argparse.Namespace, value_opts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
     """What the collector computes from each drain besides the flat counts (collect/processor.py),
-    as the options ask: the timeline (always), loop counts and anchors (calc's evidence; per task
-    on unless --no-loop-counts or --no-anchors; when ``system_wide`` off unless --loop-counts or
-    --anchors: anchors need the loop counter's procedure bounds), call stacks (--call-graph),
-    values (--values).
+    as the options ask: the timeline (always), loop counts and anchors (calc's evidence; loop
+    counts on unless --no-loop-counts; anchors per task unless --no-anchors, when ``system_wide``
+    only with --anchors: anchors need the loop counter's procedure bounds), call stacks
+    (--call-graph), values (--values).
 
-    Loop counts are off system-wide because they need every sample's registers, so samples cannot
-    be counted in the kernel (--collector auto then reads every sample from the rings), and
-    because there they count little: a pair of samples must fall in one execution of a loop on one
-    CPU within 1.25 periods (at the daemon's 1 kHz, loops that run over a millisecond at a time).
+    System-wide, loop counts count the loops whose executions outlast a sampling period on one CPU
+    (a pair of samples must fall in one execution within 1.25 periods: at the daemon's 1 kHz,
+    loops that run over a millisecond at a time), and on the eBPF path the program sends only the
+    samples in procedures whose loops have a counter register (collect/loopwatch.py): the rest
+    are counted in the kernel as without them.
 
     Anchors are off system-wide because there they count almost nothing at a cost: with gcc
     compiling in a loop under `record -a -F 5000`, 0-2 entries counted in 30 s for 1-2% of the
@@ -263,10 +265,7 @@ def processors(args: argparse.Namespace, value_opts: ValueOptions | None, system
 
     out: list[Processor] = [TimelineProcessor()]  # samples over time, per thread (cheap: always)
     anchors = getattr(args, "anchors", False)
-    if system_wide:
-        loops_on = getattr(args, "loop_counts", False) or anchors
-    else:
-        loops_on = not getattr(args, "no_loop_counts", False)
+    loops_on = not getattr(args, "no_loop_counts", False) or anchors
     if loops_on:
         from cyclescope.analysis.loopcount import LoopCountProcessor
 
@@ -308,18 +307,20 @@ def bpf_without(needs: list[str], args: argparse.Namespace) -> str:
 
 
 def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: float | None, ncpus: int,
-                  who: str) -> BpfAggregator | None:
+                  who: str, system_wide: bool = False) -> BpfAggregator | None:
     """The eBPF program loaded for this run, or None for the perf ring path, as --collector asks:
     'auto' takes bpf when every processor asked for can work on counted rows (call stacks, walked
     by the program with frame pointers or, with -g dwarf, with unwind rows from .eh_frame:
-    collect/bpfunwind.py; not loop counts, anchors or values, which need each sample's registers)
-    and the kernel loads the program; otherwise perf, with a line on stderr when the kernel is
-    why. 'bpf' fails in one line where 'auto' would fall back."""
+    collect/bpfunwind.py; loop counts when ``system_wide``, from the samples the program sends
+    them: collect/loopwatch.py; not per task, nor anchors or values, which need each sample's
+    registers) and the kernel loads the program; otherwise perf, with a line on stderr when the
+    kernel is why. 'bpf' fails in one line where 'auto' would fall back."""
     choice = getattr(args, "collector", "auto")
     if choice == "perf":
         return None
     # By name: importing the stacks' processor to test for it cost every recording 7 ms.
-    needs = [p.name for p in procs if p.name not in ("stacks", "timeline")]
+    needs = [p.name for p in procs if p.name not in ("stacks", "timeline")
+             and not (system_wide and p.name == "loops")]
     if needs:
         if choice == "bpf":
             what = {"loops": "loop counts", "trips": "trip windows", "values": "value capture"}
@@ -369,7 +370,7 @@ def open_session(args: argparse.Namespace, events: list[EventSpec], target: Syst
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
                           user_stack=value_opts.stack if value_opts is not None else None,
                           call_graph=None if bpf is not None else args.call_graph,
-                          user_regs=any(p.needs_regs for p in procs))
+                          user_regs=bpf is None and any(p.needs_regs for p in procs))
         return session, Database.create_or_open(db_path(args))
     except BaseException:
         if bpf is not None:

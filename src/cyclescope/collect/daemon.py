@@ -35,7 +35,7 @@ from cyclescope.images.kernel import KernelMap, forget_kallsyms, load_kernel_ran
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import list_pids, own_vdso
 from cyclescope.images.registry import ImageInfo, ImageResolver, ImageTable
-from cyclescope.perf.abi import MISC_KERNEL, X86_REGS_USER_MASK, RecordType, Sample, regs_in_mask
+from cyclescope.perf.abi import GPRS, MISC_KERNEL, MISC_USER, X86_REGS_USER_MASK, RecordType, Sample, regs_in_mask
 from cyclescope.perf.records import (
     SAMPLE_DTYPE,
     CommRecord,
@@ -50,6 +50,7 @@ from cyclescope.perf.records import (
 if TYPE_CHECKING:
     from cyclescope.collect.bpfunwind import KernelUnwind
     from cyclescope.collect.ebpf import BpfAggregator, Drained
+    from cyclescope.collect.loopwatch import LoopWatch
     from cyclescope.collect.pyframes import PythonFrames
 
 # A ring's wake-up is acted on only when the fullest ring holds at least this share of its size
@@ -191,6 +192,11 @@ class Collector:
         self._python_seen = (0, 0)  # PythonFrames' code objects read and processes described at the last drain
         self.python: PythonFrames | None = None  # the eBPF path with stacks: CPython frames
         self.unwind: KernelUnwind | None = None  # the eBPF path with -g dwarf: unwind rows
+        # The eBPF path system-wide with a processor that takes watched samples (the loop counter):
+        # the program's samples in the procedures it watches, with their registers
+        self.loops: LoopWatch | None = None
+        self.loops_error: str | None = None  # why there is none where one was wanted
+        self._regs_cols: dict[str, int] = {}
 
     # --- life cycle ---------------------------------------------------------------------
     def _fresh_meta(self) -> SegmentMeta:
@@ -238,7 +244,9 @@ class Collector:
                       self.flusher.store_symbols, python_stack, tasks, self.session.child_pid is not None)
         for p in self.processors:
             p.bind(ctx)
+        self._regs_cols = cols
         self._attach_bpf()
+        self._watch_loops_start(time_event)
         self.session.start()
         if isinstance(self.session.target, SystemWide):
             # DCPI's third source: processes that were running before we started.
@@ -251,6 +259,23 @@ class Collector:
         if self.cfg.lean_memory:  # the start-up's reads of kallsyms are done; the first flush is far off
             forget_kallsyms()
         self.started = time.time()
+
+    def _watch_loops_start(self, time_event: int) -> None:
+        """On the eBPF path system-wide, where a processor takes the program's watched samples
+        (collect/loopwatch.py), their output events; where they cannot be opened, loop counts are
+        off and loops_error says why."""
+        target = self.session.target
+        takers = [p for p in self.processors if hasattr(p, "process_watched")]
+        if self.bpf is None or not takers or not isinstance(target, SystemWide) or time_event < 0:
+            return
+        from cyclescope.collect.kernel import PerfOpenError
+        from cyclescope.collect.loopwatch import LoopWatch
+
+        rate = float(self.session.rate_hz or 1000.0)
+        try:
+            self.loops = LoopWatch(self.bpf, list(target.cpus), rate, time_event)
+        except (OSError, PerfOpenError) as e:
+            self.loops_error = f"loop counts are off: the eBPF program's output events could not be opened ({e})"
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
@@ -313,6 +338,8 @@ class Collector:
                 if self.python is not None and (self.python.waiting or self.python.watching_exec()):
                     wake = min(wake, now + PY_WAIT_POLL_S)
                 drain_fds = tuple(fd for p in self.processors for fd in getattr(p, "wake_fds", tuple)())
+                if self.loops is not None:
+                    drain_fds += self.loops.fds()  # the watched samples' rings, half full
                 exec_fds: tuple[int, ...] = ()
                 if self.python is not None and now >= self._start_quiet_until:
                     drain_fds += self.python.start_fds()  # a CPython program starting: describe it now
@@ -335,7 +362,8 @@ class Collector:
                     # describes it with them; and while Python processes need it (_python_drain_s).
                     soon = self.unwind is not None and (self.unwind.starting or self.unwind.waiting)
                     next_drain = now + min(self.cfg.drain_s, self._python_drain_s() or self.cfg.drain_s,
-                                           UNWIND_DRAIN_S if soon else self.cfg.drain_s)
+                                           UNWIND_DRAIN_S if soon else self.cfg.drain_s,
+                                           self._settling_drain_s() or self.cfg.drain_s)
                 if now >= next_rand:
                     self.session.rerandomize()
                     next_rand = now + self.cfg.rerandomize_s
@@ -365,6 +393,15 @@ class Collector:
         finally:
             self.close()
         return self.totals
+
+    def _settling_drain_s(self) -> float | None:
+        """On the eBPF path with watched samples: how soon the processors want the next drain
+        (``next_drain_s``: the loop counter's while its procedures are analyzed; once analyzed
+        they are watched, and their samples bring registers from the drain after); None: no hurry."""
+        if self.loops is None:
+            return None
+        want = [s for p in self.processors if (s := getattr(p, "next_drain_s", lambda: None)()) is not None]
+        return min(want) if want else None
 
     def _python_drain_s(self) -> float | None:
         """How soon the next drain should come for Python frames: every 50 ms while an interpreter
@@ -445,6 +482,8 @@ class Collector:
     def close(self) -> None:
         if self.python is not None:
             self.python.close()
+        if self.loops is not None:
+            self.loops.close()  # kept: its counts go in the run's summary
         if self.bpf is not None:
             self.bpf.close()
         if self.unwind is not None:
@@ -563,8 +602,38 @@ class Collector:
                 if isinstance(r, MmapRecord) and r.executable:
                     weights.setdefault(r.pid, 0.0)
             self.unwind.watch(list(weights), list(weights.values()))
-        return self._count(Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
-                                 chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python))
+        n = self._count(Drain(samples, rows.event, rows.period, mapped.image, mapped.offset, mapped.comm,
+                              chains=rows.chains, count=rows.count, timeline=rows.timeline, python=rows.python))
+        if self.loops is not None:
+            self._step_watched(samples["pid"][samples["cpumode"] == MISC_USER])
+        return n
+
+    def _step_watched(self, pids: np.ndarray) -> None:
+        """The program's watched samples since the last drain, mapped and handed to the processors
+        that take them; then the ranges watched per process, for the processes sampled in user
+        mode in this drain (``pids``), from what the processors want watched now."""
+        from cyclescope.collect.loopwatch import as_samples
+
+        assert self.loops is not None
+        recs = self.loops.read()
+        if len(recs):
+            samples, event, period, gprs = as_samples(recs)
+            mapped = self.mapper.map_batch(samples, [])
+            width = max(self._regs_cols.values()) + 1 if self._regs_cols else len(GPRS)
+            regs = np.zeros((len(recs), width), np.uint64)
+            regs[:, [self._regs_cols.get(r, k) for k, r in enumerate(GPRS)]] = gprs
+            d = Drain(samples, event, period, mapped.image, mapped.offset, mapped.comm, regs=regs)
+            for p in self.processors:
+                if hasattr(p, "process_watched"):
+                    p.process_watched(d)
+        watched: dict[tuple[int, int], tuple[int, float]] = {}
+        for p in self.processors:
+            if hasattr(p, "watched"):
+                watched.update(p.watched())
+        own = os.getpid()
+        todo = [p for p in distinct(pids).tolist() if p > 0 and p != own]
+        if watched or self.loops.installed:
+            self.loops.update(self.mapper.procs, todo, watched)
 
     @property
     def _chains_bpf(self) -> bool:
@@ -642,6 +711,8 @@ class Collector:
                 self._exited.append((rec.pid, rec.tid))  # after this drain's samples are handled
                 if self.unwind is not None and rec.pid == rec.tid:
                     self.unwind.forget(rec.pid)
+                if self.loops is not None and rec.pid == rec.tid:
+                    self.loops.forget(rec.pid)
                 if rec.pid == rec.tid:
                     self.session.forget_pid(rec.pid)
             elif isinstance(rec, CommRecord) and rec.exec:
@@ -651,6 +722,8 @@ class Collector:
                     self.python.forget(rec.pid)
                 if self.unwind is not None:
                     self.unwind.forget(rec.pid)
+                if self.loops is not None:
+                    self.loops.forget(rec.pid)
 
     def _forget_exited(self) -> None:
         """The threads and processes that exited in this drain, forgotten once its samples are
@@ -775,6 +848,9 @@ class Collector:
             "images": len(self.table), "flushes": self.totals.flushes, "rss_kib": rss_kib(),
             "events": [s.label for s in self.session.events],
             "collector": "bpf" if self.bpf is not None else "perf",
+            **({"watched": {"records": self.loops.stats.sent, "watched": self.loops.stats.watched,
+                            "lost": self.loops.stats.lost, "processes": self.loops.stats.processes,
+                            "procedures": self.loops.stats.procedures}} if self.loops is not None else {}),
             **({"ship": {"to": self.cfg.ship_to, "stored": self.flusher.shipped, "offline": self.flusher.offline}}
                if self.cfg.ship_to else {}),
             **{p.name: p.status() for p in self.processors},
@@ -805,6 +881,12 @@ class Collector:
         if self.totals.lost_timeline:
             out.append(f"{self.totals.lost_timeline:,} samples were left out of the timeline (the eBPF program's "
                        "timeline map was full)")
+        if self.loops is not None and (st := self.loops.stats).sent:
+            out.append(f"loop counts: {st.watched:,} samples with their registers from {st.procedures:,} procedure(s) "
+                       "whose loops have a counter register (sent by the eBPF program"
+                       + (f"; {st.lost:,} lost: its rings were full" if st.lost else "") + ")")
+        if self.loops_error:
+            out.append(self.loops_error)
         return out
 
 

@@ -56,7 +56,15 @@ TVAL_DTYPE = np.dtype([("count", "<u8"), ("period", "<u8")])
 WINDOW_NS = 100_000_000  # profile.bpf.c's timeline window
 # profile.bpf.c's enum, in order
 STATS = ("samples", "lost", "lost_stacks", "stack_errors", "lost_timeline", "uw_walks", "uw_frames", "uw_complete",
-         "uw_fp", "uw_loading", "uw_cached", "py_exits", "py_codes", "py_codes_lost")
+         "uw_fp", "uw_loading", "uw_cached", "py_exits", "py_codes", "py_codes_lost", "lc_sent", "lc_lost")
+# Samples sent for loop counts (profile.bpf.c's struct lc_watch, lc_rec; collect/loopwatch.py reads them).
+LC_NONE = 0xFFFFFFFF  # control.lc_event: no event's samples are sent
+LC_RANGES = 16
+LC_WATCHED, LC_FOLLOWER, LC_KERNEL = 1, 2, 4
+LC_WATCH_DTYPE = np.dtype([("n", "<u4"), ("pad", "<u4"), ("r", "<u8", (LC_RANGES, 2))])
+LC_WATCH_ENTRIES = 4096  # processes watched at once
+LC_REC_DTYPE = np.dtype([("pid", "<u4"), ("tid", "<u4"), ("time", "<u8"), ("ip", "<u8"), ("period", "<u8"),
+                         ("cpu", "<u4"), ("event", "<u2"), ("flags", "<u2"), ("regs", "<u8", (16,))])
 # Unwinding in the kernel (profile.bpf.c's struct uw_row, uw_map, uw_proc; collect/bpfunwind.py fills them).
 UW_ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("bp_off", "<i2"), ("cfa", "u1"), ("bp", "u1")])
 UW_MAPS = 64
@@ -272,6 +280,8 @@ class BpfAggregator(_BpfObject):
         try:
             for name in ("counts0", "counts1"):
                 lib.bpf_map__set_max_entries(self._map(name), entries)
+            lib.bpf_map__set_max_entries(self._map("lc_watch"), LC_WATCH_ENTRIES)
+            lib.bpf_map__set_max_entries(self._map("lc_out"), _possible_cpus())
             for name in ("timeline0", "timeline1"):
                 lib.bpf_map__set_max_entries(self._map(name), max(1 << 12, entries // 4))
             for name in ("stacks0", "stacks1"):
@@ -292,7 +302,8 @@ class BpfAggregator(_BpfObject):
                 # Since Linux 6.1 a perf_event program may use hash maps that allocate as they
                 # fill (bpf_mem_alloc, safe in NMI): kernel memory then follows the distinct keys,
                 # not the sizes above (64 MiB of stacks, preallocated). Older kernels refuse it.
-                for name in ("counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1", "uw_slots"):
+                for name in ("counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1", "uw_slots",
+                             "lc_watch"):
                     m = self._map(name)
                     lib.bpf_map__set_map_flags(m, lib.bpf_map__map_flags(m) | _BPF_F_NO_PREALLOC)
             if lib.bpf_object__load(obj):
@@ -305,7 +316,7 @@ class BpfAggregator(_BpfObject):
             self.prog_fd = lib.bpf_program__fd(prog)
             self.fds = {n: lib.bpf_map__fd(self._map(n)) for n in
                         ("control", "stats", "counts0", "counts1", "stacks0", "stacks1", "timeline0", "timeline1",
-                         "py_procs", "py_codes", "uw_slots", "uw_procs", "uw_rows")}
+                         "py_procs", "py_codes", "uw_slots", "uw_procs", "uw_rows", "lc_watch", "lc_out")}
             # Python code objects copied as their process exits: where the kernel runs the exit
             # tracepoint before the process's memory goes and says whether the thread group died
             # (6.18 here). Where the tracepoint has no group_dead the attach is refused, and a
@@ -327,6 +338,8 @@ class BpfAggregator(_BpfObject):
         self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per map: _take's batch buffers
         self._held: tuple[int, np.ndarray] | None = None  # the stacks map and keys the last drain read
         self._describes = 0  # describe_unwind calls: each description's generation
+        self.loop_event = LC_NONE  # the event whose watched samples go to the loop outputs
+        self.loop_every = 1  # watched in one timeline window in this many
         self._set_control()
 
     def _map(self, name: str) -> int:
@@ -337,7 +350,7 @@ class BpfAggregator(_BpfObject):
 
     def _set_control(self) -> None:
         key = ctypes.c_uint32(0)
-        val = (ctypes.c_uint32 * 2)(self.gen, 1 if self.stack_entries else 0)
+        val = (ctypes.c_uint32 * 4)(self.gen, 1 if self.stack_entries else 0, self.loop_event, self.loop_every)
         if self._l.lib.bpf_map_update_elem(self.fds["control"], ctypes.byref(key), val, _BPF_ANY):
             raise OSError(ctypes.get_errno(), "updating the BPF program's control map")
 
@@ -347,6 +360,36 @@ class BpfAggregator(_BpfObject):
             self._link(self.prog_fd, perf_fd, event)
         except OSError as e:
             raise BpfUnavailable(f"attaching the BPF program to a perf event failed: {e.strerror}") from None
+
+    def send_loop_samples(self, event: int, outputs: dict[int, int], every: int = 1) -> None:
+        """Have the program send the samples of event ``event`` that the loop counter needs (those
+        in the ranges watch_loops gives, and the next sample on their CPU) to the BPF output event
+        of their CPU (``outputs``: CPU -> fd of kernel.open_bpf_output), in one window of the
+        timeline's (100 ms) in ``every``."""
+        for cpu, fd in outputs.items():
+            key, val = ctypes.c_uint32(cpu), ctypes.c_uint32(fd)
+            if self._l.lib.bpf_map_update_elem(self.fds["lc_out"], ctypes.byref(key), ctypes.byref(val), _BPF_ANY):
+                raise OSError(ctypes.get_errno(), f"giving the BPF program CPU {cpu}'s output event")
+        self.loop_event = event
+        self.loop_every = max(1, int(every))
+        self._set_control()
+
+    def watch_loops(self, pid: int, ranges: list[tuple[int, int]]) -> None:
+        """The address ranges of ``pid`` whose samples go to the loop outputs (at most LC_RANGES;
+        an empty list: none)."""
+        if not ranges:
+            self.unwatch_loops(pid)
+            return
+        val = np.zeros(1, LC_WATCH_DTYPE)
+        val["n"] = min(len(ranges), LC_RANGES)
+        val["r"][0, : val["n"][0]] = ranges[:LC_RANGES]
+        key = ctypes.c_uint32(pid)
+        if self._l.lib.bpf_map_update_elem(self.fds["lc_watch"], ctypes.byref(key), val.ctypes.data, _BPF_ANY):
+            raise OSError(ctypes.get_errno(), "giving the BPF program a process's loop ranges")
+
+    def unwatch_loops(self, pid: int) -> None:
+        key = ctypes.c_uint32(pid)
+        self._l.lib.bpf_map_delete_elem(self.fds["lc_watch"], ctypes.byref(key))
 
     def set_python(self, pid: int, cfg: bytes) -> None:
         """Describe a CPython process to the program (collect/pyframes.py: struct py_proc)."""

@@ -247,6 +247,23 @@ def open_bpf_output_waker(cpu: int) -> int:
                            what=f"BPF output event on CPU {cpu}")
 
 
+def open_bpf_output(cpu: int, watermark_bytes: int) -> int:
+    """A BPF output event on ``cpu`` whose ring carries what a BPF program writes into it
+    (bpf_perf_event_output), each record the program's bytes alone (PERF_SAMPLE_RAW); the reader
+    is woken once ``watermark_bytes`` are waiting. Opened disabled."""
+    from cyclescope.perf.abi import AttrFlag, EventType, Sample, SwId
+
+    a = PerfEventAttr()
+    a.type = int(EventType.SOFTWARE)
+    a.size = ctypes.sizeof(PerfEventAttr)
+    a.config = int(SwId.BPF_OUTPUT)
+    a.sample_period = 1
+    a.sample_type = int(Sample.RAW)
+    a.flags = int(AttrFlag.DISABLED | AttrFlag.WATERMARK)
+    a.wakeup_events = max(1, watermark_bytes)  # wakeup_watermark (the same field)
+    return perf_event_open(a, -1, cpu, what=f"BPF output event on CPU {cpu}")
+
+
 def _waker_attr(type_: int, config: int) -> PerfEventAttr:
     """A waker's event: a record (pid and tid only) at every hit, each waking the reader of its
     one-page ring (the records only say "now"). Disabled."""

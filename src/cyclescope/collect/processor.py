@@ -82,6 +82,10 @@ class Processor(Protocol):
     # Optional, read with getattr by Collector.run: ``first_drain_s``, how soon the first drain
     # should come for it (anchors: 0.25 s; otherwise the drain interval); ``wake_fds()``, the
     # descriptors of rings of its own whose wake-ups (half full) call for a drain (goal probes).
+    # On the eBPF path system-wide (collect/loopwatch.py): ``watched()``, the procedures ((image,
+    # start) -> (end, weight)) whose samples the program should send with their registers;
+    # ``process_watched(drain)``, those samples, each with the next one on its CPU, as a Drain
+    # with ``regs``; ``next_drain_s()``, how soon it wants the next drain (None: no hurry).
 
     def bind(self, ctx: Context) -> None: ...
 

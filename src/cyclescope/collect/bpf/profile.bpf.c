@@ -33,6 +33,15 @@
  * (cyclescope_exit, below) copies the bytes user space would have read, while the memory is still
  * there.
  *
+ * Loop counts (control.lc_event; analysis/loopcount.py): the loop counter reads the registers of a
+ * thread's consecutive samples in one loop, which counting here leaves in the kernel. So the
+ * program sends user space the samples it needs, through its CPU's BPF output event (lc_out): a
+ * sample of that event whose user ip falls in a range user space watches for its process (lc_watch:
+ * the procedures whose loops have a counter register, at the process's addresses), with its
+ * general registers; and, whatever it is, the next sample of the event on the same CPU (a pair is
+ * a thread's two consecutive samples on one CPU, and the counter tallies how many of a loop's
+ * samples were followed by one of the same thread in the loop). The rest is counted as before.
+ *
  * Only uapi headers: the program reads the perf context (struct bpf_perf_event_data), user memory
  * and calls helpers, never a kernel structure, so it needs no relocation and runs on any kernel
  * with bpf_get_attach_cookie (5.15) and bpf_loop (5.17).
@@ -51,8 +60,38 @@
 #define FRAME_OWNED_BY_CSTACK 3
 
 struct control {
-	__u32 gen;    /* the generation being filled: 0 or 1 */
-	__u32 stacks; /* copy and count stacks */
+	__u32 gen;      /* the generation being filled: 0 or 1 */
+	__u32 stacks;   /* copy and count stacks */
+	__u32 lc_event; /* the event whose watched samples go to lc_out (LC_NONE: none) */
+	__u32 lc_every; /* watch during one timeline window (WINDOW_NS) in this many (0, 1: all) */
+};
+
+#define LC_NONE 0xffffffff
+#define LC_RANGES 16 /* ranges watched per process */
+#define LC_WATCHED 1 /* an lc_rec's flags: in a watched range */
+#define LC_FOLLOWER 2 /* the CPU's next sample after a watched one */
+#define LC_KERNEL 4 /* the sample interrupted kernel code (its registers are left zero) */
+struct lc_range {
+	__u64 start;
+	__u64 end;
+};
+
+struct lc_watch {
+	__u32 n; /* ranges in use, from r[0] */
+	__u32 pad;
+	struct lc_range r[LC_RANGES];
+};
+
+struct lc_rec {
+	__u32 pid;
+	__u32 tid;
+	__u64 time; /* CLOCK_MONOTONIC, as the counts' last_ns */
+	__u64 ip;
+	__u64 period;
+	__u32 cpu;
+	__u16 event;
+	__u16 flags;   /* LC_* */
+	__u64 regs[16]; /* rax, rbx, rcx, rdx, rsi, rdi, rbp, rsp, r8-r15 (perf/abi.py's GPRS) */
 };
 
 struct key {
@@ -159,10 +198,11 @@ struct py_code {
  * walks that reached the outermost frame (a row saying so), the frames stepped over by their frame
  * pointer (in no image described), the walks cut short at an image whose rows were still loading,
  * the frames whose row came from uw_cache; Python processes whose code objects were copied at exit,
- * the code objects copied, those that could not be (unreadable, or py_codes full). */
+ * the code objects copied, those that could not be (unreadable, or py_codes full); samples sent to
+ * lc_out for loop counts, and those its ring had no room for. */
 enum { STAT_SAMPLES, STAT_LOST, STAT_LOST_STACKS, STAT_STACK_ERRORS, STAT_LOST_TIMELINE, STAT_UW_WALKS,
        STAT_UW_FRAMES, STAT_UW_COMPLETE, STAT_UW_FP, STAT_UW_LOADING, STAT_UW_CACHED, STAT_PY_EXITS,
-       STAT_PY_CODES, STAT_PY_CODES_LOST, NSTATS };
+       STAT_PY_CODES, STAT_PY_CODES_LOST, STAT_LC_SENT, STAT_LC_LOST, NSTATS };
 
 /* Unwind rows (collect/bpfunwind.py writes them): each holds from its pc up to the next row's. */
 #define UW_MAPS 64 /* executable mappings described per process (a power of two) */
@@ -222,6 +262,33 @@ struct {
 	__type(key, __u32);
 	__type(value, struct trace);
 } scratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); /* pid */
+	__type(value, struct lc_watch);
+} lc_watch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32); /* 1: the last sample of lc_event on this CPU was watched */
+} lc_follow SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct lc_rec);
+} lc_scratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERF_EVENT_ARRAY);
+	__uint(key_size, sizeof(__u32));
+	__uint(value_size, sizeof(__u32));
+} lc_out SEC(".maps");
 
 /* Preallocated (perf_event programs may run in NMI context, where a hash map cannot allocate);
  * user space sets the sizes before loading. */
@@ -970,6 +1037,80 @@ static __always_inline __u64 stack_of(struct bpf_perf_event_data *ctx, __u32 gen
 	return h;
 }
 
+/* A sample for the loop counter (the header comment's "Loop counts"): sent to lc_out when it is of
+ * lc_event and in a range lc_watch holds for its process, or follows one such on this CPU. */
+static __always_inline void loop_sample(struct bpf_perf_event_data *ctx, const struct control *c,
+					const struct key *k, __u64 pid_tgid, __u64 period, __u64 now)
+{
+	if (k->event != c->lc_event)
+		return;
+	__u32 zero = 0;
+	__u32 *follow = bpf_map_lookup_elem(&lc_follow, &zero);
+	if (!follow)
+		return;
+	__u16 flags = 0;
+	if (*follow) {
+		flags = LC_FOLLOWER;
+		*follow = 0;
+	}
+	/* Above a rate the loop counter needs, one window in lc_every, evenly spread: its tallies are
+	 * ratios (iterations per paired time, followed samples in the loop per followed), which such
+	 * windows leave alone unless a program's phases keep time with them. A follower is sent
+	 * whatever the window. */
+	__u32 every = c->lc_every;
+	if (!k->kernel && (every <= 1 || (now / WINDOW_NS) % every == 0)) {
+		struct lc_watch *w = bpf_map_lookup_elem(&lc_watch, &k->pid);
+		if (w) {
+			for (__u32 i = 0; i < LC_RANGES; i++) {
+				if (i >= w->n)
+					break;
+				if (k->ip >= w->r[i].start && k->ip < w->r[i].end) {
+					flags |= LC_WATCHED;
+					*follow = 1;
+					break;
+				}
+			}
+		}
+	}
+	if (!flags)
+		return;
+	struct lc_rec *r = bpf_map_lookup_elem(&lc_scratch, &zero);
+	if (!r)
+		return;
+	r->pid = k->pid;
+	r->tid = (__u32)pid_tgid;
+	r->time = now;
+	r->ip = k->ip;
+	r->period = period;
+	r->cpu = bpf_get_smp_processor_id();
+	r->event = k->event;
+	r->flags = flags | (k->kernel ? LC_KERNEL : 0);
+	if (k->kernel) {
+		__builtin_memset(r->regs, 0, sizeof(r->regs));
+	} else {
+		r->regs[0] = ctx->regs.rax;
+		r->regs[1] = ctx->regs.rbx;
+		r->regs[2] = ctx->regs.rcx;
+		r->regs[3] = ctx->regs.rdx;
+		r->regs[4] = ctx->regs.rsi;
+		r->regs[5] = ctx->regs.rdi;
+		r->regs[6] = ctx->regs.rbp;
+		r->regs[7] = ctx->regs.rsp;
+		r->regs[8] = ctx->regs.r8;
+		r->regs[9] = ctx->regs.r9;
+		r->regs[10] = ctx->regs.r10;
+		r->regs[11] = ctx->regs.r11;
+		r->regs[12] = ctx->regs.r12;
+		r->regs[13] = ctx->regs.r13;
+		r->regs[14] = ctx->regs.r14;
+		r->regs[15] = ctx->regs.r15;
+	}
+	if (bpf_perf_event_output(ctx, &lc_out, BPF_F_CURRENT_CPU, r, sizeof(*r)))
+		bump(STAT_LC_LOST);
+	else
+		bump(STAT_LC_SENT);
+}
+
 SEC("perf_event")
 int cyclescope_sample(struct bpf_perf_event_data *ctx)
 {
@@ -1001,6 +1142,9 @@ int cyclescope_sample(struct bpf_perf_event_data *ctx)
 	} else {
 		bump(STAT_LOST_TIMELINE);
 	}
+
+	if (c->lc_event != LC_NONE)
+		loop_sample(ctx, c, &k, pid_tgid, period, now);
 
 	struct val vinit = {};
 	struct val *v = value_of(gen ? (void *)&counts1 : (void *)&counts0, &k, &vinit);
