@@ -23,7 +23,8 @@ names its Python frames (collect/pyframes.py).
 
 With --base REV each contender also runs as the tree committed at REV (MODE@REV), alternated.
 
-Usage: python bench/collectorcpu.py [--rates 1000,16000] [--rounds 3] [--contenders flat,fp,dwarf]
+Usage: python bench/collectorcpu.py [--rates 1000,16000] [--rounds 3]
+       [--contenders flat,fp,dwarf,loops,loops-fp,loops-dwarf]
        [--python] [--base REV]
 """
 
@@ -43,7 +44,13 @@ from typing import Any
 
 from common import build, contender_trees, cyclescope_cmd, fmt_spread, machine, median, run, save
 
-CONTENDERS = {"flat": [], "fp": ["-g", "fp"], "dwarf": ["-g", "dwarf"]}
+# flat, fp, dwarf: without loop counts (the eBPF path's counts alone); loops, loops-fp, loops-dwarf: the
+# daemon's default, loop counts on (the program sends the samples of procedures whose loops have a
+# counter register, with their registers: collect/loopwatch.py; bench/workload.c's two loops have one,
+# so nearly every sample of the busy loops is sent, the worst case).
+CONTENDERS = {"flat": ["--no-loop-counts"], "fp": ["--no-loop-counts", "-g", "fp"],
+              "dwarf": ["--no-loop-counts", "-g", "dwarf"], "loops": [], "loops-fp": ["-g", "fp"],
+              "loops-dwarf": ["-g", "dwarf"]}
 # --python: one of the busy loops is CPython's, 30 calls deep, whose frames the daemon names with -g.
 PY_LOOP = """
 import sys, time
@@ -118,7 +125,7 @@ def child_kinds(pid: int, seen: dict[int, str]) -> None:
 def daemon_cmd(db: Path, secs: float, rate: int, flush_s: float, extra: list[str]) -> list[str]:
     # A run's few segments are not compacted (the default waits for 8); compaction is measured apart.
     return cyclescope_cmd("daemon", "--db", str(db), "-d", str(secs), "-F", str(rate), "--flush-interval",
-                          str(flush_s), "--collector", "bpf", "--no-loop-counts", *extra)
+                          str(flush_s), "--collector", "bpf", *extra)
 
 
 def fresh_db(warm: Path, dest: Path) -> Path:
@@ -182,7 +189,7 @@ def main() -> None:
     rates = [int(r) for r in args.rates.split(",")]
     names = args.contenders.split(",")
     if len(rates) != 2 or max(rates) > 20000 or any(n not in CONTENDERS for n in names):
-        ap.error("--rates takes two rates of at most 20,000; --contenders: flat, fp, dwarf")
+        ap.error(f"--rates takes two rates of at most 20,000; --contenders: {', '.join(CONTENDERS)}")
     if args.warmup + args.window > args.seconds - 1:
         ap.error("--warmup + --window must end a second before --seconds")
     rows: list[dict[str, Any]] = []
