@@ -312,14 +312,37 @@ def test_loop_tables_round_trip_through_the_cache(tmp_path: Path) -> None:
     assert got is not None
     assert (got.addrs == t.addrs).all() and (got.inner == t.inner).all() and (got.anc == t.anc).all()
     assert [list(x) for x in got.invariants] == [list(x) for x in t.invariants]
+    every = np.arange(len(t.addrs))
     for a, b in zip(got.counters, t.counters, strict=True):
-        assert [(c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in a] == [
-            (c[0], c[1], c[2], c[3].tolist(), c[4].tolist()) for c in b]
+        assert [(c[0], c[1], c[2], c[3][every].tolist(), c[4][every].tolist()) for c in a] == [
+            (c[0], c[1], c[2], c[3][every].tolist(), c[4][every].tolist()) for c in b]
+        assert all(c[4][every].any() for c in a)
     assert [(*x[:7], x[9]) if x else None for x in got.trips] == [(*x[:7], x[9]) if x else None for x in t.trips]
     assert got.blocks.tolist() == t.blocks.tolist() and len(got.blocks)
     bad = table_arrays(t)
     bad["version"] = bad["version"] + 1
     assert table_from_arrays(bad) is None  # another version's table is not used
+
+
+def test_a_window_reads_as_the_whole_array() -> None:
+    """A counter's offsets and validity are kept over its loop's instructions only, and read as the
+    per-instruction arrays they stand for (zero and False outside)."""
+    from cyclescope.analysis.loopcount import Window
+
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        n = int(rng.integers(1, 60))
+        valid = np.zeros(n, bool)
+        lo, hi = sorted(rng.integers(0, n, 2).tolist())
+        valid[lo : hi + 1] = rng.random(hi + 1 - lo) < 0.7
+        offs = np.where(valid, rng.integers(-8, 8, n), 0)
+        wo, wv = Window.pair(offs, valid)
+        ix = rng.integers(-3, n + 3, 40)
+        inside = (ix >= 0) & (ix < n)
+        assert (wv[ix] == np.where(inside, valid[np.clip(ix, 0, n - 1)], False)).all()
+        assert (wo[ix] == np.where(inside, offs[np.clip(ix, 0, n - 1)], 0)).all()
+        assert wv.indices().tolist() == np.flatnonzero(valid).tolist()
+        assert wo.nbytes <= offs.nbytes + 16
 
 
 def test_dominators_agree_with_networkx_on_random_graphs() -> None:

@@ -81,6 +81,56 @@ def test_the_kernels_rows_choose_what_is_analyzed_and_watched() -> None:
     assert lc.watched()[(1, CHAIN_AT)][1] == pytest.approx((20 * 0.9 + 20) * 0.9)
 
 
+CHASE = bytes.fromhex("488b3f4885ff75f8c3")  # mov rdi, [rdi]; test rdi, rdi; jne back; ret: no counter
+CHASE_AT = 0x2000
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_on_the_ebpf_path_a_loop_without_a_counter_keeps_no_table(partial: bool) -> None:
+    """Only watched procedures' samples bring registers there, so a procedure whose loops no register
+    counts is never watched and its table is not held (per task it is: every sample comes)."""
+    lc = LoopCounter(FakeSource(FakeBinary(CHASE, CHASE_AT)), lambda i: f"img{i}", False, background=False,
+                     analyze_after=1)
+    lc.partial = partial
+    for _ in range(2):
+        lc.note(np.array([1]), np.array([CHASE_AT], np.uint64), np.array([50]))
+    t = lc.table(1, CHASE_AT)
+    assert t is not None and lc.watched() == {}
+    assert t.empty == partial  # per task: its loop, with no counter
+    assert not any(t.counters)
+
+
+def test_a_procedure_sampled_now_and_then_is_never_analyzed() -> None:
+    """On the eBPF path a procedure is analyzed for its recent samples, not its samples since the
+    start: three a drain decay to under 32 for good, where they would pass it by the eleventh."""
+    lc = LoopCounter(FakeSource(FakeBinary(CHAIN, CHAIN_AT)), lambda i: f"img{i}", False, background=False,
+                     analyze_after=32)
+    lc.note(np.array([1]), np.array([0x10], np.uint64), np.array([32]))  # the image opened (outside procedures)
+    for _ in range(50):
+        lc.note(np.array([1]), np.array([0x1350], np.uint64), np.array([3]))
+    assert lc.table(1, CHAIN_AT) is None and lc.watched() == {}
+    lc.note(np.array([1]), np.array([0x1350], np.uint64), np.array([10]))  # busier now: 10 + 27
+    assert lc.table(1, CHAIN_AT) is not None and list(lc.watched()) == [(1, CHAIN_AT)]
+
+
+def test_system_wide_images_wait_for_the_analyses_budget() -> None:
+    """Opening an image not in the user's cache takes the worker up to a second and a half of CPU
+    (libarrow's symbols): system-wide it counts in the analyses' tenth of a CPU, and an image past
+    its samples' threshold waits for a drain within it."""
+    lc = LoopCounter(FakeSource(FakeBinary(CHAIN, CHAIN_AT)), lambda i: f"img{i}", False, background=False,
+                     analyze_after=32)
+    lc.analysis_s = 10.0  # ten seconds of a CPU spent in the first second
+    lc.note(np.array([1]), np.array([0x1350], np.uint64), np.array([40]))
+    assert lc.bounds(1) is None and lc.deferred == 1
+    lc.analysis_s = 0.0
+    lc._inflight = 4  # as many requests with the worker as it may have: their cost is not known yet
+    lc.note(np.array([1]), np.array([0x1350], np.uint64), np.array([1]))
+    assert lc.bounds(1) is None and lc.deferred == 2
+    lc._inflight = 0
+    lc.note(np.array([1]), np.array([0x1350], np.uint64), np.array([1]))
+    assert lc.bounds(1) is not None
+
+
 def test_an_image_without_procedures_is_noted_and_never_watched() -> None:
     class Empty(FakeSource):
         def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -192,6 +242,27 @@ def test_processes_are_watched_once_and_forgotten_at_exit() -> None:
     assert bpf.calls == 1 and bpf.watches[5] == [(0x401000, 0x401040)]
     w.forget(5)
     assert bpf.watches == {} and w.stats.processes == 0
+
+
+def test_a_process_sampled_in_the_drain_of_its_exit_is_not_watched_again() -> None:
+    """Its exit record is read before its last samples are handed over, so it is among the
+    sampled pids once more; watched again, it held its entry of the program's map for good (a
+    daemon under gcc's process churn filled the 4,096 entries in two minutes)."""
+    bpf = FakeBpf()
+    w = _watch(bpf)
+    watched = {(1, 0x401000): (0x401040, 3.0)}
+    states = {}
+    for pid in (5, 6, 7):
+        states[pid] = ProcessState(pid, 0)
+        states[pid].insert(0x400000, 0x402000, 0, 1)
+    w.update(states, [5, 6, 7], watched)
+    assert set(bpf.watches) == {5, 6, 7}
+    states[5].exited_ns = 1  # exited: the mapper keeps it a while for late samples
+    w.forget(5)
+    w.update(states, [5, 6], watched)
+    del states[6]  # gone without an exit record read (the mapper reaped it)
+    w.update(states, [7], watched)
+    assert set(bpf.watches) == {7} and set(w.installed) == {7} and w.stats.processes == 1
 
 
 def test_a_full_watch_map_loses_that_process_and_says_so() -> None:

@@ -60,8 +60,9 @@ MAX_WAITING = 1 << 18  # samples held back while their procedures are analyzed
 ANALYZE_AFTER = 32
 # The analyses may use at most this share of one CPU (over the run); past it new procedures wait.
 ANALYSIS_BUDGET = 0.10
-# Loop tables kept in memory (their arrays run over every instruction of a procedure: a large one
-# with many counters is about a MiB). Past this, the least recently used go; a procedure sampled
+MAX_INFLIGHT = 4  # system-wide: requests with the worker at once (LoopCounter._over_budget)
+# Loop tables kept in memory (their arrays run over every instruction of a procedure, a counter's
+# over its loop's: a large one is a few hundred KiB). Past this, the least recently used go; a procedure sampled
 # again is asked for again, and comes from the user's cache by build-id. A daemon under a fork storm
 # of compilers otherwise gathered the tables of every hot procedure of cc1 and kept them.
 MAX_TABLE_BYTES = 48 << 20
@@ -74,6 +75,41 @@ _S = {n: i for i, n in enumerate(STATS)}
 _LOW48 = (1 << 48) - 1
 
 
+class Window:
+    """A per-instruction array that is zero (False) outside [lo, lo + len(data)), indexed like the
+    whole one by arrays of instruction indices: a counter's offsets and validity, which hold only
+    inside its loop. Held whole, they were most of a daemon's loop tables (cc1's 1,027 tables in
+    the user's cache: 15.2 of 23.2 MiB, 1.3 MiB in windows)."""
+
+    __slots__ = ("data", "lo")
+
+    def __init__(self, data: np.ndarray, lo: int) -> None:
+        self.data = data
+        self.lo = lo
+
+    @staticmethod
+    def pair(offs: np.ndarray, valid: np.ndarray) -> tuple[Window, Window]:
+        """The offsets and validity over all instructions, cut to where the counter is valid."""
+        idx = np.flatnonzero(valid)
+        lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+        return Window(offs[lo:hi].copy(), lo), Window(valid[lo:hi].copy(), lo)
+
+    def __getitem__(self, ix: np.ndarray) -> np.ndarray:
+        k = np.asarray(ix, np.int64) - self.lo
+        ok = (k >= 0) & (k < len(self.data))
+        out = np.zeros(k.shape, self.data.dtype)
+        out[ok] = self.data[k[ok]]
+        return out
+
+    def indices(self) -> np.ndarray:
+        """Where a validity window is True, as instruction indices."""
+        return self.lo + np.flatnonzero(self.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) + 16
+
+
 @dataclass
 class LoopTable:
     """The loops of one procedure as arrays over its instructions, for vectorized lookups."""
@@ -84,12 +120,13 @@ class LoopTable:
     anc: np.ndarray  # int32 [loop, depth]: the loop's ancestor at that depth (itself at its own), -1
     headers: np.ndarray  # uint64 per loop
     invariants: list[np.ndarray]  # per loop: columns (GPRS order) of registers the loop never writes
-    # per loop: (column, width, step, offset per instruction, offset valid per instruction)
-    counters: list[list[tuple[int, int, int, np.ndarray, np.ndarray]]]
+    # per loop: (column, width, step, offset per instruction, offset valid per instruction), the two
+    # as Windows over the loop's instructions
+    counters: list[list[tuple[int, int, int, Window, Window]]]
     # per loop, where a counter's start and end are known (loops.Counter init and limit): (width,
     # step, init column or -1, init constant, limit column or -1, limit constant, the counter's column,
     # its offsets, valid), else None: every sample in the loop then knows its execution's trip count
-    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = field(
+    trips: list[tuple[int, int, int, int, int, int, int, Window, Window, bool] | None] = field(
         default_factory=list)
     blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))  # uint64: the CFG's block starts
     # int8 [instruction, argument]: the register holding an argument's entry value there
@@ -127,7 +164,7 @@ def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
     counter_at: dict[tuple[int, int], int] = {}
     for loop, cs in enumerate(t.counters):
         for col, width, step, offs, valid in cs:
-            where = np.flatnonzero(valid)
+            where = valid.indices()
             counter_at[(loop, col)] = len(crow)
             crow.append((loop, col, width, step, pos))
             idx_parts.append(where.astype(np.int64))
@@ -167,19 +204,24 @@ def _table_from_arrays(a: dict[str, np.ndarray]) -> LoopTable | None:
         return EMPTY
     inv_off = a["inv_off"]
     invariants = [a["inv"][inv_off[i] : inv_off[i + 1]].astype(np.intp) for i in range(n_loops)]
-    counters: list[list[tuple[int, int, int, np.ndarray, np.ndarray]]] = [[] for _ in range(n_loops)]
-    flat: list[tuple[np.ndarray, np.ndarray]] = []
+    counters: list[list[tuple[int, int, int, Window, Window]]] = [[] for _ in range(n_loops)]
+    flat: list[tuple[Window, Window]] = []
     crow = a["crow"]
     for r, (loop, col, width, step, start) in enumerate(crow.tolist()):
         end = int(crow[r + 1][4]) if r + 1 < len(crow) else len(a["cidx"])
-        offs = np.zeros(n_insn, np.int64)
-        valid = np.zeros(n_insn, bool)
-        idx = a["cidx"][start:end]
-        offs[idx] = a["coff"][start:end]
-        valid[idx] = True
-        counters[loop].append((col, width, step, offs, valid))
-        flat.append((offs, valid))
-    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = [None] * n_loops
+        idx = a["cidx"][start:end].astype(np.int64)
+        if len(idx) and (idx.min() < 0 or idx.max() >= n_insn):
+            raise IndexError("a counter's instruction outside the procedure")
+        lo = int(idx.min()) if len(idx) else 0
+        n = int(idx.max()) + 1 - lo if len(idx) else 0
+        offs = np.zeros(n, np.int64)
+        valid = np.zeros(n, bool)
+        offs[idx - lo] = a["coff"][start:end]
+        valid[idx - lo] = True
+        pair = (Window(offs, lo), Window(valid, lo))
+        counters[loop].append((col, width, step, *pair))
+        flat.append(pair)
+    trips: list[tuple[int, int, int, int, int, int, int, Window, Window, bool] | None] = [None] * n_loops
     for loop, width, step, icol, iadd, lcol, ladd, ccol, cross, k in a["trow"].tolist():
         trips[loop] = (width, step, icol, iadd, lcol, ladd, ccol, flat[k][0], flat[k][1], bool(cross))
     return LoopTable(a["addrs"], a["inner"], a["depth"], a["anc"], a["headers"], invariants, counters, trips,
@@ -226,16 +268,17 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
             cur = loops[cur].parent
     col = {r: i for i, r in enumerate(GPRS)}
     counters = []
-    trips: list[tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool] | None] = []
+    trips: list[tuple[int, int, int, int, int, int, int, Window, Window, bool] | None] = []
     for lp in loops:
         cs = []
         trip = None
         for c in lp.counters:
-            offs = np.zeros(len(insns), np.int64)
-            valid = np.zeros(len(insns), bool)
+            dense_offs = np.zeros(len(insns), np.int64)
+            dense_valid = np.zeros(len(insns), bool)
             for a, k in c.offsets.items():
-                offs[index[a]] = k
-                valid[index[a]] = True
+                dense_offs[index[a]] = k
+                dense_valid[index[a]] = True
+            offs, valid = Window.pair(dense_offs, dense_valid)
             cs.append((col[c.reg], c.width, c.step, offs, valid))
             if trip is None and c.init is not None and c.limit is not None:
                 trip = (c.width, c.step, col[c.init.reg] if c.init.reg else -1, c.init.add,
@@ -364,18 +407,39 @@ class Source(Protocol):
         """The loops of the procedure at ``start`` and the CPU time the analysis took."""
 
 
-_BINARIES: dict[str, object | None] = {}  # in the worker process: binaries by image key
+# In the worker process: the binaries opened lately by image key, least recently used first. An
+# open binary holds its symbol table, names and all: 5 MiB for cc1's 26,793 symbols, 25 MiB for
+# libarrow's 65,978; a system-wide daemon under a compile loop opens 170 images, and with up to 256
+# kept its worker held 88 MiB of its own (bench/soak.py). An image's procedures are asked for
+# together, so a few suffice; one dropped is opened again when asked (0.1-0.2 s from the user's
+# cache; counted in the analysis budget). The memory a first reading of symbols fragments is the
+# worker's retirement's to give back (analysis/worker.py, MAX_OWN_MIB).
+_BINARIES: OrderedDict[str, object | None] = OrderedDict()
+MAX_BINARIES = 8
 
 
 def _worker_binary(info: Any) -> object | None:
     from cyclescope.binaries.code import open_binary
     from cyclescope.binaries.symbolize import Symbolizer
 
-    if info.key not in _BINARIES:
-        if len(_BINARIES) > 256:
-            _BINARIES.clear()
-        _BINARIES[info.key] = open_binary(info, Symbolizer(None))
-    return _BINARIES[info.key]
+    if info.key in _BINARIES:
+        _BINARIES.move_to_end(info.key)
+        return _BINARIES[info.key]
+    if len(_BINARIES) >= MAX_BINARIES:
+        while len(_BINARIES) >= MAX_BINARIES // 2:
+            _BINARIES.popitem(last=False)
+        _trim()
+    b = _BINARIES[info.key] = open_binary(info, Symbolizer(None))
+    return b
+
+
+def _trim() -> None:
+    """Give the heap freed by dropped binaries back to the system (glibc keeps it otherwise)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _worker_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -385,8 +449,19 @@ def _worker_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return np.asarray(b.table.starts, np.uint64), np.asarray(b.table.ends, np.uint64)
 
 
+def _worker_bounds_timed(info: Any) -> tuple[tuple[np.ndarray, np.ndarray] | None, float]:
+    """_worker_bounds and the CPU time it took (opening an image not in the user's cache: 0.1 s for
+    libc, 0.75 s for cc1, 1.4 s for libarrow)."""
+    t0 = time.thread_time()
+    b = _worker_bounds(info)
+    return b, time.thread_time() - t0
+
+
 def _worker_analyze(info: Any, start: int) -> tuple[LoopTable, float]:
-    table, cpu = analyze_procedure(_worker_binary(info), start)
+    t0 = time.thread_time()
+    b = _worker_binary(info)  # opening it again after it was dropped counts in the budget too
+    table, _ = analyze_procedure(b, start)
+    cpu = time.thread_time() - t0
     if _cacheable(info):
         from cyclescope.images.cache import Cache
 
@@ -403,7 +478,9 @@ def _cached_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """Procedure bounds from the symbol table the Symbolizer cached for this build-id, if any."""
     from cyclescope.images.cache import Cache
 
-    t = Cache().load(info.key, "symbols") if _cacheable(info) else None
+    # Not the names: with them a large image's table (libarrow's 66,000 symbols) took the daemon 35 MiB
+    # for a moment, without them 9 MiB.
+    t = Cache().load(info.key, "symbols", ["start", "end"]) if _cacheable(info) else None
     if t is None:
         return None
     return (t.column("start").to_numpy().astype(np.uint64), t.column("end").to_numpy().astype(np.uint64))
@@ -468,6 +545,7 @@ class LoopCounter:
         # The worker starts at the first image or procedure the cache does not have (a binary
         # recorded before needs none: its tables come from the user's cache).
         self._pool: Worker | None = None
+        self._inflight = 0  # requests with the worker, not answered yet
         self._background = background and info_of is not None
         self._lock = threading.Lock()
         self._waiting: deque[_Batch] = deque()
@@ -488,11 +566,13 @@ class LoopCounter:
         # few watched ranges per process go to.
         self.recent: dict[tuple[int, int], tuple[float, int]] = {}
         self._notes = 0
-        self._landed = 0  # tables landed or evicted so far: watched() is computed again when it moves
-        self._watched: tuple[int, dict[tuple[int, int], int]] | None = None
+        # (image, start) -> end of the procedures whose tables landed with a loop a register counts
+        # (watched gives them), kept as tables land and go
+        self._watch_ends: dict[tuple[int, int], int] = {}
         # add gets some samples of each thread only (the eBPF path sends those in watched ranges and
         # the next one on their CPU): a thread's time is not the sum of their periods, so the
-        # arguments' moves (analysis/progress.py, per task only in calc) are not tallied.
+        # arguments' moves (analysis/progress.py, per task only in calc) are not tallied, and only
+        # the tables of procedures with a counter register are held whole.
         self.partial = False
 
     # --- images and procedures ----------------------------------------------------------------
@@ -509,8 +589,17 @@ class LoopCounter:
         if self._pool is None:
             from cyclescope.analysis.worker import Worker
 
-            self._pool = Worker({"bounds": f"{__name__}:_worker_bounds", "analyze": f"{__name__}:_worker_analyze"})
-        self._pool.call(name, args, lambda ok, got: land(got if ok else failed))
+            self._pool = Worker({"bounds": f"{__name__}:_worker_bounds_timed",
+                                 "analyze": f"{__name__}:_worker_analyze"})
+        with self._lock:
+            self._inflight += 1
+
+        def landed(ok: bool, got: Any) -> None:
+            with self._lock:
+                self._inflight -= 1
+            land(got if ok else failed)
+
+        self._pool.call(name, args, landed)
 
     def _ask_bounds(self, img: int) -> None:
         def land(b: tuple[np.ndarray, np.ndarray] | None) -> None:
@@ -529,17 +618,36 @@ class LoopCounter:
             if cached is not None:
                 land(cached)
                 return
-            self._call(_worker_bounds, "bounds", (info,), land, None)
+
+            def land_timed(got: tuple[tuple[np.ndarray, np.ndarray] | None, float]) -> None:
+                if not self.per_task:  # system-wide, opening images counts in the analyses' budget
+                    with self._lock:
+                        self.analysis_s += got[1]
+                land(got[0])
+
+            self._call(_worker_bounds_timed, "bounds", (info,), land_timed, (None, 0.0))
         else:
             self._call(self.source.bounds, "", (img,), land, None)
 
     def _analyze(self, img: int, start: int) -> None:
         def land(got: tuple[LoopTable, float]) -> None:
+            t = got[0]
+            if self.partial and not any(t.counters):
+                # Only watched procedures' samples come with registers (the eBPF path), and this one
+                # has no counter to be watched for: its samples reach add only as followers, where
+                # being in no loop is all that matters. Held whole, such tables were most of the
+                # daemon's 22 MiB of them under a compile loop (bench/soak.py).
+                t = EMPTY
             with self._lock:
-                self._tables[(img, start)] = got[0]
-                self._landed += 1
+                self._tables[(img, start)] = t
                 self.analysis_s += got[1]
-                self._hold((img, start), got[0])
+                self._hold((img, start), t)
+                bounds = self._bounds.get(img)
+                if not t.empty and any(t.counters) and bounds is not None:
+                    starts, stops = bounds
+                    j = int(np.searchsorted(starts, np.uint64(start)))
+                    if j < len(starts) and int(starts[j]) == start:
+                        self._watch_ends[(img, start)] = int(stops[j])
 
         if self.info_of is not None:
             info = self.info_of(img)
@@ -562,13 +670,22 @@ class LoopCounter:
             seen = self._seen[k] = self._seen.get(k, 0) + n
             if seen < self.analyze_after:
                 continue
-            if self.analysis_s > ANALYSIS_BUDGET * max(1.0, time.monotonic() - self._started):
+            if self._over_budget():
                 self.deferred += 1
                 continue
             self._seen.pop(k, None)
             with self._lock:
                 self._tables[k] = None
             self._analyze(*k)
+
+    def _over_budget(self) -> bool:
+        """Have the analyses (and system-wide the images opened) taken their share of a CPU? System-
+        wide also while MAX_INFLIGHT requests are with the worker: their cost is counted as they
+        land, and a daemon's first drain, asking for every image at once, had its worker at a third
+        of a CPU for a minute."""
+        if not self.per_task and self._inflight >= MAX_INFLIGHT:
+            return True
+        return self.analysis_s > ANALYSIS_BUDGET * max(1.0, time.monotonic() - self._started)
 
     def _hold(self, key: tuple[int, int], table: LoopTable) -> None:
         """Account for a table that landed (the lock held); let the least recently used go past
@@ -584,8 +701,8 @@ class LoopCounter:
                 continue
             self._held_bytes -= m
             self._tables.pop(old, None)
+            self._watch_ends.pop(old, None)
             self.evicted += 1
-            self._landed += 1
 
     def bounds(self, img: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Start and end of every procedure of the image, once known (None: not yet, or none)."""
@@ -620,6 +737,9 @@ class LoopCounter:
                 seen = self._img_seen[i] = self._img_seen.get(i, 0) + int(n)
                 if seen < self.analyze_after:
                     continue
+                if self._over_budget():  # opened at a later drain
+                    self.deferred += 1
+                    continue
                 self._ask_bounds(int(i))  # from the cache at once, where it has them
                 with self._lock:
                     bounds = self._bounds.get(i)
@@ -636,7 +756,12 @@ class LoopCounter:
             keys = {(int(i), int(st)): int(c) for st, c in zip(us.tolist(), per.tolist(), strict=True)}
             for key, c in keys.items():
                 self.recent[key] = (self._weight(self.recent.get(key, (0.0, self._notes))) + c, self._notes)
-            self._request(keys)
+            # Analyzed once its recent samples (decayed) reach analyze_after, not its samples since
+            # the start: a process's watch holds its 16 heaviest procedures, and a daemon under a
+            # compile loop spent a quarter of its time loading the tables of cc1's long tail, each
+            # procedure past the count once in minutes (bench/soak.py).
+            hot = {key: due for key in keys if (due := int(np.ceil(self.recent[key][0]))) >= self.analyze_after}
+            self._request(hot)
 
     def _weight(self, v: tuple[float, int]) -> float:
         """A ``recent`` entry's weight now: decayed by RECENT_DECAY for each note since."""
@@ -651,19 +776,7 @@ class LoopCounter:
         """(image, procedure start) -> (its end, its recent samples) of every procedure analyzed so
         far with a loop a counter register counts: the ones whose samples' registers add needs."""
         with self._lock:
-            if self._watched is None or self._watched[0] != self._landed:
-                items = [(k, t) for k, t in self._tables.items() if t is not None and not t.empty]
-                bounds = dict(self._bounds)
-                ends: dict[tuple[int, int], int] = {}
-                for (i, st), t in items:
-                    if not any(t.counters) or bounds.get(i) is None:
-                        continue
-                    starts, stops = bounds[i]  # type: ignore[misc]
-                    j = int(np.searchsorted(starts, np.uint64(st)))
-                    if j < len(starts) and int(starts[j]) == st:
-                        ends[(i, st)] = int(stops[j])
-                self._watched = (self._landed, ends)
-            ends = self._watched[1]
+            ends = dict(self._watch_ends)
         return {k: (e, self._weight(self.recent.get(k, (0.0, self._notes)))) for k, e in ends.items()}
 
     def add(self, tid: np.ndarray, time_ns: np.ndarray, cpu: np.ndarray, img: np.ndarray, off: np.ndarray,
@@ -679,7 +792,7 @@ class LoopCounter:
                 # An image is opened once it has enough samples for one of its procedures to be
                 # analyzed: system-wide, most images have a few samples now and then.
                 seen = self._img_seen[i] = self._img_seen.get(i, 0) + n
-                if seen >= self.analyze_after:
+                if seen >= self.analyze_after and (self.per_task or not self._over_budget()):
                     self._ask_bounds(int(i))
         batch = _Batch(tid.astype(np.int64), time_ns.astype(np.uint64), cpu.astype(np.int64), img.astype(np.int64),
                        off.astype(np.uint64), period.astype(np.float64), regs.astype(np.uint64),
@@ -1044,7 +1157,7 @@ def _proc_keys(img: np.ndarray, func: np.ndarray) -> list[tuple[int, int]]:
     return _unpack(distinct(_pack(img[m], func[m])))
 
 
-def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray, bool], regs: np.ndarray,
+def _trips(spec: tuple[int, int, int, int, int, int, int, Window, Window, bool], regs: np.ndarray,
            ix: np.ndarray) -> tuple[int, float]:
     """Samples in a loop whose execution's trip count their registers give, and the sum of 1/trip:
     samples fall on executions in proportion to their iterations, so (samples) / (sum of 1/trip)
@@ -1078,7 +1191,7 @@ def _trips(spec: tuple[int, int, int, int, int, int, int, np.ndarray, np.ndarray
     return int(good.sum()), float(np.sum(1.0 / trips[good]))
 
 
-def _iterations(counters: list[tuple[int, int, int, np.ndarray, np.ndarray]], ra: np.ndarray, rb: np.ndarray,
+def _iterations(counters: list[tuple[int, int, int, Window, Window]], ra: np.ndarray, rb: np.ndarray,
                 ia: np.ndarray, ib: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Iterations between pairs of samples by every counter valid at both; ok where at least one
     counter is valid, all valid ones agree, and the count is a whole number of steps, not negative."""
@@ -1140,6 +1253,8 @@ class LoopCountProcessor:
         if d.regs is None:
             if d.count is not None:  # the eBPF path's rows: which procedures to analyze and watch
                 from cyclescope.perf.abi import MISC_USER
+
+                self.counter.partial = True  # add gets the watched samples and their followers only
 
                 # Not the recorder's own samples (system-wide it samples itself): its libraries'
                 # procedures (numpy's, the interpreter's) would be analyzed and watched for nothing.

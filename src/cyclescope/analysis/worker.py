@@ -6,6 +6,11 @@ child started as ``python -m cyclescope.analysis.worker``: requests and answers 
 frames over its stdin and stdout (both ends are this program's own code). The child dies with
 its parent (PR_SET_PDEATHSIG: a daemon killed with -9 leaves no worker), keeps no other
 descriptor of the parent's (a killed parent's pipes close), and is started again if it dies.
+Idle for IDLE_S with nothing pending, it is let go (its stdin closed: it exits) and started again
+at the next call: a daemon's analyses come in its first minutes and whenever new programs run,
+and in between the child, with the binaries it opened, held 90-140 MiB (bench/soak.py). Past
+MAX_OWN_MIB of its own memory after an answer, it says so and exits, and what it had been sent
+and not answered goes to the next child.
 multiprocessing's pools were tried first: their spawned helper processes held the parent's
 standard output open after a kill -9, and lived on.
 """
@@ -19,11 +24,19 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 _LEN = struct.Struct("<Q")
 MAX_FRAME = 1 << 30
+IDLE_S = 60.0  # a child with nothing to do this long is let go (Worker._retire)
+# A child that holds more memory of its own than this after an answer says so and exits; the
+# parent sends what it had not answered to the next one. Reading the symbols of images the user's
+# cache does not have leaves the heap fragmented (libarrow's: 47 MiB), and under a compile loop on
+# a fresh machine the child grew to 191 MiB of its own (bench/soak.py).
+MAX_OWN_MIB = 96.0
+RETIRING = -1  # the request id of a child's last frame: it is exiting (MAX_OWN_MIB)
 
 
 def _read_frame(f: Any) -> Any:
@@ -59,8 +72,22 @@ def _functions(specs: list[str]) -> dict[str, Callable[..., Any]]:
     return out
 
 
-def serve(specs: list[str]) -> None:
-    """The child's loop: one request at a time, each answered (ok, result) or (False, message)."""
+def own_mib() -> float:
+    """This process's anonymous memory (smaps_rollup's Pss_Anon: its own, not the libraries'
+    pages it shares), in MiB; 0 where the kernel does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss_Anon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def serve(specs: list[str], max_own_mib: float = MAX_OWN_MIB) -> None:
+    """The child's loop: one request at a time, each answered (ok, result) or (False, message);
+    past ``max_own_mib`` of its own memory after an answer, a RETIRING frame and exit."""
     from cyclescope.collect.session import die_with
 
     die_with(os.getppid())
@@ -77,6 +104,9 @@ def serve(specs: list[str]) -> None:
         except Exception as e:  # the client treats a failure as "nothing to analyze"
             result = (False, f"{type(e).__name__}: {e}")
         _write_frame(out, (rid, *result))
+        if own_mib() > max_own_mib:
+            _write_frame(out, (RETIRING, True, None))
+            return
 
 
 # --- the parent ------------------------------------------------------------------------------------
@@ -87,32 +117,53 @@ class Worker:
 
     MAX_RESTARTS = 3
 
-    def __init__(self, functions: dict[str, str]) -> None:
-        """``functions``: the name a call uses -> "package.module:function" the child runs."""
+    def __init__(self, functions: dict[str, str], idle_s: float = IDLE_S, max_own_mib: float = MAX_OWN_MIB) -> None:
+        """``functions``: the name a call uses -> "package.module:function" the child runs;
+        ``idle_s``: how long the child may wait with nothing to do before it is let go;
+        ``max_own_mib``: the child's own memory past which it retires after an answer."""
         import queue
 
         self.functions = functions
+        self.idle_s = idle_s
+        self.max_own_mib = max_own_mib
         self._lock = threading.Lock()
-        self._pending: dict[int, Callable[[bool, Any], None]] = {}
+        # request id -> (land, name, args): the args are kept to be sent again to the next child
+        # when one retires with requests unanswered
+        self._pending: dict[int, tuple[Callable[[bool, Any], None], str, tuple[Any, ...]]] = {}
         self._next = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self.restarts = -1
+        self.restarts = 0  # starts after the child died (not after it was let go idle, or retired)
+        self.starts = 0
+        self.retired = 0  # children that exited past MAX_OWN_MIB
+        self._sent: set[int] = set()  # requests written to the child now running
         self._closed = False
+        self._active = time.monotonic()  # the last call or answer: idle_s after it, the child is let go
         # Requests go out on a thread of their own: a pipe full of them would block the caller
         # (the sampling loop) until the child got through a long analysis.
         self._out: queue.Queue[tuple[int, str, tuple[Any, ...]] | None] = queue.Queue()
         self._start()
         threading.Thread(target=self._write, name="analysis-requests", daemon=True).start()
 
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._proc is not None
+
     def _start(self) -> None:
-        self.restarts += 1
+        """A child, under the lock or before the threads run."""
+        self.starts += 1
+        self._sent = set()
         env = dict(os.environ)
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         specs = [f"{k}={v}" for k, v in self.functions.items()]
-        self._proc = subprocess.Popen([sys.executable, "-m", "cyclescope.analysis.worker", *specs],
+        from cyclescope.collect import helpers
+
+        self._proc = subprocess.Popen([sys.executable, "-m", "cyclescope.analysis.worker",
+                                       f"--max-own-mib={self.max_own_mib}", *specs],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       close_fds=True, env=env)
+        helpers.started(self._proc.pid)  # system-wide, its samples are the collector's own
         threading.Thread(target=self._read, args=(self._proc,), name="analysis-worker", daemon=True).start()
 
     def _read(self, proc: subprocess.Popen[bytes]) -> None:
@@ -122,20 +173,49 @@ class Worker:
                 rid, ok, result = _read_frame(proc.stdout)
             except (EOFError, OSError, pickle.UnpicklingError, ValueError):
                 break
+            if rid == RETIRING:  # past its memory: what it had not answered goes to the next child
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+                from cyclescope.collect import helpers
+
+                helpers.ended(proc.pid)
+                with self._lock:
+                    if proc is self._proc:
+                        self.retired += 1
+                        self._proc = None  # _write starts the next one
+                        for r in sorted(self._sent & self._pending.keys()):  # sent, not answered
+                            _, name, args = self._pending[r]
+                            self._out.put((r, name, args))
+                        self._sent.clear()
+                for f in (proc.stdin, proc.stdout):
+                    if f is not None:
+                        with contextlib.suppress(OSError):
+                            f.close()
+                return
             with self._lock:
-                land = self._pending.pop(rid, None)
-            if land is not None:
-                land(ok, result)
-        # The child died (or was closed): fail what it held; start it again while worth it.
+                got = self._pending.pop(rid, None)
+                self._sent.discard(rid)
+                self._active = time.monotonic()
+            if got is not None:
+                got[0](ok, result)
+        from cyclescope.collect import helpers
+
+        helpers.ended(proc.pid)
+        # The child died, was closed or was let go idle: fail what it held; start it again while
+        # worth it (a child let go is started again by the next call).
         with self._lock:
-            lost = list(self._pending.values())
+            if proc is not self._proc:  # let go idle (_retire): it had nothing pending
+                return
+            lost = [land for land, _, _ in self._pending.values()]
             self._pending.clear()
             restart = not self._closed and self.restarts < self.MAX_RESTARTS
+            if restart:
+                self.restarts += 1
+                self._start()
+            else:
+                self._proc = None
         for land in lost:
             land(False, "the analysis worker died")
-        if restart:
-            with self._lock:
-                self._start()
 
     def call(self, name: str, args: tuple[Any, ...], land: Callable[[bool, Any], None]) -> None:
         with self._lock:
@@ -144,31 +224,70 @@ class Worker:
             else:
                 rid = self._next
                 self._next += 1
-                self._pending[rid] = land
+                self._pending[rid] = (land, name, args)
+                self._active = time.monotonic()
                 self._out.put((rid, name, args))
                 ok = True
         if not ok:
             land(False, "the analysis worker is not running")
 
+    def _retire(self) -> None:
+        """Let an idle child go: its stdin closed, it reads EOF and exits (its reader thread
+        ends without starting another)."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or self._pending or self._closed:
+                return
+            self._proc = None
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            with contextlib.suppress(OSError):
+                proc.stdout.close()
+
     def _write(self) -> None:
+        import queue
+
         while True:
-            item = self._out.get()
+            with self._lock:
+                wait = self.idle_s - (time.monotonic() - self._active)
+            try:
+                item = self._out.get(timeout=max(wait, 0.01))
+            except queue.Empty:
+                with self._lock:
+                    idle = not self._pending and time.monotonic() - self._active >= self.idle_s
+                if idle:
+                    self._retire()
+                continue
             if item is None:
                 return
             with self._lock:
+                if item[0] not in self._pending:  # answered already (sent again after a retirement)
+                    continue
+                if self._proc is None and not self._closed and self.restarts < self.MAX_RESTARTS:
+                    self._start()  # let go idle or retired before: started again for this call
                 proc = self._proc
+                if proc is not None:
+                    self._sent.add(item[0])  # a retirement sends it to the next child
             failed = proc is None or proc.stdin is None
             if not failed:
                 try:
                     assert proc is not None and proc.stdin is not None
                     _write_frame(proc.stdin, item)
                 except (OSError, ValueError):
-                    failed = True
+                    with self._lock:  # a child retired meanwhile sent it on (it was in _sent)
+                        failed = proc is self._proc
             if failed:
                 with self._lock:
-                    land = self._pending.pop(item[0], None)
-                if land is not None:
-                    land(False, "the analysis worker is not running")
+                    got = self._pending.pop(item[0], None)
+                if got is not None:
+                    got[0](False, "the analysis worker is not running")
 
     def close(self) -> None:
         with self._lock:
@@ -189,4 +308,8 @@ if __name__ == "__main__":
     from cyclescope import import_numpy_single_threaded
 
     import_numpy_single_threaded()
-    serve(sys.argv[1:])
+    argv = sys.argv[1:]
+    limit = MAX_OWN_MIB
+    if argv and argv[0].startswith("--max-own-mib="):
+        limit = float(argv.pop(0).partition("=")[2])
+    serve(argv, limit)

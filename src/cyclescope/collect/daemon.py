@@ -26,6 +26,7 @@ from cyclescope.collect.aggregate import Aggregator
 from cyclescope.collect.clock import FLUSH_CLOCK_S, boot_clock, measure_ghz, sample_overhead
 from cyclescope.collect.control import ControlServer
 from cyclescope.collect.flusher import Flusher
+from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.processor import Context, Drain, Processor
 from cyclescope.collect.session import Processes, Session, SystemWide
 from cyclescope.db.layout import Database
@@ -631,7 +632,7 @@ class Collector:
             if hasattr(p, "watched"):
                 watched.update(p.watched())
         own = os.getpid()
-        todo = [p for p in distinct(pids).tolist() if p > 0 and p != own]
+        todo = [p for p in distinct(pids).tolist() if p > 0 and p != own and not is_helper(p)]
         if watched or self.loops.installed:
             self.loops.update(self.mapper.procs, todo, watched)
 

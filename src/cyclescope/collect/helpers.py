@@ -1,11 +1,13 @@
-"""The collector's own helper processes: the flusher's symbol archivers and compactions.
+"""The collector's own helper processes: the flusher's symbol archivers and compactions, and the
+loop counter's analysis worker (analysis/worker.py, registered as it starts and ends).
 
 They are Python processes that load the collector's libraries (numpy, pyarrow), busy for seconds
 after a flush, and system-wide the collector samples them like any other. Naming their Python
 frames and loading their libraries' unwind rows was most of a daemon's CPU with stacks
 (bench/collectorcpu.py: 3.4 s of 6 s at 16 kHz with -g fp), so collect/pyframes.py and
-collect/bpfunwind.py leave them alone. They are known by pid, registered as they start; not by
-parentage, since `record -- CMD` runs the profiled command as a child too.
+collect/bpfunwind.py leave them alone; so does the loop counter (its worker, opening the images
+the helpers ran, grew past 220 MiB in a soak). They are known by pid, registered as they start;
+not by parentage, since `record -- CMD` runs the profiled command as a child too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,24 @@ _pids: dict[int, float | None] = {}  # pid -> when it exited (None: running)
 
 def is_helper(pid: int) -> bool:
     return pid in _pids
+
+
+def helper_pids() -> list[int]:
+    """Every helper's pid known now (running, or exited within KEEP_S)."""
+    with _lock:
+        return list(_pids)
+
+
+def started(pid: int) -> None:
+    """A helper started by other means than run_helper (the analysis worker)."""
+    with _lock:
+        _pids[pid] = None
+
+
+def ended(pid: int) -> None:
+    with _lock:
+        if pid in _pids:
+            _pids[pid] = time.monotonic()
 
 
 def run_helper(cmd: list[str], timeout: float = 3600.0) -> int:

@@ -179,13 +179,18 @@ class LoopWatch:
         self._watched = dict(watched)
         if len(self._seen) > 2 * len(states) + 1024:  # processes gone without an exit record read
             self._seen = {p: v for p, v in self._seen.items() if p in states}
+        # Exited processes (their last samples come in the drain of their exit, so they are among
+        # ``pids`` once more) or gone: watched again, they would hold their entries of the
+        # program's map (LC_WATCH_ENTRIES) for good, and new processes would find it full.
+        for pid in [p for p in self.installed if p not in states or states[p].exited_ns is not None]:
+            self.forget(pid)
         by_image: dict[int, list[tuple[int, int, float]]] = {}
         for (img, start), (end, w) in watched.items():
             by_image.setdefault(img, []).append((start, end, w))
         self.stats.procedures = len(watched)
         for pid in pids:
             st = states.get(pid)
-            if st is None:
+            if st is None or st.exited_ns is not None:
                 continue
             sig = (self._generation, hash((tuple(st.images), tuple(st.starts))))
             if self._seen.get(pid) == sig:

@@ -45,12 +45,13 @@ class Cache:
     def path(self, key: str, name: str) -> Path:
         return self.root / _dir_name(key) / f"{name}.parquet"
 
-    def load(self, key: str, name: str) -> pa.Table | None:
+    def load(self, key: str, name: str, columns: list[str] | None = None) -> pa.Table | None:
+        """The table save wrote (only ``columns`` where given), or None."""
         if not self.enabled:
             return None
         p = self.path(key, name)
         try:
-            t = parquet.read_table(p)
+            t = parquet.read_table(p, columns)
         except (OSError, pa.ArrowException, ValueError):
             self.misses += 1
             return None
