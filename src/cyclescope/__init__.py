@@ -31,3 +31,14 @@ def import_numpy_single_threaded() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def trim_heap() -> None:
+    """Give the C heap's freed memory back to the system (glibc's malloc_trim): glibc keeps it
+    otherwise, and a long-lived process (the daemon after a flush, the analysis worker after
+    dropping binaries) holds its largest moment's memory for good."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -426,20 +426,13 @@ def _worker_binary(info: Any) -> object | None:
         _BINARIES.move_to_end(info.key)
         return _BINARIES[info.key]
     if len(_BINARIES) >= MAX_BINARIES:
+        from cyclescope import trim_heap
+
         while len(_BINARIES) >= MAX_BINARIES // 2:
             _BINARIES.popitem(last=False)
-        _trim()
+        trim_heap()
     b = _BINARIES[info.key] = open_binary(info, Symbolizer(None))
     return b
-
-
-def _trim() -> None:
-    """Give the heap freed by dropped binaries back to the system (glibc keeps it otherwise)."""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _worker_bounds(info: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -644,10 +637,9 @@ class LoopCounter:
                 self._hold((img, start), t)
                 bounds = self._bounds.get(img)
                 if not t.empty and any(t.counters) and bounds is not None:
-                    starts, stops = bounds
-                    j = int(np.searchsorted(starts, np.uint64(start)))
-                    if j < len(starts) and int(starts[j]) == start:
-                        self._watch_ends[(img, start)] = int(stops[j])
+                    j = int(procedure_index(bounds, np.array([start], np.uint64))[0])
+                    if j >= 0 and int(bounds[0][j]) == start:
+                        self._watch_ends[(img, start)] = int(bounds[1][j])
 
         if self.info_of is not None:
             info = self.info_of(img)

@@ -174,11 +174,6 @@ class Worker:
             except (EOFError, OSError, pickle.UnpicklingError, ValueError):
                 break
             if rid == RETIRING:  # past its memory: what it had not answered goes to the next child
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
-                from cyclescope.collect import helpers
-
-                helpers.ended(proc.pid)
                 with self._lock:
                     if proc is self._proc:
                         self.retired += 1
@@ -187,24 +182,18 @@ class Worker:
                             _, name, args = self._pending[r]
                             self._out.put((r, name, args))
                         self._sent.clear()
-                for f in (proc.stdin, proc.stdout):
-                    if f is not None:
-                        with contextlib.suppress(OSError):
-                            f.close()
-                return
+                break
             with self._lock:
                 got = self._pending.pop(rid, None)
                 self._sent.discard(rid)
                 self._active = time.monotonic()
             if got is not None:
                 got[0](ok, result)
-        from cyclescope.collect import helpers
-
-        helpers.ended(proc.pid)
-        # The child died, was closed or was let go idle: fail what it held; start it again while
-        # worth it (a child let go is started again by the next call).
+        _reap(proc)
+        # The child died, was closed, retired or was let go idle: fail what it held; start it again
+        # while worth it (a child let go or retired is started again by the next call).
         with self._lock:
-            if proc is not self._proc:  # let go idle (_retire): it had nothing pending
+            if proc is not self._proc:  # let go idle (nothing pending) or retired (sent on)
                 return
             lost = [land for land, _, _ in self._pending.values()]
             self._pending.clear()
@@ -242,14 +231,7 @@ class Worker:
         if proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            with contextlib.suppress(OSError):
-                proc.stdout.close()
+        _reap(proc)
 
     def _write(self) -> None:
         import queue
@@ -297,11 +279,24 @@ class Worker:
         if proc is not None:
             with contextlib.suppress(OSError):
                 proc.kill()
-            proc.wait()
-            for f in (proc.stdin, proc.stdout):
-                if f is not None:
-                    with contextlib.suppress(OSError):
-                        f.close()
+            _reap(proc)
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """Wait for a child that is exiting (killed past ``timeout``), close its pipes, and drop it
+    from the collector's helpers."""
+    from cyclescope.collect import helpers
+
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
+    helpers.ended(proc.pid)
 
 
 if __name__ == "__main__":

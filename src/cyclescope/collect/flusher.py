@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from cyclescope import trim_heap
 from cyclescope.arrays import distinct
 from cyclescope.collect.aggregate import Counts
 from cyclescope.collect.helpers import run_helper
@@ -206,10 +207,7 @@ class Flusher:
         forget_kallsyms()
         with contextlib.suppress(Exception):
             pa.default_memory_pool().release_unused()
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trim_heap()
 
     def close(self) -> None:
         """Wait for the archiving and compaction under way."""
