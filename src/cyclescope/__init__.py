@@ -42,3 +42,23 @@ def trim_heap() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def sha1_hex(data: bytes) -> str:
+    """SHA-1 of ``data`` in hex, for names (cache keys, symbol files), never for security.
+
+    CPython's own ``_sha1`` where it is built, rather than ``hashlib``: importing hashlib (or
+    ``secrets``, through hmac) loads OpenSSL's libcrypto, 3.8 MiB of the daemon's resident memory
+    (measured here), for digests of a few dozen bytes. The digest is the same either way, so names
+    written by either read alike."""
+    try:
+        from _sha1 import sha1
+    except ImportError:  # a build without CPython's own hashes
+        from hashlib import sha1
+    return str(sha1(data).hexdigest())
+
+
+def random_hex(nbytes: int) -> str:
+    """``nbytes`` random bytes from the kernel, in hex: what secrets.token_hex returns, for
+    temporary names and ids, without loading OpenSSL (``secrets`` imports hmac, which does)."""
+    return os.urandom(nbytes).hex()

@@ -242,6 +242,26 @@ def test_kill_9_in_the_middle_of_writing_never_corrupts_what_is_on_disk(tmp_path
     assert total == len(segs) * 200000
 
 
+def test_a_stored_binarys_symbols_are_read_by_a_child_as_the_daemon_runs_it(tmp_path: Path) -> None:
+    """The daemon keeps pyelftools out of its own memory: the vdso it copied into the database gets
+    its symbol table from ``python -m cyclescope.db.symbols DB --stored KEY NAME`` (here a compiled
+    program stands for the vdso), the same table the collector would have read itself."""
+    from cyclescope.db.symbols import read_symbols, write_binary
+    from cyclescope.images.elf import symbols_from_bytes
+
+    data = Path(sys.executable).resolve().read_bytes()
+    db = Database.create_or_open(tmp_path / "db")
+    write_binary(db, "vdso:test", data)
+    cmd = [sys.executable, "-m", "cyclescope.db.symbols", str(db.root), "--stored", "vdso:test", "[vdso]"]
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    got, want = read_symbols(db, "vdso:test"), symbols_from_bytes(data, "[vdso]")
+    assert got is not None and len(want.names) > 0 and got.names == want.names
+    assert got.starts.tolist() == want.starts.tolist()
+    # Nothing stored under the key: a failure, said by the status, and nothing written.
+    cmd[-2] = "vdso:missing"
+    assert subprocess.run(cmd, capture_output=True).returncode == 1 and read_symbols(db, "vdso:missing") is None
+
+
 def test_kernel_symbols_are_parsed_once_per_boot_and_copied_into_each_new_database(tmp_path: Path) -> None:
     from cyclescope.db.symbols import read_symbols, shared_kernel_symbols, store_kernel_symbols
     from cyclescope.images.elf import SymbolTable

@@ -113,3 +113,26 @@ def test_building_a_recordings_tables_does_not_import_numpy_ma() -> None:
             "print('numpy.ma' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_daemon_does_not_load_openssl_for_its_names(tmp_path: Path) -> None:
+    """The collector's names (cache keys, symbol files, temporary files) take no OpenSSL: hashlib and
+    secrets load libcrypto, 3.8 MiB of the daemon's resident memory. The digests are hashlib's. Nor
+    does what a flush imports (the loop counter's tallies: not the model, which imports hashlib; not
+    pyelftools, 2.7 MiB, whose parse of the vdso runs in a child)."""
+    import hashlib
+
+    from cyclescope import random_hex, sha1_hex
+
+    assert sha1_hex(b"vmlinux\0mods") == hashlib.sha1(b"vmlinux\0mods").hexdigest()
+    assert len(random_hex(6)) == 12 and random_hex(6) != random_hex(6)
+    code = ("import sys; import cyclescope.cli.daemon, cyclescope.collect.daemon, cyclescope.analysis.progress;"
+            "from cyclescope.db.layout import Database; from cyclescope.db import symbols;"
+            "from cyclescope.images.cache import Cache; from cyclescope.images import kernel;"
+            "db = Database.create_or_open(sys.argv[1]); db.temp_path(db.root); symbols.symbols_path(db, 'k');"
+            "from pathlib import Path; Cache(Path(sys.argv[1] + '-cache')).path('k', 'x'); kernel.boot_stamp();"
+            "print(sorted(m for m in ('_hashlib', 'secrets', 'ssl', 'elftools') if m in sys.modules),"
+            " 'libcrypto' in open('/proc/self/maps').read())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "db")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] False"

@@ -19,9 +19,10 @@ import numpy as np
 
 from cyclescope.analysis.anchors import NEAR_BYTES, AnchorStats, near_samples
 from cyclescope.analysis.cfg import CFG, ENTRY, Edge, build_cfg
+from cyclescope.analysis.confidence import SURETY
 from cyclescope.analysis.culprits import Stall, StaticStall, dynamic_culprits, static_stalls
 from cyclescope.analysis.equivalence import Classes, cycle_equivalence
-from cyclescope.analysis.frequency import MEASURED, SURETY, Frequencies, Measured, estimate_frequencies
+from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estimate_frequencies
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.loops import Loop
 from cyclescope.analysis.paths import PathBlock

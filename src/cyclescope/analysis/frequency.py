@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cyclescope.analysis.cfg import CFG, ENTRY, EXIT
+from cyclescope.analysis.confidence import SURETY
 from cyclescope.analysis.equivalence import Classes, cyclic_blocks
 from cyclescope.analysis.estimators import ESTIMATORS  # how a stalled class's F is set; see estimate_class
 from cyclescope.analysis.schedule import ProcedureModel
@@ -42,7 +43,6 @@ CONFIDENCE_WEIGHT = {"high": 8, "medium": 3, "low": 1}
 # moves them last.
 MEASURED = ("loop-counter", "loop-trips", "trip-window", "anchor", "progress", "paths")
 MEASURED_WEIGHT = {"high": 256, "medium": 32, "low": 8}
-SURETY = {"high": 2, "medium": 1, "low": 0}  # confidences in order
 SHAPE_EXCESS = 0.2  # a block whose samples exceed the model's shape by less than this is stall-free
 MIN_BLOCK_M = 1.5  # cycles of (skidded) model a block needs for its ratio to mean anything
 MIN_BLOCK_POINTS = 3  # instructions carrying model cycles: with fewer, any shape "fits"

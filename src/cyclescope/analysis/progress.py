@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cyclescope.analysis.cfg import ENTRY
-from cyclescope.analysis.frequency import SURETY
+from cyclescope.analysis.confidence import SURETY
 from cyclescope.analysis.loops import _R32, CALLER_SAVED
 from cyclescope.perf.abi import GPRS
 

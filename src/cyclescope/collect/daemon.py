@@ -166,6 +166,7 @@ class Collector:
         self.decoder = RecordDecoder(session.layout)
         self._chains = bool(session.layout.sample_type & Sample.CALLCHAIN)
         self.flusher = Flusher(db, config.host, self.table, self.mapper, ranges, vdso, config.archive)
+        self.flusher.lean = config.lean_memory
         self.agg = Aggregator()
         self.totals = RunTotals()
         self.epoch = 0

@@ -32,12 +32,12 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from cyclescope import random_hex
 from cyclescope.errors import DataError, NotFoundError, UsageError
 
 FORMAT_NAME = "cyclescope-db"
@@ -91,7 +91,7 @@ def fsync_file(path: Path) -> None:
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+    tmp = path.with_name(f".tmp-{os.getpid()}-{random_hex(4)}-{path.name}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         os.fchmod(fd, mode)  # the umask may have taken bits the file should keep, or left ones it should not
@@ -224,7 +224,7 @@ class Database:
         """A new database: a temporary directory with its marker, renamed into place."""
         parent = root.parent
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = parent / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{root.name}"
+        tmp = parent / f".tmp-{os.getpid()}-{random_hex(4)}-{root.name}"
         os.mkdir(tmp, DIR_MODE)
         try:
             os.chmod(tmp, DIR_MODE)  # the umask may have taken bits
@@ -248,7 +248,7 @@ class Database:
     @staticmethod
     def _mark(root: Path) -> None:
         """The marker in an existing empty directory, linked so that only one writer's lands."""
-        tmp = root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{MARKER}"
+        tmp = root / f".tmp-{os.getpid()}-{random_hex(4)}-{MARKER}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             os.fchmod(fd, 0o644)
@@ -295,10 +295,10 @@ class Database:
         path = self.root / "id"
         with contextlib.suppress(FileNotFoundError):
             return path.read_text().strip()
-        tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-id"
+        tmp = self.root / f".tmp-{os.getpid()}-{random_hex(4)}-id"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            os.write(fd, secrets.token_hex(16).encode())
+            os.write(fd, random_hex(16).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -420,7 +420,7 @@ class Database:
         return final
 
     def temp_path(self, d: Path) -> Path:
-        return d / f".tmp-{os.getpid()}-{secrets.token_hex(6)}.parquet"
+        return d / f".tmp-{os.getpid()}-{random_hex(6)}.parquet"
 
     def clean_temp(self, d: Path, older_than_s: float = 3600) -> int:
         """Remove temporary files a crashed writer left behind."""

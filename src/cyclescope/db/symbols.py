@@ -8,7 +8,6 @@ gone by the time anyone looks: so they are stored beside the profiles.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sys
 from collections.abc import Callable
@@ -17,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cyclescope import parquet
+from cyclescope import parquet, sha1_hex
 from cyclescope.db.layout import Database, fsync_dir, fsync_file, write_atomic
 from cyclescope.images.elf import SymbolTable
 
 
 def _file_name(key: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:80]
-    return f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    return f"{safe}-{sha1_hex(key.encode())[:10]}"
 
 
 def symbols_path(db: Database, key: str) -> Path:
@@ -182,12 +181,35 @@ def archive_symbols(db: Database, key: str, path: str, build_id: str | None) -> 
 
 
 
+def symbols_of_stored_binary(db: Database, key: str, name: str) -> bool:
+    """The symbol table of a binary the database keeps under ``key`` (the vdso, copied from the
+    collector's memory), written beside it."""
+    from cyclescope.errors import DataError
+    from cyclescope.images.elf import symbols_from_bytes
+
+    if has_symbols(db, key):
+        return True
+    try:
+        data = binary_path(db, key).read_bytes()
+        write_symbols(db, key, symbols_from_bytes(data, name))
+        return True
+    except (OSError, DataError, ValueError):
+        return False
+
+
+USAGE = "usage: python -m cyclescope.db.symbols DB (KEY PATH BUILD_ID)... | DB --stored KEY NAME"
+
+
 def main(argv: list[str]) -> int:
     """``python -m cyclescope.db.symbols DB (KEY PATH BUILD_ID)...``: archive_symbols for each
-    triple. A daemon runs it as a child: reading a large binary's symbol tables with pyelftools
-    leaves tens of MiB behind in the process that does it (50 MiB in a 12 s fork-storm probe)."""
+    triple; ``DB --stored KEY NAME``: symbols_of_stored_binary. A daemon runs it as a child:
+    reading a large binary's symbol tables with pyelftools leaves tens of MiB behind in the
+    process that does it (50 MiB in a 12 s fork-storm probe), and importing pyelftools at all
+    costs 2.7 MiB (the vdso's)."""
+    if len(argv) == 4 and argv[1] == "--stored":
+        return 0 if symbols_of_stored_binary(Database.open(argv[0]), argv[2], argv[3]) else 1
     if len(argv) < 1 or (len(argv) - 1) % 3:
-        print("usage: python -m cyclescope.db.symbols DB (KEY PATH BUILD_ID)...", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     db = Database.open(argv[0])
     for i in range(1, len(argv), 3):

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from cyclescope import parquet
+from cyclescope import parquet, random_hex
 from cyclescope.db.hotlist import VALUE_DTYPE, HotlistSet, hotlist_sizes, merge_sets, unique_struct
 from cyclescope.db.layout import Database, SegmentRef, fsync_dir, live_segments
 from cyclescope.errors import DataError
@@ -220,12 +220,11 @@ def write_values(db: Database, epoch: int, host: str, named: NamedHotlists, meta
 
 def _link(db: Database, d: Path, table: pa.Table, meta: ValuesMeta, first: int, last: int) -> Path:
     """Write and link a value file on descriptors (the directory opened without following links)."""
-    import secrets
 
     from cyclescope.db.layout import segment_name
 
     dirfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    tmp = f".tmp-{os.getpid()}-{secrets.token_hex(6)}.parquet"
+    tmp = f".tmp-{os.getpid()}-{random_hex(6)}.parquet"
     final = segment_name(first, last, "vals")
     try:
         _write_at(dirfd, tmp, table, meta)

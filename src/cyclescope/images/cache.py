@@ -10,14 +10,13 @@ is simply not used. Safe to delete at any time.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from cyclescope import parquet
+from cyclescope import parquet, sha1_hex
 
 CACHE_VERSION = 1
 
@@ -32,7 +31,7 @@ def default_root() -> Path:
 
 def _dir_name(key: str) -> str:
     safe = "".join(c if c.isalnum() else "_" for c in key)[:64]
-    return f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    return f"{safe}-{sha1_hex(key.encode())[:8]}"
 
 
 class Cache:

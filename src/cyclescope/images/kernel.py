@@ -9,7 +9,6 @@ profiles do not depend on where KASLR put the kernel.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cyclescope import sha1_hex
 from cyclescope.images.elf import SymbolTable, build_id_from_notes
 
 KERNEL_IMAGE_PATH = "[kernel.kallsyms]"
@@ -158,7 +158,7 @@ def boot_stamp(modules: str | None = None) -> str | None:
     what kallsyms shows changes only with them."""
     mods = modules if modules is not None else (_read("/proc/modules") or b"").decode("utf-8", "replace")
     boot = (_read("/proc/sys/kernel/random/boot_id") or b"").decode().strip()
-    return hashlib.sha1((boot + "\0" + mods).encode()).hexdigest()[:16] if boot else None
+    return sha1_hex((boot + "\0" + mods).encode())[:16] if boot else None
 
 
 def load_kernel_ranges(cache_dir: Path | None = None) -> list[KernelRange]:
