@@ -112,3 +112,19 @@ def test_more_groups_in_one_batch_than_dense_numbers() -> None:
     assert len(c) == n and c.total == 2 * n
     assert c.image.tolist() == image.tolist() and c.offset.tolist() == offset.tolist()
     assert set(c.count.tolist()) == {2}
+
+
+def test_taken_counts_hold_their_fields_as_narrow_as_they_are_packed() -> None:
+    """What a flush builds on: image and process numbers in 32 bits, events in 16, the largest
+    values the keys can hold kept whole (34 bytes a row instead of 48)."""
+    agg = Aggregator()
+    image = np.array([(1 << 31) - 1, 0, 7])
+    comm = np.array([(1 << 24) - 1, 3, 0])
+    event = np.array([255, 0, 1])
+    agg.add(image, np.array([1 << 40, 5, 6], np.uint64), event, comm)
+    c = agg.take()
+    assert (c.image.dtype, c.comm.dtype, c.event.dtype) == (np.int32, np.int32, np.int16)
+    assert sorted(zip(c.image.tolist(), c.comm.tolist(), c.event.tolist(), c.offset.tolist(), strict=True)) == sorted(
+        [((1 << 31) - 1, (1 << 24) - 1, 255, 1 << 40), (0, 3, 0, 5), (7, 0, 1, 6)])
+    e = Aggregator().take()
+    assert (e.image.dtype, e.comm.dtype, e.event.dtype, len(e)) == (np.int32, np.int32, np.int16, 0)
