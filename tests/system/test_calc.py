@@ -133,30 +133,36 @@ def test_a_samples_cost_is_measured_alike_on_a_busy_machine() -> None:
     clock, the measurement beside a busy loop per CPU gave 0 to 59 us (five runs: 17, 40, 24, 18
     and 0; then 18, 9, 16, 35, 59), and once 41 us, cached for the boot, put calc's CPI for the
     stall-free loop at 0.58 of the model's best; timed by the thread's own cpu-clock, 16-17.5 us
-    quiet and busy alike on a Xeon. On a Zen 5 VM one measurement moves more (eight in a row:
-    18.2-28.0 us quiet, 20.2-29.2 us beside two busy loops), so the medians of three are compared,
-    and each busy one is held to what the wall clock's failure (0 and 59 us) would break. (On a Zen 3
-    CI machine one measurement of 7 pairs of 50 ms came out at 4.8 us against 11.3, which is why the
-    measurement now takes the median of 35 pairs of 10 ms: ten in a row here, 5.8-9.5 us quiet and
-    7.3-11.5 us busy.)"""
+    quiet and busy alike on a Xeon. On these VMs the cost itself drifts over seconds with what the
+    host runs (on a Zen 3, one measurement of 7 pairs of 50 ms came out at 4.8 us against 11.3 in
+    CI, which is why the measurement now takes the median of 35 pairs of 10 ms; and then, in one
+    run of the suite, three quiet ones at 9.8, 9.7 and 6.1 us and the three busy ones after them
+    at 6.8-8.3). So quiet and busy measurements alternate, each busy one against the quiet one
+    before it: the median of the ratios is held near 1, and each busy one to what the wall clock's
+    failure (0 and 59 us against 16) would break."""
     import os
     import statistics
     import subprocess
 
     from cyclescope.collect.clock import measure_sample_overhead
 
-    quiet = [measure_sample_overhead(200_000) for _ in range(3)]
-    loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        busy = [measure_sample_overhead(200_000) for _ in range(3)]
-    finally:
-        for p in loops:
-            p.kill()
-            p.wait()
-    assert all(q is not None and q > 0 for q in quiet) and all(b is not None for b in busy), (quiet, busy)
-    q = statistics.median(quiet)  # type: ignore[type-var]
-    assert 0.75 * q < statistics.median(busy) < 1.35 * q, (quiet, busy)  # type: ignore[type-var,operator]
-    assert all(0.5 * q < b < 1.8 * q for b in busy), (quiet, busy)  # type: ignore[operator]
+    quiet: list[float] = []
+    busy: list[float] = []
+    for _ in range(4):
+        q = measure_sample_overhead(200_000)
+        loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 1)]
+        try:
+            b = measure_sample_overhead(200_000)
+        finally:
+            for p in loops:
+                p.kill()
+                p.wait()
+        assert q is not None and q > 0 and b is not None, (quiet, busy, q, b)
+        quiet.append(q)
+        busy.append(b)
+    ratios = [b / q for q, b in zip(quiet, busy, strict=True)]
+    assert 0.7 < statistics.median(ratios) < 1.4, (quiet, busy)
+    assert all(0.4 < r < 2.0 for r in ratios), (quiet, busy)
 
 
 def test_a_uprobe_hit_is_measured_on_this_machine() -> None:
