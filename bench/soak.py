@@ -26,6 +26,8 @@ from pathlib import Path
 
 from common import ROOT, cyclescope_cmd, machine, save
 
+from cyclescope.analysis.worker import own_mib  # Pss_Anon: what a process holds of its own
+
 SOURCES = [
     ROOT / "tests" / "programs" / "hotcold.c", ROOT / "tests" / "programs" / "forker.c",
     ROOT / "tests" / "programs" / "jit.c", ROOT / "src" / "cyclescope" / "demo" / "workload.c",
@@ -42,16 +44,6 @@ def rss_kib(pid: int) -> tuple[int, int]:
             elif line.startswith("VmHWM:"):
                 hwm = int(line.split()[1])
     return rss, hwm
-
-
-def pss_anon_kib(pid: int) -> int:
-    """The process's private and proportionally shared anonymous memory (smaps_rollup's
-    Pss_Anon): what it holds of its own, without the libraries' pages it shares."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss_Anon:"):
-                return int(line.split()[1])
-    return 0
 
 
 def cpu_s(pid: int) -> float:
@@ -102,13 +94,13 @@ def main() -> None:
         while time.monotonic() - t0 < args.minutes * 60:
             time.sleep(10)
             rss, hwm = rss_kib(daemon.pid)
-            anon = pss_anon_kib(daemon.pid)
+            anon = round(own_mib(daemon.pid) * 1024)
             d_cpu = cpu_s(daemon.pid)
             w_rss = w_hwm = w_anon = 0
             for w in worker_pids(daemon.pid):
                 try:
                     r, h = rss_kib(w)
-                    a = pss_anon_kib(w)
+                    a = round(own_mib(w) * 1024)
                     workers_cpu[w] = cpu_s(w)
                 except OSError:  # exited meanwhile
                     continue

@@ -72,11 +72,11 @@ def _functions(specs: list[str]) -> dict[str, Callable[..., Any]]:
     return out
 
 
-def own_mib() -> float:
-    """This process's anonymous memory (smaps_rollup's Pss_Anon: its own, not the libraries'
-    pages it shares), in MiB; 0 where the kernel does not say."""
+def own_mib(pid: int | str = "self") -> float:
+    """A process's anonymous memory (smaps_rollup's Pss_Anon: its own, not the libraries' pages
+    it shares; this process's by default), in MiB; 0 where the kernel does not say."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
                 if line.startswith("Pss_Anon:"):
                     return int(line.split()[1]) / 1024

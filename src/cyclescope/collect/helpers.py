@@ -27,12 +27,6 @@ def is_helper(pid: int) -> bool:
     return pid in _pids
 
 
-def helper_pids() -> list[int]:
-    """Every helper's pid known now (running, or exited within KEEP_S)."""
-    with _lock:
-        return list(_pids)
-
-
 def started(pid: int) -> None:
     """A helper started by other means than run_helper (the analysis worker)."""
     with _lock:
