@@ -209,6 +209,55 @@ def test_an_anchor_counts_a_procedures_entries(compile_c: Callable[..., Path], t
     assert all(b["method"] != "anchor" for b in doc["blocks"])
 
 
+def test_a_scale_point_counts_a_short_entry(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    """scale.c's `step` is entered about twenty million times a second: under its anchor's probe it
+    runs at the traps' pace and its own count comes out low. Its trip windows survey its blocks and
+    keep rare ones as a scale point (analysis/trips.py, "Scale windows"): the point's runs per
+    sample of the procedure in windows of the point alone, times the procedure's samples, times
+    the entries per run in windows of the entry and the point alone, is the entry count. At five
+    times the default budget, so that a run of seconds gets windows enough; the ratio's own check
+    is against the program's counts of its rare blocks."""
+    import pyarrow.parquet as pq
+
+    from cyclescope.collect.kernel import uprobe_pmu_type
+
+    if uprobe_pmu_type() is None:
+        pytest.skip("this kernel has no uprobe PMU (/sys/bus/event_source/devices/uprobe)")
+    exe = compile_c("scale", "-O2", "-g", out="scale")
+    db = tmp_path / "db"
+    out = cs("record", "--db", str(db), "-F", "5000", "--anchor-budget", "0.05", "--", str(exe), "100000000")
+    if "trip windows: off" in out.stderr:
+        pytest.skip(out.stderr.strip().splitlines()[-1])
+    calls, rare1, rare2 = (int(x) for x in out.stdout.split())
+    assert "with a scale point)" in out.stderr and "(0 with a scale point)" not in out.stderr, out.stderr
+    start, _ = _symbol(exe, "step")
+
+    def summed(kind: str, key: str) -> dict[int, dict[str, float]]:
+        rows: dict[int, dict[str, float]] = {}
+        for f in db.glob(f"epoch=*/host=*/{kind}/*.parquet"):
+            for r in pq.read_table(f).to_pylist():
+                if kind == "anchors" or r["entry"] == start:
+                    acc = rows.setdefault(r[key], {})
+                    for k, v in r.items():
+                        if isinstance(v, (int, float)) and k not in ("entry", "point"):
+                            acc[k] = acc.get(k, 0) + v
+        return rows
+
+    scale, anchors = summed("scale", "point"), summed("anchors", "entry")
+    both = [p for p in scale if p in anchors and scale[p]["hits"] > 0 and anchors[p]["samples"] > anchors[p]["near"]]
+    assert both, (scale, anchors)
+    point = max(both, key=lambda p: scale[p]["hits"])
+    ratio = scale[point]["entry_hits"] / scale[point]["hits"]
+    # The point is one rare block or both: its exact entries per run are one of these.
+    exact = [calls / rare1, calls / rare2, calls / (rare1 + rare2)]
+    assert min(abs(ratio / e - 1) for e in exact) < 0.35, (ratio, exact)
+    doc = calc(db, "step")
+    total = sum(b["samples"] for b in doc["blocks"])
+    a = anchors[point]
+    entries = a["hits"] / (a["samples"] - a["near"]) * total * ratio
+    assert entries == pytest.approx(calls, rel=0.3), (entries, calls, a, scale[point])
+
+
 def _walk_points(exe: Path) -> tuple[list[int], list[int]]:
     """trips.c's `walk`: its entry and loop headers (outer, inner) and their file offsets."""
     from elftools.elf.elffile import ELFFile

@@ -450,3 +450,68 @@ def test_a_machine_whose_traps_cost_more_gives_anchors_less_time() -> None:
     rare = Anchor(1, 0x30, 0x40, "/bin/x", 0x30)
     rare.rate = 100.0
     assert allocate(0.01, [rare, a], dear)[id(rare)] == pytest.approx(1.25 * 100 * dear)
+
+
+def test_a_scale_point_is_an_anchor_of_its_own_keyed_by_where_it_probes() -> None:
+    """A scale point (analysis/trips.py, "Scale windows") of an anchored procedure: probed at its own
+    file offset, its samples the whole procedure's, those in its own first bytes tallied apart, its
+    row keyed by its address; it does not count against the procedures' MAX_ANCHORS."""
+    from cyclescope.analysis.anchors import MAX_ANCHORS
+
+    s, probes, clock = make(per_task=False, rate=100.0)
+    assert not s.place_point(1, 0x2000, 0x2040, 0x2040)  # no such anchored procedure
+    assert s.place_point(1, 0x1000, 0x1080, 0x1080)
+    assert not s.place_point(1, 0x1000, 0x1080, 0x1080)  # once
+    p = s.anchors[(1, 0x1080)]
+    assert (p.start, p.end, p.at, p.probed, p.file_offset, p.path) == (0x1000, 0x1100, 0x1080, 0x1080, 0x1080, "/bin/x")
+    assert s.entries == 1 and s.want(1, 0x3000)
+    s2, _, _ = make(per_task=False, rate=100.0)
+    s2.place_point(1, 0x1000, 0x1080, 0x1080)
+    for k in range(MAX_ANCHORS - 1):
+        s2.place(1, 0x4000 + 0x100 * k, 0x4080 + 0x100 * k, "/bin/x", 0x4000 + 0x100 * k)
+    assert s2.entries == MAX_ANCHORS and len(s2.anchors) == MAX_ANCHORS + 1 and not s2.want(1, 0x9000)
+    # Its windows are the trip windows' (open_point, close_point), never probes of its own.
+    for _ in range(5):
+        s.tick()
+        s.close_pending()
+        clock[0] += 50 * MS
+    start = clock[0]
+    assert s.open_point(1, 0x1080) and not s.open_point(1, 0x1080)
+    clock[0] += 20 * MS
+    # Samples in the procedure during the window: at the entry's first bytes, at the point's, elsewhere;
+    # and one after it.
+    t = np.array([start + k * MS for k in range(1, 7)] + [start + 30 * MS], np.int64)
+    off = np.array([0x1002, 0x1002, 0x1084, 0x1050, 0x1050, 0x10f0, 0x1050], np.uint64)
+    s.add(np.zeros(6), t[:6], np.ones(6, np.int64), off[:6])  # drained while the window is open
+    s.close_point(1, 0x1080, 40)
+    s.add(np.zeros(1), t[6:], np.ones(1, np.int64), off[6:])  # and after
+    d = s.take().to_pydict()
+    row = {e: (n, sm, nr) for e, n, sm, nr in zip(d["entry"], d["hits"], d["samples"], d["near"], strict=True)}
+    assert row[0x1080] == (40, 6, 1)  # the point's near bytes: 0x1084 only
+    assert d["windows"][d["entry"].index(0x1080)] == 1
+    # Its windows go once old, as an entry's do (the ticker keeps them for late samples).
+    from cyclescope.analysis.anchors import KEEP_NS
+
+    assert len(p.windows) == 1
+    clock[0] += KEEP_NS + MS
+    s.tick()
+    assert not p.windows
+    # A window whose count was lost (the run ended during it) is dropped, samples and all.
+    assert s.open_point(1, 0x1080)
+    s.add(np.zeros(1), np.array([clock[0] + 1], np.int64), np.ones(1, np.int64), np.array([0x1050], np.uint64))
+    s.close_point(1, 0x1080, None)
+    assert 0x1080 not in s.take().to_pydict()["entry"]
+    # Per task, a point's window counts the samples of the process the trip windows counted.
+    t2, _, _ = make(per_task=True, rate=100.0)
+    t2.place_point(1, 0x1000, 0x1080, 0x1080)
+    assert t2.open_point(1, 0x1080, pid=7)
+    now = t2.clock()
+    t2.add(np.array([7, 8, 9]), np.array([now + 1, now + 2, now + 3], np.int64), np.ones(3, np.int64),
+           np.array([0x1050] * 3, np.uint64), np.array([7, 8, 7]))
+    t2.close_point(1, 0x1080, 10)
+    assert t2.take().to_pydict()["samples"] == [2]
+    # The point never had probes of its own: those the set opened were the entry's, which counts on.
+    assert all(fd in probes.open_at for fd in probes.targets) and p.fds == {}
+    s.fail_point(1, 0x1080, "refused")
+    assert p.failed == "refused" and not s.open_point(1, 0x1080)
+    s.stop()

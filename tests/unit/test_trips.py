@@ -219,3 +219,190 @@ def test_a_block_held_at_its_floor_shows_its_cpi_and_stall_as_upper_bounds() -> 
     assert stalls and all(" at most " in x for x in stalls)
     # The other blocks keep plain figures.
     assert not any("at most" in r[1] or r[4].startswith("<=") for r in sections["1190"])
+
+
+def scale_windows(*windows: tuple[int, int]) -> tw.ScaleStats:
+    """A SCALE tally's sums from windows of (point hits, entry hits)."""
+    p = np.array([w[0] for w in windows], np.float64)
+    e = np.array([w[1] for w in windows], np.float64)
+    return tw.ScaleStats(int(p.sum()), int(e.sum()), len(windows), float(p @ p), float(e @ e), float(p @ e))
+
+
+def test_a_scale_ratios_error_comes_from_how_far_its_windows_agree() -> None:
+    steady = scale_windows((30, 300), (40, 400), (35, 350))
+    assert steady.ratio == pytest.approx(10.0) and steady.ratio_error == pytest.approx(0.0, abs=1e-9)
+    assert steady.confidence == "medium"  # 105 hits in 3 windows that agree
+    bursty = scale_windows((2, 300), (90, 400), (13, 350))  # as many hits, all in one window
+    assert bursty.ratio == pytest.approx(10.0) and (bursty.ratio_error or 0.0) > tw.SCALE_ERROR_LOW
+    assert bursty.confidence is None
+    assert scale_windows((200, 2000)).ratio_error is None  # one window: no spread to go by
+    many = scale_windows(*[(100 + k % 3, 1000 + 10 * (k % 3)) for k in range(12)])
+    assert many.confidence == "high"
+
+
+def test_a_scale_point_carries_its_count_to_a_short_entry() -> None:
+    """`work`'s instruction 0x1197 runs once per ten entries (say): its anchor counts 400 runs per
+    300 of the procedure's window samples (750,000 cycles a run: undisturbed), and six scale
+    windows of the entry and 0x1197 alone counted 2,000 entries beside 200 runs, each ten a run.
+    The entry's count is the point's times ten, medium (the ratio's hits), and replaces the
+    entry's own anchor, low (short)."""
+    point = AnchorStats(hits=400, samples=300, counted_s=1.0, windows=5)
+    total = sum(float(v[0]) for v in COUNTS.values())
+    runs = 400 / 300 * total
+    six = scale_windows(*[(33, 330)] * 4, (34, 340), (34, 340))
+    c = work(scale={0x1197: (point, six)})
+    entry = block(c, 0x1190)
+    assert c.freq.block_method[entry] == "anchor" and c.freq.block_confidence[entry] == "medium"
+    assert c.executions(entry) == pytest.approx(runs * 10, rel=0.01)
+    assert c.evidence[entry].startswith("10 entries per run of 0x1197 (2,000 against 200 in 6 windows")
+    # The entry's own anchor, short (100 cycles an entry: its traps make it low), gives way.
+    short = AnchorStats(hits=3_000_000, samples=300, counted_s=1.0, windows=5)
+    assert work(anchor=short).freq.block_confidence[entry] == "low"
+    both = work(anchor=short, scale={0x1197: (point, six)})
+    assert both.executions(entry) == pytest.approx(runs * 10, rel=0.01)
+    # In two windows the ratio is low: used where nothing else counts the entry, or over an anchor as
+    # unsure whose entries took under a tenth of a point's run (100 cycles against 750,000); not
+    # over a surer anchor (high: 375,000 cycles an entry), nor over a low one nearly as long.
+    two = scale_windows((25, 250), (25, 250))
+    low = work(scale={0x1197: (point, two)})
+    assert low.freq.block_confidence[entry] == "low" and low.executions(entry) == pytest.approx(runs * 10, rel=0.01)
+    assert work(anchor=short, scale={0x1197: (point, two)}).executions(entry) == pytest.approx(runs * 10, rel=0.01)
+    sure = AnchorStats(hits=800, samples=300, counted_s=1.0, windows=5)
+    kept = work(anchor=sure, scale={0x1197: (point, two)})
+    assert kept.freq.block_confidence[entry] == "high"
+    assert kept.executions(entry) != pytest.approx(runs * 10, rel=0.1)
+    assert any("the entry's own count stands" in n for n in kept.notes)
+    busy = AnchorStats(hits=400_000, samples=300, counted_s=1.0, windows=5)  # 750 cycles a run
+    near = work(anchor=short, scale={0x1197: (busy, two)})
+    assert near.executions(entry) != pytest.approx(400_000 / 300 * total * 10, rel=0.1)
+    # Too few runs beside the entries, windows that disagree, or a point whose windows saw too
+    # little: not used, and said.
+    few = work(anchor=short, scale={0x1197: (point, scale_windows((9, 90), (10, 100)))})
+    assert few.executions(entry) != pytest.approx(runs * 10, rel=0.1)
+    assert any("too few for the ratio" in n for n in few.notes)
+    torn = work(anchor=short, scale={0x1197: (point, scale_windows((2, 300), (90, 400), (13, 350)))})
+    assert any("which disagree" in n for n in torn.notes)
+    blind = work(scale={0x1197: (AnchorStats(hits=5, samples=3, counted_s=0.1, windows=1), six)})
+    assert blind.freq.block_method[entry] != "anchor"
+    assert any("too little seen in its anchor's windows" in n for n in blind.notes)
+
+
+class OffsetCounter(FakeCounter):
+    """Each window counts ``rates[offset]`` hits at each attached offset."""
+
+    def __init__(self, rates: dict[int, int]) -> None:
+        super().__init__([])
+        self.rates = rates
+
+    def counts(self, n: int) -> np.ndarray:
+        return np.array([self.rates.get(o, 0) for o in self.attached[-1][1][:n]], np.uint64)
+
+
+class FakeAnchors:
+    def __init__(self) -> None:
+        self.placed: list[tuple[int, int, int, int]] = []
+        self.windows: list[list[int | None]] = []
+        self.set = self
+
+    def place_point(self, img: int, start: int, at: int, file_offset: int) -> bool:
+        self.placed.append((img, start, at, file_offset))
+        return True
+
+    def open_point(self, img: int, at: int, pid: int = 0) -> bool:
+        self.windows.append([at, None])
+        return True
+
+    def close_point(self, img: int, at: int, hits: int | None) -> None:
+        self.windows[-1][1] = hits
+
+
+def test_a_short_entry_surveys_rare_blocks_and_keeps_one_to_scale_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scale windows of a procedure whose entry runs 500,000 times a second: surveys of its other
+    blocks, the least sampled first, drop those run as often as the entry (2,000 hits beside 1,000
+    entries) and those never run (after SCALE_MAX_RATIO entries), and keep the rare ones as one
+    point once together they run once in SCALE_AIM_RATIO entries; then windows of the entry and that
+    point alone, every other one, tallied as SCALE rows, each followed by a window of the point alone
+    for the point's anchor."""
+    from cyclescope.db.tallies import SCALE
+
+    monkeypatch.setattr(tw, "WINDOW_S", 0.0)
+    monkeypatch.setattr(tw, "SCALE_BATCH", 2)
+    anchors = FakeAnchors()
+    t = tw.TripWindows(anchors=anchors, loops=None, budget=0.01)
+    t.image_key = lambda i: f"img{i}"
+    # Entry 0x1000 (offset 0x400), a header 0x1010; candidates 0x1100 (frequent), 0x1200 (never runs),
+    # 0x1300 (one run in 100 entries), 0x1400 (one in 500).
+    rates = {0x400: 1000, 0x410: 3000, 0x500: 2000, 0x600: 0, 0x700: 10, 0x800: 2}
+    t.counter = OffsetCounter(rates)
+    target = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x410], pid=42, hits=np.zeros(2, np.uint64),
+                       emulated=[True, True])
+    for st in (0x1100, 0x1200, 0x1300, 0x1400):
+        target.candidates[st] = (st - 0xC00, True, (st - 0x1000) // 0x100)
+        target.scale_pool.append(st)
+    target.blocks = np.array([0x1000, 0x1100, 0x1200, 0x1300, 0x1400], np.uint64)
+    target.block_samples = np.array([50.0, 2.0, 0.0, 3.0, 1.0])  # surveyed 0x1200, 0x1400, 0x1100, 0x1300
+    t.targets[(1, 0x1000)] = target
+    t._window(target)  # the entry's rate not known yet: a window of every point
+    assert t.counter.attached[-1][1] == [0x400, 0x410] and target.total_windows == 1
+    target.entry_rate = 500_000.0
+    for _ in range(tw.SCALE_AFTER - 1):  # windows of every point come first: their ratios
+        t._window(target)
+    assert target.total_windows == tw.SCALE_AFTER and target.scale_windows == 0
+
+    def survey() -> list[int]:
+        """The next scale window's offsets (then every other window is one of all the points)."""
+        t._window(target)
+        got = t.counter.attached[-1][1]
+        t._window(target)
+        assert t.counter.attached[-1][1] == [0x400, 0x410]
+        return got
+
+    assert survey() == [0x400, 0x600, 0x800]  # the least sampled two
+    assert 0x1200 in target.scale_pool and target.scale_at is None  # 0 in 1,000 entries: not yet
+    assert survey() == [0x400, 0x600, 0x800]
+    assert 0x1200 not in target.scale_pool and 0x1400 in target.scale_pool  # never runs; 4 hits so far
+    assert survey() == [0x400, 0x800, 0x500]
+    assert target.scale_pool == [0x1300] and 0x1100 not in target.scale  # as often as the entry: dropped
+    assert target.scale_at is None  # 0x1400 alone runs once in 500 entries: too rare to scale by
+    t._window(target)
+    assert t.counter.attached[-1][1] == [0x400, 0x700]
+    # The point: both rare blocks, counted as one (keyed by the one run most), its tallies from the
+    # windows that count the set whole.
+    assert target.scale_at == 0x1300 and target.scale_sites == [0x1300, 0x1400]
+    assert anchors.placed == [(1, 0x1000, 0x1300, 0x700)]
+    assert t.take_scale().num_rows == 0
+    before = len(t.counter.attached)
+    for _ in range(4):
+        t._window(target)
+    kinds = [a[1] for a in t.counter.attached[before:]]
+    # Each window of the entry and the point is followed by one of the point alone, which the
+    # anchors count against the procedure's samples.
+    assert kinds == [[0x400, 0x410], [0x400, 0x700, 0x800], [0x700, 0x800], [0x400, 0x410], [0x400, 0x700, 0x800],
+                     [0x700, 0x800]]
+    assert anchors.windows == [[0x1300, 12], [0x1300, 12]]
+    d = t.take_scale().to_pydict()
+    assert d["entry"] == [0x1000] and d["point"] == [0x1300]
+    assert d["hits"] == [24] and d["entry_hits"] == [2000] and d["windows"] == [2]
+    assert d["hits_sq"] == [288.0] and d["entry_sq"] == [2e6] and d["cross"] == [24_000.0]
+    assert t.take_scale().num_rows == 0 and t.take_scale().schema == SCALE.schema
+    assert "beside rare blocks" in (t.summary() or "")
+
+
+def test_a_point_run_too_often_is_thinned_to_its_rarer_sites() -> None:
+    """A window of the point alone whose runs came under SCALE_ENTRY_S of the process's time apart
+    (beside their traps): the site run most leaves the set, which is counted anew under a key not
+    used before, with an anchor of its own; a set of one site, or runs far enough apart, stay."""
+    anchors = FakeAnchors()
+    t = tw.TripWindows(anchors=anchors, loops=None, budget=0.01)
+    t.hit_cost_s = t.emulated_hit_s = 1e-6
+    target = tw.Target(1, 0x1000, "/bin/x", [0x1000], [0x400], hits=np.zeros(1, np.uint64))
+    target.candidates = {0x1300: (0x700, True, 3), 0x1400: (0x800, True, 4)}
+    target.scale_at, target.scale_sites, target.used_keys = 0x1300, [0x1300, 0x1400], {0x1300}
+    target.scale = {0x1300: tw.ScalePoint(0x700, True, hits=5, windows=1)}
+    t._thin(target, [0x1300, 0x1400], np.array([3000, 1000], np.uint64), 0.05)  # 12.5 us a run: stays
+    assert target.scale_at == 0x1300 and not anchors.placed
+    t._thin(target, [0x1300, 0x1400], np.array([9000, 1000], np.uint64), 0.05)  # 4 us a run beside a 1 us trap
+    assert target.scale_at == 0x1400 and target.scale_sites == [0x1400] and 0x1300 in target.scale
+    assert anchors.placed == [(1, 0x1000, 0x1400, 0x800)] and target.scale[0x1400].windows == 0
+    t._thin(target, [0x1400], np.array([9000], np.uint64), 0.05)  # one site: nothing rarer to keep
+    assert target.scale_sites == [0x1400]

@@ -36,6 +36,12 @@ slow what follows (short entries are counted low: calc's MIN_ANCHOR_ENTRY_CYCLES
 (db/tallies.py ANCHORS) are sums, mergeable by addition: hits, samples in windows, those near the
 entry, counted time.
 
+Scale points: where an entry is too short for its own windows to count it undisturbed, a few of
+the procedure's rare blocks, counted as one, take its place (analysis/trips.py, "Scale windows"):
+their anchor opens no windows of its own here (``external``); the trip windows' thread counts them
+and registers each window (open_point, close_point), and the samples count against it as against
+an entry's. Its tallies are keyed by the point's address; the entry's anchor counts on.
+
 Tasks: with ``record``'s per-task sampling, each window counts the threads that ran the procedure
 lately (at most MAX_TASKS), and only their samples count against it; system-wide (the daemon),
 every task on every CPU.
@@ -99,17 +105,24 @@ class Window:
     tallied_hits: int = 0  # of those, already in the anchor's tallies (take() reaches into open windows)
     tallied_ns: int | None = None  # counting time tallied up to here (None: from the start)
     read_at: int | None = None  # when its counters were last read
+    samples: int = 0  # a scale point's open window: the samples and near ones it took so far
+    near: int = 0
+    pid: int = 0  # a scale point's window per task: the process it counted (0: every process)
 
 
 @dataclass
 class Anchor:
-    """The entry of one procedure: where it is in the file, its windows and its tallies."""
+    """The entry of one procedure, or one of its scale points: where it is in the file, its
+    windows and its tallies."""
 
     img: int
     start: int  # the procedure's vaddr (its entry) and end
     end: int
     path: str
-    file_offset: int
+    file_offset: int  # of the probed instruction
+    at: int | None = None  # a scale point's vaddr, probed instead of the entry (None: the entry)
+    # A scale point, whose windows the trip windows' thread counts (open_point, close_point)
+    external: bool = False
     fds: dict[int, int] = field(default_factory=dict)  # fd -> its count at the last read
     window: Window | None = None
     windows: deque[Window] = field(default_factory=deque)
@@ -133,6 +146,11 @@ class Anchor:
 
     def hit_s(self, hit_cost_s: float) -> float:
         return self.emulated_hit_s or hit_cost_s
+
+    @property
+    def probed(self) -> int:
+        """The vaddr of the probed instruction (the key of its tallies)."""
+        return self.start if self.at is None else self.at
 
     def share(self, budget: float, hit_cost_s: float = HIT_COST_S) -> float:
         """The share of the time this anchor may count for its traps to cost ``budget`` of a CPU."""
@@ -264,7 +282,8 @@ class AnchorSet:
         self.cpus = cpus
         self.clock = clock or (lambda: time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         self.rng = rng or random.Random()
-        self.anchors: dict[tuple[int, int], Anchor] = {}
+        self.anchors: dict[tuple[int, int], Anchor] = {}  # by image and probed vaddr
+        self.entries = 0  # of those, procedures' entries (the rest are scale points)
         self.refused: set[tuple[int, int]] = set()  # procedures that cannot be anchored
         self.lock = threading.Lock()
         self._closing: deque[tuple[Anchor, dict[int, int]]] = deque()  # (anchor, fd -> count read)
@@ -279,15 +298,75 @@ class AnchorSet:
     def want(self, img: int, start: int) -> bool:
         with self.lock:
             return ((img, start) not in self.anchors and (img, start) not in self.refused
-                    and len(self.anchors) < MAX_ANCHORS)
+                    and self.entries < MAX_ANCHORS)
 
     def place(self, img: int, start: int, end: int, path: str | None, file_offset: int | None) -> None:
         cheap = self._emulated_hit_s(path, file_offset) if path is not None and file_offset is not None else None
         with self.lock:
             if path is None or file_offset is None:
                 self.refused.add((img, start))
-            elif len(self.anchors) < MAX_ANCHORS and (img, start) not in self.anchors:
+            elif self.entries < MAX_ANCHORS and (img, start) not in self.anchors:
                 self.anchors[(img, start)] = Anchor(img, start, end, path, file_offset, emulated_hit_s=cheap)
+                self.entries += 1
+                self.kick.set()
+
+    def place_point(self, img: int, start: int, at: int, file_offset: int) -> bool:
+        """A scale point of the procedure anchored at ``start``: the instruction at vaddr ``at``
+        (``file_offset`` in the same file), whose windows the trip windows' thread counts right
+        after its windows of the entry and the point (analysis/trips.py, "Scale windows"), and
+        registers here (open_point, close_point) so that the procedure's samples in them count
+        against their hits, as an entry's do (the trip windows' budget pays for them: the entry
+        goes on counting in its own, calc's count where the point's windows are too few to agree).
+        False when the procedure has no anchor or the point one already."""
+        with self.lock:
+            a = self.anchors.get((img, start))
+            if a is None or a.at is not None or (img, at) in self.anchors:
+                return False
+            path = a.path
+        cheap = self._emulated_hit_s(path, file_offset)
+        with self.lock:
+            self.anchors[(img, at)] = Anchor(img, start, a.end, path, file_offset, at=at, emulated_hit_s=cheap,
+                                             external=True)
+            self.kick.set()
+        return True
+
+    def open_point(self, img: int, at: int, pid: int = 0) -> bool:
+        """A window of the scale point at ``at`` begins now, counting process ``pid`` (the one the
+        trip windows count: per task, the process that sampled the procedure last) or every process
+        (0: system-wide, every process mapping the file)."""
+        with self.lock:
+            a = self.anchors.get((img, at))
+            if a is None or not a.external or a.failed is not None or a.window is not None:
+                return False
+            a.window = Window(self.clock(), None, None, length=0.0, pid=pid)
+            a.windows.append(a.window)
+        return True
+
+    def close_point(self, img: int, at: int, hits: int | None) -> None:
+        """The scale point's window ends now, having counted ``hits`` (None: its count was lost,
+        and the window with it)."""
+        with self.lock:
+            a = self.anchors.get((img, at))
+            if a is None or a.window is None:
+                return
+            w, a.window = a.window, None
+            now = self.clock()
+            w.end = now
+            if hits is None:  # lost: so are the samples it took
+                a.windows.remove(w)
+                a.samples, a.near = max(0, a.samples - w.samples), max(0, a.near - w.near)
+                return
+            w.hits = hits
+            _tally(a, w, now)
+            a.nwindows += 1
+            a.total_windows += 1
+
+    def fail_point(self, img: int, at: int, why: str) -> None:
+        """The scale point at ``at`` can no longer be counted (its summary says why)."""
+        with self.lock:
+            a = self.anchors.get((img, at))
+            if a is not None and a.external:
+                a.failed = why
                 self.kick.set()
 
     def _emulated_hit_s(self, path: str, file_offset: int) -> float | None:
@@ -344,7 +423,8 @@ class AnchorSet:
         0.25 s of CPU per 10 s, mostly thread wake-ups and counter reads: 20 times what counting
         cost the programs.)"""
         with self.lock:
-            anchors = [a for a in self.anchors.values() if a.failed is None]
+            every = list(self.anchors.values())
+            anchors = [a for a in every if a.failed is None and not a.external]
         now = self.clock()
         if self.started is None:
             self.started = now
@@ -360,8 +440,9 @@ class AnchorSet:
                 self._counting(a, a.window, t)
             else:
                 self._waiting(a, t)
-            with self.lock:
-                horizon = self.clock() - KEEP_NS
+        with self.lock:  # every anchor's old windows go, a scale point's (its windows are not ticked) too
+            horizon = self.clock() - KEEP_NS
+            for a in every:
                 while a.windows and a.windows[0].end is not None and a.windows[0].end < horizon:
                     a.windows.popleft()
         first = any(a.window is not None and a.rate is None for a in anchors)  # one measuring its rate
@@ -511,7 +592,9 @@ class AnchorSet:
         with self.lock:
             anchors = list(self.anchors.values())
         for a in anchors:
-            if a.window is not None:
+            if a.external:  # its count is the trip windows' thread's: an open window is lost
+                self.close_point(a.img, a.probed, None)
+            elif a.window is not None:
                 hits = self._read(a)
                 now = self.clock()
                 with self.lock:
@@ -526,9 +609,11 @@ class AnchorSet:
         self.close_pending()
 
     # --- samples -------------------------------------------------------------------------------
-    def add(self, tid: np.ndarray, time_ns: np.ndarray, img: np.ndarray, off: np.ndarray) -> None:
+    def add(self, tid: np.ndarray, time_ns: np.ndarray, img: np.ndarray, off: np.ndarray,
+            pid: np.ndarray | None = None) -> None:
         """One drain's samples of the time event: those in an anchored procedure count against the
-        windows they fall in (by their time, and their thread in per-task mode)."""
+        windows they fall in (by their time, and their thread, or for a scale point's window its
+        process, in per-task mode)."""
         with self.lock:
             anchors = list(self.anchors.values())
         for a in anchors:
@@ -560,8 +645,17 @@ class AnchorSet:
                         if w.tids is not None:
                             sel = inside & (k == wi)
                             inside[sel] = np.isin(th[sel], np.fromiter(w.tids, np.int64, len(w.tids)))
+                        elif w.pid and pid is not None:
+                            sel = inside & (k == wi)
+                            inside[sel] = pid[m][sel].astype(np.int64) == w.pid
+                o = off[m].astype(np.int64)
+                near = inside & (o >= a.probed) & (o < a.probed + NEAR_BYTES)
                 a.samples += int(inside.sum())
-                a.near += int((inside & (off[m].astype(np.int64) < a.start + NEAR_BYTES)).sum())
+                a.near += int(near.sum())
+                if a.external and a.window is not None:  # what an open window took, should it be lost
+                    last = len(a.windows) - 1
+                    a.window.samples += int((inside & (k == last)).sum())
+                    a.window.near += int((near & (k == last)).sum())
 
     def take(self) -> Any:
         """The tallies since the last take, as an ANCHORS table (db/tallies.py)."""
@@ -574,7 +668,7 @@ class AnchorSet:
                 if a.window is not None and not a.window.probe:
                     _tally(a, a.window, now)  # a window that goes on: what it counted so far
                 if a.hits or a.samples or a.nwindows:
-                    rows.append((self.image_key(a.img), a.start, a.hits, a.samples, a.counted_ns, a.nwindows,
+                    rows.append((self.image_key(a.img), a.probed, a.hits, a.samples, a.counted_ns, a.nwindows,
                                  a.near))
                 a.hits = a.samples = a.counted_ns = a.nwindows = a.near = 0
         cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), (), (), ()]
@@ -716,7 +810,7 @@ class AnchorProcessor:
         # Procedures with enough samples get an anchor (their bounds once the loop counter has them);
         # then the samples count against the windows, and name the threads to probe. Once every
         # anchor is placed, samples are no longer counted per procedure.
-        for i in distinct(img).tolist() if len(aset.anchors) < MAX_ANCHORS else ():
+        for i in distinct(img).tolist() if aset.entries < MAX_ANCHORS else ():
             b = counter.bounds(int(i))
             if b is None:
                 continue
@@ -730,7 +824,7 @@ class AnchorProcessor:
                     aset.place(key[0], key[1], int(b[1][j]), *self._locate(*key))
                     if not self._threads and aset.anchors:
                         self._start()
-        aset.add(s["tid"], s["time"], img, off)
+        aset.add(s["tid"], s["time"], img, off, s["pid"])
 
     def forget(self, pid: int, tid: int) -> None:
         if self.set is not None:
@@ -769,10 +863,12 @@ class AnchorProcessor:
             return None
         with aset.lock:
             failed = [a.failed for a in aset.anchors.values() if a.failed]
-            counted = sum(1 for a in aset.anchors.values() if a.total_windows)
+            counted = sum(1 for a in aset.anchors.values() if a.total_windows and a.at is None)
+            points = sum(1 for a in aset.anchors.values() if a.total_windows and a.at is not None)
         st = aset.status()
-        line = (f"anchors: the entries of {counted} procedure{'' if counted == 1 else 's'} counted exactly in "
-                f"windows ({st['trap_s']:.2f} s of the programs' time in traps)")
+        line = (f"anchors: the entries of {counted} procedure{'' if counted == 1 else 's'}"
+                + (f" and {points} scale point{'' if points == 1 else 's'}" if points else "")
+                + f" counted exactly in windows ({st['trap_s']:.2f} s of the programs' time in traps)")
         if failed:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line

@@ -29,6 +29,7 @@ from cyclescope.analysis.paths import PathBlock
 from cyclescope.analysis.progress import ProgressStats, entries_from_progress
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
+from cyclescope.analysis.trips import MIN_HITS, ScaleStats
 from cyclescope.images.cache import Cache
 from cyclescope.images.disasm import Insn, InsnInfo, insn_info
 
@@ -117,6 +118,7 @@ def calc_procedure(
     outcomes: dict[int, dict[int, float]] | None = None,
     trips: dict[int, tuple[int, int]] | None = None,
     progress: dict[int, ProgressStats] | None = None,
+    scale: dict[int, tuple[AnchorStats, ScaleStats]] | None = None,
 ) -> Calc:
     from cyclescope.images.disasm import disassemble
 
@@ -155,6 +157,8 @@ def calc_procedure(
     measured, mnotes = _measured(cfg, loops, s_cyc, loop_stats or {}, mean_period, period_cycles)
     if anchor is not None:
         mnotes += _anchored(cfg, s_cyc, anchor, period_cycles, measured)
+    if scale:
+        mnotes += _scaled(cfg, s_cyc, scale, period_cycles, measured, anchor)
     if progress:
         mnotes += _progressed(cfg, progress, period_cycles, measured)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
@@ -506,6 +510,7 @@ def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: flo
     return []
 
 
+SCALE_OVER_ENTRY = 10.0  # _scaled: a point's cycles a run over an entry's that make its count the surer of two lows
 MIN_ANCHOR_HITS = 10  # entries counted in windows before an anchor is used (Poisson error ~ 1/sqrt)
 MIN_ANCHOR_SAMPLES = 30  # the procedure's samples in those windows (the ratio's other side)
 # The procedure's cycles per entry inside the windows below which an anchor's count is low confidence: each
@@ -517,6 +522,94 @@ MIN_ANCHOR_SAMPLES = 30  # the procedure's samples in those windows (the ratio's
 # stays under 10%. Below, the count is still used (the model's were 1.2-37 times exact on the same
 # entries) but not corrected: the bias depends on the procedure.
 MIN_ANCHOR_ENTRY_CYCLES = 30_000
+
+
+def _point_count(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, at: int,
+                 period_cycles: float) -> tuple[float, str, float] | None:
+    """An anchor's count of the instruction at ``at`` over the profile (hits per window sample of
+    the procedure, times its samples, both without the samples in the probe's first NEAR_BYTES),
+    its confidence and the procedure's cycles per hit in the windows; None when the windows saw too
+    little."""
+    total = float(s_cyc.sum())
+    near = near_samples([ins.address for ins in cfg.insns], s_cyc, at)
+    n = a.entries(total, near)
+    seen = a.samples - a.near
+    if n is None or a.hits < MIN_ANCHOR_HITS or seen < MIN_ANCHOR_SAMPLES:
+        return None
+    per_hit = seen * period_cycles / a.hits
+    conf = "high" if a.hits >= 100 and seen >= 200 else "medium"
+    return n, "low" if per_hit < MIN_ANCHOR_ENTRY_CYCLES else conf, per_hit
+
+
+def _scaled(cfg: CFG, s_cyc: np.ndarray, scale: dict[int, tuple[AnchorStats, ScaleStats]],
+            period_cycles: float | None, measured: dict[int, Measured], anchor: AnchorStats | None = None) -> list[str]:
+    """The entry's count from a scale point (analysis/trips.py, "Scale windows"): where the entry is
+    too short for its own anchor, a few rare blocks counted as one point are counted in windows of
+    their own (their traps barely disturb the procedure's time) against the procedure's samples,
+    and windows of the entry and the point alone give their exact ratio, so the entry runs (the
+    point's count) x (entry hits / point hits) times. ``scale``: the point's key (its first site)
+    -> (its anchor's tally, the scale windows' tally). The ratio's confidence goes by its hits,
+    windows and how far the windows agree (trips.ScaleStats.confidence), the count's by its
+    windows' hits and samples as an anchor's. Rare blocks run in bursts, so that on runs of
+    seconds, with a few windows of each kind, both sides are noisy (lzip's match finder: 0.13-1.85
+    of its exact count over four sets of three runs, before the windows' spread was kept): the
+    count replaces the entry's own anchor where it is surer, or as sure (low) where a run of the
+    point took SCALE_OVER_ENTRY times an entry's cycles in their windows (lzip's match finder in
+    runs of 10 s: the point's 28,900 against the entry's 1,016; 1.08 of exact against its own
+    anchor's 0.61)."""
+
+    entry = _entry_block(cfg)
+    if not period_cycles or entry is None:
+        return []
+    starts = np.array([ins.address for ins in cfg.insns], np.uint64)
+    notes: list[str] = []
+    best: tuple[int, int, float, str, float, str] | None = None
+    for at, (a, st) in sorted(scale.items()):
+        hits, entry_hits, windows = st.hits, st.entry_hits, st.windows
+        k = int(np.searchsorted(starts, np.uint64(at), side="right")) - 1
+        if k < 0 or int(starts[k]) != at:
+            continue
+        got = _point_count(cfg, s_cyc, a, at, period_cycles)
+        if got is None:
+            notes.append(f"scale point at {at:#x}: too little seen in its anchor's windows ({a.hits:,} hits against "
+                         f"{a.samples - a.near:,} samples)")
+            continue
+        n, conf, per_hit = got
+        why = (f"{a.hits:,} runs of the scale point at {at:#x} counted exactly in {a.windows:,} windows against "
+               f"{a.samples - a.near:,} of the procedure's samples (about {per_hit:,.0f} of its cycles a run)")
+        rconf = st.confidence
+        if rconf is None or entry_hits <= 0:
+            err = st.ratio_error
+            why_not = ("too few for the ratio" if hits < MIN_HITS else
+                       "whose spread is not known (one window, or a tally older than it)" if err is None else
+                       f"which disagree (the ratio's error {100 * err:.0f}%)")
+            notes.append(f"scale point at {at:#x}: {hits:,} runs beside {entry_hits:,} entries in {windows:,} scale "
+                         f"windows, {why_not}")
+            continue
+        c = min(conf, rconf, key=lambda x: _RANK[x])
+        rank = (_RANK[c], hits)
+        if best is None or rank > (_RANK[best[3]], best[1]):
+            best = (at, hits, n * entry_hits / hits, c, per_hit,
+                    f"{entry_hits / hits:,.4g} entries per run of {at:#x} ({entry_hits:,} against {hits:,} in "
+                    f"{windows:,} windows of the two alone), whose count is {n:,.0f}: {why}")
+    if best is None:
+        return notes
+    if _heads_loop(cfg, entry):
+        return [*notes, f"entry at {cfg.blocks[entry].start:#x} heads a loop: its count from a scale point "
+                        "does not give the block's"]
+    m = measured.get(entry)
+    # Over an anchor of the entry as sure: where the point's runs are SCALE_OVER_ENTRY times longer
+    # than the entry's in its windows (the traps' disturbance, which makes a short entry's count low,
+    # goes as one over that time).
+    got = _point_count(cfg, s_cyc, anchor, cfg.blocks[entry].start, period_cycles) if anchor is not None else None
+    own = got[2] if got is not None and m is not None and m.method == "anchor" else None
+    if m is None or _RANK[m.confidence] < _RANK[best[3]] or (
+            _RANK[m.confidence] == _RANK[best[3]] and own is not None and best[4] >= SCALE_OVER_ENTRY * own):
+        measured[entry] = Measured(best[2] / period_cycles, best[3], "anchor", best[5])
+    elif best[3] == "low":
+        notes.append(f"scale point at {best[0]:#x}: {best[1]:,} runs beside the entries, in low confidence; the "
+                     "entry's own count stands")
+    return notes
 
 
 def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float | None,
@@ -532,13 +625,12 @@ def _anchored(cfg: CFG, s_cyc: np.ndarray, a: AnchorStats, period_cycles: float 
                 f"{a.windows:,} windows) does not give the block's"]
     total = float(s_cyc.sum())
     near = near_samples([ins.address for ins in cfg.insns], s_cyc, cfg.blocks[entry].start)
-    n = a.entries(total, near)
     seen = a.samples - a.near
-    if n is None or a.hits < MIN_ANCHOR_HITS or seen < MIN_ANCHOR_SAMPLES:
+    got = _point_count(cfg, s_cyc, a, cfg.blocks[entry].start, period_cycles)
+    if got is None:
         return [f"entry count: too little seen in the anchor's windows ({a.hits:,} entries against "
                 f"{seen:,} samples); the entry's count is the model's"]
-    per_entry = seen * period_cycles / a.hits
-    conf = "high" if a.hits >= 100 and seen >= 200 else "medium"
+    n, conf, per_entry = got
     why = (f"{a.hits:,} entries counted exactly in {a.windows:,} windows against {seen:,} of the "
            f"procedure's {total - near if a.near else total:,.0f} samples"
            + (f" (leaving out the {a.near:,} in the windows at the entry's first {NEAR_BYTES} bytes, where "

@@ -231,13 +231,12 @@ class ProgressStats:
         The moves between entries are heavy-tailed where an argument moves by thousands between
         two calls now and then (xz's match finder is not called while a long match is skipped): one
         window that holds such a gap moves the stride by half, and the count with it."""
-        n = self.windows - self.window_back
-        r = self.stride
-        if r is None or n < 2 or self.window_steps_sq <= 0:
+        from cyclescope.analysis.confidence import ratio_error
+
+        if self.stride is None:
             return None
-        resid = self.window_delta_sq - 2 * r * self.window_cross + r * r * self.window_steps_sq
-        mean_steps = self.window_steps / n
-        return float(np.sqrt(max(resid, 0.0) / (n * (n - 1)))) / mean_steps / r
+        return ratio_error(self.windows - self.window_back, self.window_delta, self.window_steps,
+                           self.window_delta_sq, self.window_steps_sq, self.window_cross)
 
     @property
     def total(self) -> float:

@@ -45,11 +45,26 @@ where single-stepped, 5,000 where emulated); where the loop does not run (xz's f
 milliseconds, empty chains) a window counts untrapped entries by the thousand and outweighs many
 others. Windows also cut executions at their edges.
 calc's confidence asks for windows as well as hits (MEDIUM_WINDOWS, HIGH_WINDOWS).
+
+Scale windows: the ratios above need one measured count to scale them by, and where the entry is
+short (a match finder called every 73 ns), its anchor's own windows run at the traps' pace and its
+count comes out low (0.31-0.75 of exact: anchors.py, calc's MIN_ANCHOR_ENTRY_CYCLES). A block run
+once in a hundred entries traps a hundred times less often. So a procedure whose anchor measured
+entries of under SCALE_ENTRY_S beside their traps, after SCALE_AFTER windows of all its points,
+gets every other window for its entry and its other blocks (a survey, SCALE_BATCH at a time, the
+least sampled first), keeps a few rare ones as one point (_choose_scale), and from then on counts
+the entry and that point alone (their exact ratio, with the spread of the windows' own ratios:
+SCALE tally), each such window followed by up to POINT_WINDOW_S of the point alone, registered
+with the anchors (_point_window: the point's count against the procedure's samples, undisturbed
+by the entry's traps). calc multiplies the two (calc._scaled). A rare block runs in bursts, so
+this needs many windows to agree, and runs of a few seconds rarely have them: calc uses it only
+where the windows' spread says it may.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import random
 import threading
 import time
@@ -113,6 +128,106 @@ MEDIUM_WINDOWS = 3
 HIGH_WINDOWS = 10
 
 
+# Scale windows: where the entry is too short for its anchor's own count (its windows' rate says an
+# entry takes under SCALE_ENTRY_S beside its trap: the 30,000 cycles from which calc trusts an
+# anchor, MIN_ANCHOR_ENTRY_CYCLES), windows of the entry and a few rare blocks alone (the module's
+# docstring, "Scale windows"). The first ones survey SCALE_BATCH candidate blocks each; a candidate
+# with SCALE_CHOOSE_HITS hits run more often than once in SCALE_MIN_RATIO entries, or one with
+# fewer after SCALE_MAX_RATIO entries a hit, is dropped; the point is up to SCALE_SITES of the rest
+# counted as one, kept once together they run once in SCALE_AIM_RATIO entries (_choose_scale): rare
+# enough that their traps barely disturb the procedure's time, common enough that windows of the
+# entry see them (10-15 runs in a 2 ms window of 1,300 entries).
+SCALE_ENTRY_S = 10e-6
+SCALE_BATCH = MAX_POINTS - 1
+SCALE_MIN_RATIO = 30.0
+SCALE_AIM_RATIO = 100.0
+SCALE_MAX_RATIO = 2000.0
+SCALE_CHOOSE_HITS = 5
+SCALE_SITES = 8  # rare blocks counted together as the point
+# Every other window of such a procedure is a scale window until its point has SCALE_ENOUGH hits in
+# them, then one in SCALE_LATER (the ratio changes with the run's phases, as the trips' do).
+SCALE_ENOUGH = 1000
+SCALE_LATER = 4
+SCALE_AFTER = 3  # windows of all the points before the first scale window
+# Each scale window of the chosen point is followed by one of the point alone this long: its count
+# against the procedure's samples (at 5 kHz, about 200 of them where the procedure holds the time),
+# shorter where the point's own traps would cost more than POINT_TRAPS_S in it (a "rare" block of a
+# procedure called 200 million times a second still runs millions of times a second), at least
+# MIN_POINT_WINDOW_S.
+POINT_WINDOW_S = 0.05
+POINT_TRAPS_S = 0.005
+MIN_POINT_WINDOW_S = 0.005
+
+
+@dataclass
+class ScalePoint:
+    """A candidate or chosen scale point of a procedure: where it is probed, and its hits and the
+    entry's in the scale windows that counted it (since the last take, and over the run)."""
+
+    offset: int  # file offset of its site
+    emulated: bool
+    hits: int = 0
+    entry_hits: int = 0
+    windows: int = 0
+    hits_sq: float = 0.0  # each window's hits squared, the entry's, and their product, summed
+    entry_sq: float = 0.0
+    cross: float = 0.0
+    total_hits: int = 0
+    total_entry: int = 0
+
+    @property
+    def ratio(self) -> float | None:
+        return self.total_entry / self.total_hits if self.total_hits else None
+
+
+@dataclass(frozen=True)
+class ScaleStats:
+    """A scale point's SCALE tally summed over a selection: its hits and the entry's in the
+    scale windows, the windows, and the sums of squares and products of the windows' counts."""
+
+    hits: int
+    entry_hits: int
+    windows: int
+    hits_sq: float = 0.0
+    entry_sq: float = 0.0
+    cross: float = 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        """Entries per run of the point."""
+        return self.entry_hits / self.hits if self.hits > 0 else None
+
+    @property
+    def ratio_error(self) -> float | None:
+        """The ratio's relative standard error, from how far the windows' own ratios spread (the
+        ratio estimator's: rare blocks run in bursts, so that a Poisson error from the hits alone
+        says far too little); None from fewer than two windows."""
+        from cyclescope.analysis.confidence import ratio_error
+
+        return ratio_error(self.windows, self.entry_hits, self.hits, self.entry_sq, self.hits_sq, self.cross)
+
+    @property
+    def confidence(self) -> str | None:
+        """How far the ratio can be trusted: used (low) from MIN_HITS hits and an error of
+        SCALE_ERROR_LOW, medium from MEDIUM_HITS, MEDIUM_WINDOWS and SCALE_ERROR_MEDIUM, high from
+        HIGH_HITS, HIGH_WINDOWS and SCALE_ERROR_HIGH; None: not used."""
+        err = self.ratio_error
+        if err is None or self.hits < MIN_HITS or err > SCALE_ERROR_LOW:
+            return None
+        if self.hits >= HIGH_HITS and self.windows >= HIGH_WINDOWS and err <= SCALE_ERROR_HIGH:
+            return "high"
+        if self.hits >= MEDIUM_HITS and self.windows >= MEDIUM_WINDOWS and err <= SCALE_ERROR_MEDIUM:
+            return "medium"
+        return "low"
+
+
+# The scale ratio's relative standard errors (ScaleStats.ratio_error) up to which it is used, and in
+# medium and high confidence
+SCALE_ERROR_LOW = 0.25
+SCALE_ERROR_MEDIUM = 0.10
+SCALE_ERROR_HIGH = 0.04
+
+
 # The rows of Target.progress: the trip windows' side of a PROGRESS tally (db/tallies.py)
 PROGRESS_ROWS = ("windows", "window_steps", "window_delta", "window_back", "window_delta_sq", "window_steps_sq",
                  "window_cross")
@@ -145,6 +260,22 @@ class Target:
     turns: int = 0
     seen: float = 0.0  # the procedure's samples since it got its anchor: its claim on the windows
     spent_s: float = 0.0  # what its windows cost the program (charged to the budget)
+    # Scale windows: the entry's rate as its anchor measured it, the candidate blocks' sites not
+    # surveyed yet (most sampled first), the points surveyed (by site vaddr), the one chosen
+    entry_rate: float | None = None
+    entry_hit_s: float = 0.0  # what its anchor charges a hit
+    scale_pool: list[int] = field(default_factory=list)
+    scale: dict[int, ScalePoint] = field(default_factory=dict)
+    scale_at: int | None = None  # the chosen point's key (its first site), and all its sites
+    scale_sites: list[int] = field(default_factory=list)
+    used_keys: set[int] = field(default_factory=set)
+    scale_done: bool = False  # surveyed, nothing rare enough: no more scale windows
+    scale_turns: int = 0
+    scale_windows: int = 0  # over the run
+    point_rate: float | None = None  # the point's hits a second in its last window alone
+    candidates: dict[int, tuple[int, bool, int]] = field(default_factory=dict)  # site -> (file offset, emulated, block)
+    blocks: np.ndarray | None = None  # the loop table's block starts, and their samples since the anchor
+    block_samples: np.ndarray | None = None
 
 
 def points_of(entry: int, file_offset: int, headers: np.ndarray, depth: np.ndarray,
@@ -212,8 +343,9 @@ class TripWindows:
         if aset is None or counter is None or self.error is not None:
             return
         with aset.lock:
-            anchored = [(k, a.path, a.file_offset, a.end) for k, a in aset.anchors.items()]
-        for key, path, file_offset, end in anchored:
+            anchored = [(k, a.path, a.file_offset, a.end, a.rate, a.hit_s(aset.hit_cost_s))
+                        for k, a in aset.anchors.items() if a.at is None]
+        for key, path, file_offset, end, rate, hit_s in anchored:
             m = (d.image == key[0]) & (d.offset >= key[1]) & (d.offset < end) if len(d.samples) else None
             t = self.targets.get(key)
             if t is None:
@@ -240,6 +372,15 @@ class TripWindows:
                 offsets = [file_offset + (site.get(p, p) - key[1]) for p in points]
                 t = Target(key[0], key[1], path, points, offsets, hits=np.zeros(len(points), np.uint64), core=core,
                            emulated=[bool(cheap.get(p, False)) for p in points], seen=float(seen.sum()))
+                # Scale candidates: the other blocks' sites, probed only if the entry turns out short
+                # (_scale_turn), the least sampled first
+                taken = set(points)
+                for i, b in enumerate(table.blocks.tolist()):
+                    if b not in taken:
+                        st = int(table.sites[i])
+                        t.candidates[st] = (file_offset + (st - key[1]), bool(table.site_emulated[i]), i)
+                        t.scale_pool.append(st)
+                t.blocks, t.block_samples = table.blocks, seen
                 if len(table.args):  # which registers hold the arguments where the entry is probed
                     k = int(np.searchsorted(table.addrs, np.uint64(site.get(key[1], key[1]))))
                     if k < len(table.addrs) and int(table.addrs[k]) == site.get(key[1], key[1]):
@@ -248,6 +389,11 @@ class TripWindows:
                     self.targets[key] = t
             elif m is not None:
                 t.seen += float(np.count_nonzero(m))
+                if t.scale_pool and t.blocks is not None and t.block_samples is not None and m.any():
+                    k = np.searchsorted(t.blocks, d.offset[m].astype(np.uint64), side="right") - 1
+                    with self.lock:
+                        t.block_samples += np.bincount(k[k >= 0], minlength=len(t.blocks))[: len(t.blocks)]
+            t.entry_rate, t.entry_hit_s = rate, hit_s
             if self.per_task and m is not None and m.any():  # the process that sampled it last
                 t.pid = int(d.samples["pid"][m][-1])
         if self.targets and self._thread is None:
@@ -301,17 +447,126 @@ class TripWindows:
         t.turns += 1
         return t.turns % (2 if t.stride_entries < ENOUGH_STEPS else STRIDE_LATER) == 1
 
+    def _scale_turn(self, t: Target) -> list[list[int]]:
+        """The scale points this window of ``t`` counts beside its entry, as groups of sites each
+        counted as one (none: not a scale window): while surveying, each candidate of a batch on
+        its own; then the chosen sites as one. Once the procedure's own windows have counted its
+        points SCALE_AFTER times, every other window of a procedure whose entry is short, until the
+        point has SCALE_ENOUGH hits in them, then one in SCALE_LATER; none for a procedure with an
+        argument that moves forward (analysis/progress.py gives its entry count, and its windows of
+        the entry alone need the turns). Runs of a few seconds hold a few windows a procedure, and
+        there the other windows' ratios, even scaled by a short entry's low count, are far closer
+        than the model's counts, and need the turns: with surveys in every window of a short
+        entry's procedure, xz's match finder's loop kept the model's count, 33.6 times exact, and
+        the suite's share of samples within 15% was 25.3% (docs/benchmarks.md, "Scale points")."""
+        if t.scale_done or not t.entry_rate or 1.0 / t.entry_rate - t.entry_hit_s >= SCALE_ENTRY_S:
+            return []
+        if t.total_windows < SCALE_AFTER or self._moving(t):
+            return []
+        if t.scale_at is None and not t.scale_pool:
+            return []
+        t.scale_turns += 1
+        chosen = t.scale.get(t.scale_at) if t.scale_at is not None else None
+        every = SCALE_LATER if chosen is not None and chosen.total_hits >= SCALE_ENOUGH else 2
+        if t.scale_turns % every != 1 % every:
+            return []
+        if t.scale_at is not None:
+            return [t.scale_sites]
+        # The least sampled first: most blocks run as often as the entry or more, and a window
+        # with them in traps at their pace (lzip's match finder: 47-106 entries in 2 ms, against
+        # 1,400 for its entry alone); a block never sampled is rare or never runs, and costs
+        # little either way.
+        if t.block_samples is not None:
+            bs = t.block_samples
+            t.scale_pool.sort(key=lambda st: (float(bs[t.candidates[st][2]]), st))
+        batch = t.scale_pool[:SCALE_BATCH]
+        for st in batch:
+            off, cheap, _ = t.candidates[st]
+            t.scale.setdefault(st, ScalePoint(off, cheap))
+        return [[st] for st in batch]
+
+    def _moving(self, t: Target) -> bool:
+        """Does an argument of ``t``'s procedure move forward (its windows of the entry alone)?"""
+        counter = getattr(self.loops, "counter", None)
+        return t.argwidth is not None and counter is not None and bool(counter.moving(t.img, t.entry))
+
+    def _choose_scale(self, t: Target, batch: list[int], refused: bool) -> None:
+        """After a survey window of ``batch``: candidates run more often than one entry in
+        SCALE_MIN_RATIO (the window's entries were few) and those too rare or never run (no
+        SCALE_CHOOSE_HITS hits, and SCALE_MAX_RATIO entries for each hit and one more) leave the
+        pool, and the others are surveyed again in the next. The point is a set of the rare ones,
+        counted as one (a rare block's runs come in bursts: lzip's match finder's rarest blocks
+        ran 80-650 entries apart in windows a few milliseconds apart; the sum of several
+        burst less): the most often run first, while the set runs at most once in
+        SCALE_MIN_RATIO entries, up to SCALE_SITES of them. It is kept once it runs once in
+        SCALE_AIM_RATIO entries or more often, or once the pool is empty; none: scale windows end."""
+        if t.scale_at is not None:
+            return
+        for st in batch:
+            p = t.scale[st]
+            frequent = p.total_hits >= SCALE_CHOOSE_HITS and (p.ratio or 0.0) < SCALE_MIN_RATIO
+            rare = p.total_hits < SCALE_CHOOSE_HITS and p.total_entry >= SCALE_MAX_RATIO * (p.total_hits + 1)
+            if refused or frequent or rare:  # (refused: an instruction uprobes refuse is in the batch)
+                t.scale.pop(st)
+            if refused or frequent or rare or p.total_hits >= SCALE_CHOOSE_HITS:
+                t.scale_pool.remove(st)
+        fit = sorted(((p.total_hits, st) for st, p in t.scale.items()
+                      if p.total_hits >= SCALE_CHOOSE_HITS and p.ratio is not None
+                      and SCALE_MIN_RATIO <= p.ratio <= SCALE_MAX_RATIO), reverse=True)
+        sites: list[int] = []
+        rate = 0.0  # runs of the set per entry
+        for _, st in fit:
+            r = t.scale[st].ratio
+            if r is not None and len(sites) < SCALE_SITES and (rate + 1.0 / r) * SCALE_MIN_RATIO <= 1.0:
+                sites.append(st)
+                rate += 1.0 / r
+        if sites and (rate * SCALE_AIM_RATIO >= 1.0 or not t.scale_pool):
+            key = sites[0]
+            first = t.scale[key]
+            # The set's hits so far: its sites were surveyed in different windows, so only the key
+            # site's own go on (its entries are the same windows').
+            t.scale_at, t.scale_sites = key, sites
+            t.used_keys.add(key)
+            t.scale = {key: first}
+            aset = getattr(self.anchors, "set", None)
+            if aset is not None:
+                aset.place_point(t.img, t.entry, key, first.offset)
+            if len(sites) > 1:  # a set: its tallies start with the windows that count it whole
+                first.hits = first.entry_hits = first.windows = 0
+                first.total_hits = first.total_entry = 0
+                first.hits_sq = first.entry_sq = first.cross = 0.0
+        elif not t.scale_pool:
+            t.scale_done = True
+            t.scale.clear()
+
     def _window(self, t: Target) -> None:
         from cyclescope.collect.pointcount import GATE
 
         alone = self._stride_turn(t)
-        n = 1 if alone else len(t.points)
+        with self.lock:
+            groups = [] if alone else self._scale_turn(t)
+            sites = [st for g in groups for st in g]
+            scaled = [g[0] for g in groups]  # each group's key
+        n = 1 if alone else 1 + len(sites) if groups else len(t.points)
+        offsets = [t.offsets[0], *(t.candidates[st][0] for st in sites)] if groups else t.offsets[:n]
+        emulated = [t.emulated[0], *(t.candidates[st][1] for st in sites)] if groups else t.emulated
         # Gated while the link's probes are installed one by one (the first would count alone),
         # and again before the close removes them one by one (the module's docstring).
         self.counter.zero(n, GATE)
         try:
-            link = self.counter.attach(t.path, t.offsets[:n], t.pid if self.per_task else 0)
+            link = self.counter.attach(t.path, offsets, t.pid if self.per_task else 0)
         except CycleScopeError as e:
+            if scaled:
+                with self.lock:
+                    if t.scale_at is not None:  # refused now (a file replaced?): the entry counts again
+                        aset = getattr(self.anchors, "set", None)
+                        if aset is not None:
+                            aset.fail_point(t.img, t.scale_at, str(e))
+                        t.scale_done, t.scale_at = True, None
+                        t.scale.clear()
+                    else:
+                        self._choose_scale(t, scaled, refused=True)
+                return
             if t.total_windows == 0 and 1 < t.core < len(t.points) and not alone:
                 # An instruction uprobes refuse (the kernel does not say which): the sampled blocks'
                 # first instructions go, the entry and the loop headers are tried at the next window.
@@ -339,6 +594,7 @@ class TripWindows:
         passed += GATE - self.counter.skip_left()  # and while they were being removed
         got = self.counter.counts(n)
         moves = None
+        paired = False
         # Only a window of the entry alone measures a move per entry: it ends at an entry
         # (_next_entry); a window of all the points has a fixed length, and made longer the same way
         # it kept every point trapping for up to TAIL_S where the entry is rare, at a cost the
@@ -366,13 +622,104 @@ class TripWindows:
             if alone:
                 t.stride_windows += 1
                 t.stride_entries += int(got[0])
+            elif scaled:  # each point against the entry in the same window
+                paired = t.scale_at is not None  # the chosen point: its own window follows
+                firsts = np.cumsum([0] + [len(g) for g in groups[:-1]])
+                for st, h in zip(scaled, np.add.reduceat(got[1:], firsts).tolist() if len(sites) else [],
+                                 strict=True):
+                    p = t.scale[st]
+                    p.hits += int(h)
+                    p.total_hits += int(h)
+                    p.entry_hits += int(got[0])
+                    p.total_entry += int(got[0])
+                    p.windows += 1
+                    p.hits_sq += float(h) * float(h)
+                    p.entry_sq += float(got[0]) * float(got[0])
+                    p.cross += float(h) * float(got[0])
+                t.scale_windows += 1
+                self._choose_scale(t, scaled, refused=False)
             else:  # the ratios: only windows that counted every point together
                 t.hits += got
                 t.windows += 1
                 t.total_windows += 1
-            cost = self._cost(t, got, passed)
+            cost = self._cost(emulated, got, passed)
             t.spent_s += cost
             self.spent_s += cost
+        if scaled and paired:
+            self._point_window(t)
+
+    def _point_window(self, t: Target) -> None:
+        """The scale point alone for POINT_WINDOW_S, right after a window of it and the entry (the
+        same phase of the run: a rare block's rate moves with the data far more than the entry's
+        does, and windows apart saw lzip's match finder at 1.85 times its exact count), registered
+        with the anchors (AnchorSet.open_point, close_point), which count the procedure's samples
+        in it against its hits: its count, undisturbed by the entry's traps."""
+        from cyclescope.collect.pointcount import GATE
+
+        aset = getattr(self.anchors, "set", None)
+        st = t.scale_at
+        if aset is None or st is None:
+            return
+        sites = t.scale_sites or [st]
+        self.counter.zero(len(sites), GATE)
+        try:
+            link = self.counter.attach(t.path, [t.candidates[x][0] for x in sites], t.pid if self.per_task else 0)
+        except (CycleScopeError, OSError):
+            return
+        opened = False
+        hit_s = max(self.emulated_hit_s if t.candidates[x][1] else self.hit_cost_s for x in sites)
+        length = POINT_WINDOW_S if not t.point_rate else max(
+            MIN_POINT_WINDOW_S, min(POINT_WINDOW_S, POINT_TRAPS_S / (t.point_rate * hit_s)))
+        took = 0.0
+        pid = t.pid if self.per_task else 0
+        try:
+            passed = GATE - self.counter.skip_left()
+            self.counter.set_skip(0)
+            opened = aset.open_point(t.img, st, pid)
+            began, cpu = time.monotonic(), _cpu_ns(pid)
+            self._stop.wait(length)
+            self.counter.set_skip(GATE)
+            took, after = time.monotonic() - began, _cpu_ns(pid)
+            if cpu is not None and after is not None and after > cpu:  # the process's own time, traps included
+                took = (after - cpu) / 1e9
+        finally:
+            got = self.counter.counts(len(sites))
+            hits = int(got.sum())
+            if opened:  # (cut short as the run ends, it counted what it counted)
+                aset.close_point(t.img, st, hits)
+            self.counter.detach(link)
+        passed += GATE - self.counter.skip_left()
+        cost = self._cost([t.candidates[x][1] for x in sites], got, passed)
+        with self.lock:
+            t.spent_s += cost
+            self.spent_s += cost
+            if took > 0:
+                t.point_rate = hits / took
+                self._thin(t, sites, got, took)
+
+    def _thin(self, t: Target, sites: list[int], got: np.ndarray, took: float) -> None:
+        """After a window of the point alone: where a run of the point left the program under
+        SCALE_ENTRY_S of its own time (the window's time per hit less the trap; per task the
+        process's CPU time, which a busy machine's other tasks do not inflate), its own traps
+        disturb it as an entry's do, and the count would come out low (scale.c's two rare blocks
+        together: 0.77 of exact); the site run most leaves the set, which becomes a new point, under
+        a key not used before (each key's tallies are one set's)."""
+        hits = int(got.sum())
+        hit_s = max(self.emulated_hit_s if t.candidates[x][1] else self.hit_cost_s for x in sites)
+        if hits <= 0 or took / hits - hit_s >= SCALE_ENTRY_S or len(sites) < 2:
+            return
+        rest = [x for x, _ in sorted(zip(sites, got.tolist(), strict=True), key=lambda p: p[1])[:-1]]
+        key = next((x for x in rest if x not in t.used_keys), None)
+        if key is None:
+            return
+        t.scale_at, t.scale_sites = key, [key, *(x for x in rest if x != key)]  # the key first: it keys the group
+        t.used_keys.add(key)
+        off, cheap, _ = t.candidates[key]
+        t.scale[key] = ScalePoint(off, cheap)  # the last set's rows stay until taken
+        t.point_rate = None
+        aset = getattr(self.anchors, "set", None)
+        if aset is not None:
+            aset.place_point(t.img, t.entry, key, off)
 
     def _next_entry(self) -> None:
         """Count on until the entry runs once more after the window's time, or TAIL_S has passed.
@@ -396,11 +743,11 @@ class TripWindows:
             if waited > TAIL_SPIN_S:  # a long interval: no need to look every few microseconds
                 time.sleep(TAIL_STEP_S)
 
-    def _cost(self, t: Target, got: np.ndarray, passed: int) -> float:
+    def _cost(self, emulated: list[bool], got: np.ndarray, passed: int) -> float:
         """What a window of the first ``len(got)`` points cost the program: each point's hits at its
-        probe's cost (emulated or not), the hits that passed the gate at the dearest of them, and
+        probe's cost (``emulated`` or not), the hits that passed the gate at the dearest of them, and
         the window's own (WINDOW_COST_S, less where every probe is emulated)."""
-        cheap = np.array((t.emulated + [False] * len(got))[: len(got)], bool)
+        cheap = np.array((list(emulated) + [False] * len(got))[: len(got)], bool)
         per = np.where(cheap, self.emulated_hit_s, self.hit_cost_s)
         own = EMULATED_WINDOW_COST_S if cheap.all() else WINDOW_COST_S
         return float(np.dot(got.astype(np.float64), per)) + passed * float(per.max(initial=0.0)) + own
@@ -431,6 +778,30 @@ class TripWindows:
                              "point": np.array(point, np.uint64), "hits": np.array(hits, np.uint64),
                              "windows": np.array(windows, np.uint64)})
 
+    def take_scale(self) -> Any:
+        """The scale windows' tallies since the last take, as a SCALE table (db/tallies.py)."""
+        from cyclescope.db.tallies import SCALE, build
+
+        rows: list[tuple[str, int, int, int, int, int, float, float, float]] = []
+        with self.lock:
+            for t in self.targets.values():
+                if t.scale_at is None:  # a survey's counts say which point to keep, not how often
+                    continue
+                for st, p in list(t.scale.items()):
+                    if p.windows:
+                        rows.append((self.image_key(t.img), t.entry, st, p.hits, p.entry_hits, p.windows, p.hits_sq,
+                                     p.entry_sq, p.cross))
+                    p.hits = p.entry_hits = p.windows = 0
+                    p.hits_sq = p.entry_sq = p.cross = 0.0
+                    if st != t.scale_at:  # an earlier set's, thinned since: taken
+                        del t.scale[st]
+        cols = list(zip(*rows, strict=True)) if rows else [()] * 9
+        return build(SCALE, {"image": list(cols[0]), "entry": np.array(cols[1], np.uint64),
+                             "point": np.array(cols[2], np.uint64), "hits": np.array(cols[3], np.uint64),
+                             "entry_hits": np.array(cols[4], np.uint64), "windows": np.array(cols[5], np.uint64),
+                             "hits_sq": np.array(cols[6], np.float64), "entry_sq": np.array(cols[7], np.float64),
+                             "cross": np.array(cols[8], np.float64)})
+
     def take_progress(self) -> Any:
         """The windows' side of the arguments' moves since the last take, as a PROGRESS table."""
         from cyclescope.analysis.progress import NARGS, tally
@@ -457,10 +828,12 @@ class TripWindows:
             self._thread.join(timeout=5.0)
 
     def flush(self, db: Any, epoch: int, host: str) -> list[Any]:
-        from cyclescope.db.tallies import PROGRESS, TRIPS, write_tally
+        from cyclescope.db.tallies import PROGRESS, SCALE, TRIPS, write_tally
 
         t = self.take()
         out = [write_tally(db, epoch, host, TRIPS, t)] if t.num_rows else []
+        sc = self.take_scale()
+        out += [write_tally(db, epoch, host, SCALE, sc)] if sc.num_rows else []
         pg = self.take_progress()
         return out + ([write_tally(db, epoch, host, PROGRESS, pg)] if pg.num_rows else [])
 
@@ -470,16 +843,20 @@ class TripWindows:
     def status(self) -> dict[str, Any]:
         with self.lock:
             return {"procedures": len(self.targets), "windows": sum(t.total_windows for t in self.targets.values()),
+                    "scale_windows": sum(t.scale_windows for t in self.targets.values()),
                     "trap_s": round(self.spent_s, 3)}
 
     def summary(self) -> str | None:
         with self.lock:
             counted = [t for t in self.targets.values() if t.total_windows]
             strided = [t for t in self.targets.values() if t.stride_windows]
+            scaled = [t for t in self.targets.values() if t.scale_windows]
+            nscale = sum(t.scale_windows for t in scaled)
+            chosen = sum(t.scale_at is not None for t in scaled)
             failed = [t.failed for t in self.targets.values() if t.failed]
             nwin = sum(t.total_windows for t in counted)
             nstride = sum(t.stride_windows for t in strided)
-        if not counted and not strided and not failed and self.error is None:
+        if not counted and not strided and not scaled and not failed and self.error is None:
             return None
         if self.error is not None:
             return f"trip windows: off ({self.error})"
@@ -491,11 +868,30 @@ class TripWindows:
         if strided:
             parts.append(f"the entr{'y' if len(strided) == 1 else 'ies'} of {len(strided)} with moving arguments "
                          f"alone in {nstride}{' more' if counted else ''} window{'' if nstride == 1 else 's'}")
+        if scaled:
+            parts.append(f"the short entr{'y' if len(scaled) == 1 else 'ies'} of {len(scaled)} beside rare blocks "
+                         f"in {nscale}{' more' if counted or strided else ''} window{'' if nscale == 1 else 's'} "
+                         f"({chosen} with a scale point)")
         line = f"trip windows: {', '.join(parts) or 'nothing counted'} ({self.spent_s:.2f} s of the programs' time " \
                "charged to them)"
         if failed:
             line += f"; {len(failed)} could not be probed ({failed[0]})"
         return line
+
+
+def _cpu_ns(pid: int) -> int | None:
+    """The CPU time of process ``pid``'s threads so far (ns, from /proc's schedstat), or None
+    (``pid`` 0: system-wide, or the process gone)."""
+    if pid <= 0:
+        return None
+    total = 0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
 
 def _claim(t: Target) -> float:

@@ -100,6 +100,7 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
     anchor = p.anchor_stats(info.key, target.start) if evidence else None
     trips = p.trip_counts(info.key, target.start) if evidence and trip_windows else None
     progress = p.progress_stats(info.key, target.start) if evidence and trip_windows else None
+    scale = p.scale_points(info.key, target.start, target.end) if evidence and trip_windows else None
     outcomes = None
     if evidence and paths:
         if outcomes_from is None:
@@ -110,4 +111,5 @@ def calc_target(p: Profile, target: Target, event: str, mcpu: str | None = None,
             outcomes = outcomes_from.branch_outcomes(same[0]) if same else None
     return calc_procedure(target.name, target.start, target.end, code, counts, events, event,
                           period_cycles(p, event), name_at, read, Cache(), info.key, mcpu, estimator,
-                          stats, profile_set.events[event].mean_period, anchor, outcomes, trips, progress)
+                          stats, profile_set.events[event].mean_period, anchor, outcomes, trips, progress,
+                          scale)

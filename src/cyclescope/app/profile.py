@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cyclescope.errors import DataError
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from cyclescope.analysis.anchors import AnchorStats
     from cyclescope.analysis.loopcount import LoopStats
     from cyclescope.analysis.progress import ProgressStats
+    from cyclescope.analysis.trips import ScaleStats
     from cyclescope.binaries.symbolize import Symbolizer
     from cyclescope.db.layout import Database
     from cyclescope.db.query import Engine, ProfileSet, Selection
@@ -117,16 +118,25 @@ class Profile:
 
     def anchor_stats(self, image_key: str, entry: int) -> AnchorStats | None:
         """The anchors' tallies of the selection for the procedure entered at ``entry``."""
-        from cyclescope.analysis.anchors import AnchorStats
         from cyclescope.db.tallies import ANCHORS
 
         d = self._tally(ANCHORS, image_key, "entry counts").to_pydict()
-        for i, e in enumerate(d["entry"]):
-            if e == entry:
-                return AnchorStats(hits=int(d["hits"][i]), samples=int(d["samples"][i]),
-                                   counted_s=float(d["counted_s"][i]), windows=int(d["windows"][i]),
-                                   near=int(d["near"][i]))
-        return None
+        return next((_anchor_row(d, i) for i, e in enumerate(d["entry"]) if e == entry), None)
+
+    def scale_points(self, image_key: str, start: int, end: int) -> dict[int, tuple[AnchorStats, ScaleStats]]:
+        """The scale points of the procedure in [start, end) (analysis/trips.py, "Scale windows"):
+        point -> (its anchor's tallies, the scale windows'); only points with both."""
+        from cyclescope.analysis.trips import ScaleStats
+        from cyclescope.db.tallies import ANCHORS, SCALE
+
+        sc = self._tally(SCALE, image_key, "scale windows").to_pydict()
+        ratio = {int(sc["point"][i]): ScaleStats(**{n: sc[n][i] for n in SCALE.sum_names})
+                 for i, e in enumerate(sc["entry"]) if e == start}
+        if not ratio:
+            return {}
+        d = self._tally(ANCHORS, image_key, "entry counts").to_pydict()
+        return {int(e): (_anchor_row(d, i), ratio[int(e)]) for i, e in enumerate(d["entry"])
+                if start < e < end and int(e) in ratio}
 
     def trip_counts(self, image_key: str, entry: int) -> dict[int, tuple[int, int]]:
         """The trip windows' tallies of the selection for the procedure entered at ``entry``: point
@@ -220,3 +230,11 @@ def open_profile(db: Database, sel: Selection, warn: Callable[[str], None] = _ig
         raise DataError(f"no readable segment in the selection "
                         f"({sum(w.startswith('skipping') for w in profile_set.warnings)} unreadable)")
     return Profile(profile_set, sym if sym is not None else Symbolizer(db), warn)
+
+
+def _anchor_row(d: dict[str, list[Any]], i: int) -> AnchorStats:
+    """Row ``i`` of an ANCHORS tally (as columns) as an AnchorStats."""
+    from cyclescope.analysis.anchors import AnchorStats
+
+    return AnchorStats(hits=int(d["hits"][i]), samples=int(d["samples"][i]), counted_s=float(d["counted_s"][i]),
+                       windows=int(d["windows"][i]), near=int(d["near"][i]))

@@ -75,9 +75,11 @@ LOOPS = TallyKind(
           ("trip_samples", pa.uint64()), ("inv_trip", pa.float64())),
 )
 
-# Exact counts of procedures' entries in windows (analysis/anchors.py): per procedure entry, the
-# uprobe's hits, the procedure's own samples of the time event taken in the same windows by the
-# same tasks, the time counted and the windows.
+# Exact counts of procedures' entries in windows (analysis/anchors.py): per probed instruction (a
+# procedure's entry, or a scale point: a rare block of a procedure whose entry is too short to count
+# undisturbed), the uprobe's hits, the procedure's own samples of the time event taken in the same
+# windows by the same tasks (and of those, the ones in the probe's first bytes), the time counted and
+# the windows.
 ANCHORS = TallyKind(
     "anchors", "an",
     keys=(("image", pa.string()), ("entry", pa.uint64())),
@@ -93,6 +95,19 @@ TRIPS = TallyKind(
     "trips", "tw",
     keys=(("image", pa.string()), ("entry", pa.uint64()), ("point", pa.uint64())),
     sums=(("hits", pa.uint64()), ("windows", pa.uint64())),
+)
+
+# Scale points (analysis/trips.py, "Scale windows"): per procedure entry and point (the site of a
+# block, where it is probed), the point's hits and the entry's hits in the same windows, which
+# counted the entry and a few rare blocks together and nothing else; the windows, and the sums of
+# the squares and products of each window's two counts (how far the windows agree: rare blocks run
+# in bursts). The ratio entry_hits / hits carries an anchor's count of the point (ANCHORS, keyed by
+# the point) to the entry.
+SCALE = TallyKind(
+    "scale", "sc",
+    keys=(("image", pa.string()), ("entry", pa.uint64()), ("point", pa.uint64())),
+    sums=(("hits", pa.uint64()), ("entry_hits", pa.uint64()), ("windows", pa.uint64()),
+          ("hits_sq", pa.float64()), ("entry_sq", pa.float64()), ("cross", pa.float64())),
 )
 
 # Arguments that move forward through a run (analysis/progress.py): per procedure entry and
@@ -121,7 +136,7 @@ TIMELINE = TallyKind(
     first="process",
 )
 
-KINDS = {k.name: k for k in (LOOPS, ANCHORS, TRIPS, PROGRESS, TIMELINE)}
+KINDS = {k.name: k for k in (LOOPS, ANCHORS, TRIPS, SCALE, PROGRESS, TIMELINE)}
 
 
 def tally_dir(db: Database, epoch: int, host: str, kind: TallyKind) -> Path:
