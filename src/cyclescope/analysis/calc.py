@@ -555,7 +555,7 @@ def _scaled(cfg: CFG, s_cyc: np.ndarray, scale: dict[int, tuple[AnchorStats, Sca
     of its exact count over four sets of three runs, before the windows' spread was kept): the
     count replaces the entry's own anchor where it is surer, or as sure (low) where a run of the
     point took SCALE_OVER_ENTRY times an entry's cycles in their windows (lzip's match finder in
-    runs of 10 s: the point's 29,456 against the entry's about 1,000; 0.93 of exact, where its own
+    runs of 25 s: the point's 29,456 against the entry's about 1,000; 0.93 of exact, where its own
     anchor gave 0.48: docs/benchmarks.md, "Scale points")."""
     entry = _entry_block(cfg)
     if not period_cycles or entry is None:
