@@ -398,7 +398,7 @@ def test_a_point_run_too_often_is_thinned_to_its_rarer_sites() -> None:
     target = tw.Target(1, 0x1000, "/bin/x", [0x1000], [0x400], hits=np.zeros(1, np.uint64))
     target.candidates = {0x1300: (0x700, True, 3), 0x1400: (0x800, True, 4)}
     target.scale_at, target.scale_sites, target.used_keys = 0x1300, [0x1300, 0x1400], {0x1300}
-    target.scale = {0x1300: tw.ScalePoint(0x700, True, hits=5, windows=1)}
+    target.scale = {0x1300: tw.ScalePoint(hits=5, windows=1)}
     t._thin(target, [0x1300, 0x1400], np.array([3000, 1000], np.uint64), 0.05)  # 12.5 us a run: stays
     assert target.scale_at == 0x1300 and not anchors.placed
     t._thin(target, [0x1300, 0x1400], np.array([9000, 1000], np.uint64), 0.05)  # 4 us a run beside a 1 us trap

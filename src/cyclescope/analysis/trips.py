@@ -161,11 +161,10 @@ MIN_POINT_WINDOW_S = 0.005
 
 @dataclass
 class ScalePoint:
-    """A candidate or chosen scale point of a procedure: where it is probed, and its hits and the
-    entry's in the scale windows that counted it (since the last take, and over the run)."""
+    """A candidate or chosen scale point of a procedure (where it is probed: Target.candidates):
+    its hits and the entry's in the scale windows that counted it (since the last take, and over
+    the run)."""
 
-    offset: int  # file offset of its site
-    emulated: bool
     hits: int = 0
     entry_hits: int = 0
     windows: int = 0
@@ -481,8 +480,7 @@ class TripWindows:
             t.scale_pool.sort(key=lambda st: (float(bs[t.candidates[st][2]]), st))
         batch = t.scale_pool[:SCALE_BATCH]
         for st in batch:
-            off, cheap, _ = t.candidates[st]
-            t.scale.setdefault(st, ScalePoint(off, cheap))
+            t.scale.setdefault(st, ScalePoint())
         return [[st] for st in batch]
 
     def _moving(self, t: Target) -> bool:
@@ -530,7 +528,7 @@ class TripWindows:
             t.scale = {key: first}
             aset = getattr(self.anchors, "set", None)
             if aset is not None:
-                aset.place_point(t.img, t.entry, key, first.offset)
+                aset.place_point(t.img, t.entry, key, t.candidates[key][0])
             if len(sites) > 1:  # a set: its tallies start with the windows that count it whole
                 first.hits = first.entry_hits = first.windows = 0
                 first.total_hits = first.total_entry = 0
@@ -667,7 +665,7 @@ class TripWindows:
         except (CycleScopeError, OSError):
             return
         opened = False
-        hit_s = max(self.emulated_hit_s if t.candidates[x][1] else self.hit_cost_s for x in sites)
+        hit_s = self._dearest_hit_s(t, sites)
         length = POINT_WINDOW_S if not t.point_rate else max(
             MIN_POINT_WINDOW_S, min(POINT_WINDOW_S, POINT_TRAPS_S / (t.point_rate * hit_s)))
         took = 0.0
@@ -705,7 +703,7 @@ class TripWindows:
         together: 0.77 of exact); the site run most leaves the set, which becomes a new point, under
         a key not used before (each key's tallies are one set's)."""
         hits = int(got.sum())
-        hit_s = max(self.emulated_hit_s if t.candidates[x][1] else self.hit_cost_s for x in sites)
+        hit_s = self._dearest_hit_s(t, sites)
         if hits <= 0 or took / hits - hit_s >= SCALE_ENTRY_S or len(sites) < 2:
             return
         rest = [x for x, _ in sorted(zip(sites, got.tolist(), strict=True), key=lambda p: p[1])[:-1]]
@@ -714,12 +712,15 @@ class TripWindows:
             return
         t.scale_at, t.scale_sites = key, [key, *(x for x in rest if x != key)]  # the key first: it keys the group
         t.used_keys.add(key)
-        off, cheap, _ = t.candidates[key]
-        t.scale[key] = ScalePoint(off, cheap)  # the last set's rows stay until taken
+        t.scale[key] = ScalePoint()  # the last set's rows stay until taken
         t.point_rate = None
         aset = getattr(self.anchors, "set", None)
         if aset is not None:
-            aset.place_point(t.img, t.entry, key, off)
+            aset.place_point(t.img, t.entry, key, t.candidates[key][0])
+
+    def _dearest_hit_s(self, t: Target, sites: list[int]) -> float:
+        """What a hit costs at the dearest of ``sites`` (emulated or single-stepped)."""
+        return max(self.emulated_hit_s if t.candidates[x][1] else self.hit_cost_s for x in sites)
 
     def _next_entry(self) -> None:
         """Count on until the entry runs once more after the window's time, or TAIL_S has passed.

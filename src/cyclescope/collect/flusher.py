@@ -22,7 +22,7 @@ from cyclescope.db.layout import Database, safe_host
 from cyclescope.db.segment import Chunks, SegmentMeta, build_table, write_segment
 from cyclescope.errors import CycleScopeError
 from cyclescope.images.cache import Cache
-from cyclescope.images.elf import SymbolTable, symbols_from_bytes
+from cyclescope.images.elf import SymbolTable
 from cyclescope.images.kernel import KernelRange, boot_stamp, forget_kallsyms, kernel_symbols, read_kallsyms
 from cyclescope.images.maps import Mapper
 from cyclescope.images.procfs import parse_perf_map, read_perf_map
@@ -115,14 +115,13 @@ class Flusher:
                 self._symbols_written.add(info.key)
             elif info.kind == "vdso" and self.vdso and info.key not in self._symbols_written:
                 symstore.write_binary(self.db, info.key, self.vdso)
-                if symstore.has_symbols(self.db, info.key):
-                    pass
-                elif self.lean:  # pyelftools stays out of the daemon (2.7 MiB of imports)
-                    self._pool.submit(run_helper, [sys.executable, "-m", "cyclescope.db.symbols",
-                                                   str(self.db.root), "--stored", info.key, "[vdso]"])
+                if self.lean:  # pyelftools stays out of the daemon (2.7 MiB of imports)
+                    if not symstore.has_symbols(self.db, info.key):
+                        self._pool.submit(run_helper, [sys.executable, "-m", "cyclescope.db.symbols",
+                                                       str(self.db.root), "--stored", info.key, "[vdso]"])
                 else:
                     with contextlib.suppress(Exception):
-                        symstore.write_symbols(self.db, info.key, symbols_from_bytes(self.vdso, "[vdso]"))
+                        symstore.symbols_of_stored_binary(self.db, info.key, "[vdso]")
                 self._symbols_written.add(info.key)
             elif info.kind in self.symbol_sources:
                 table = self.symbol_sources[info.kind](info.key)

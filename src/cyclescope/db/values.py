@@ -220,7 +220,6 @@ def write_values(db: Database, epoch: int, host: str, named: NamedHotlists, meta
 
 def _link(db: Database, d: Path, table: pa.Table, meta: ValuesMeta, first: int, last: int) -> Path:
     """Write and link a value file on descriptors (the directory opened without following links)."""
-
     from cyclescope.db.layout import segment_name
 
     dirfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
