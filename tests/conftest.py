@@ -18,11 +18,14 @@ import pytest
 
 PROGRAMS = Path(__file__).parent / "programs"
 
-# Decoded DWARF and symbol tables go to a throw-away cache, not the user's.
+# Decoded DWARF and symbol tables go to a throw-away cache, not the user's, removed when the
+# session ends (14 MiB a session: CI machines run the suite again and again).
 if "CYCLESCOPE_CACHE" not in os.environ:
+    import atexit
     import tempfile
 
     os.environ["CYCLESCOPE_CACHE"] = tempfile.mkdtemp(prefix="cyclescope-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["CYCLESCOPE_CACHE"], ignore_errors=True)
 
 
 def _perf_fds() -> set[str]:

@@ -74,10 +74,12 @@ _SCRATCH: list[str] = []
 def run_cli(args: list[str]) -> tuple[int, str]:
     """``cyclescope ARGS`` in this process, in a scratch directory (a drawn `-o 0.5` writes there,
     not into the repository): exit code and standard error."""
+    import atexit
     import tempfile
 
     if not _SCRATCH:
         _SCRATCH.append(tempfile.mkdtemp(prefix="cs-fuzz-cwd-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(_SCRATCH[0]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
