@@ -165,6 +165,27 @@ def interpreters_without_perf_maps() -> list[str]:
 
 
 @pytest.mark.usefixtures("bpf_loads")
+def test_default_options_name_a_python_programs_frames(tmp_path: Path) -> None:
+    """`record -g fp -- python app.py`, nothing else: the eBPF path (loop counts off, and said so),
+    whose program alone reads Python frames; with --collector perf, the rings (loop counts on) and
+    no Python frame (no -X perf)."""
+    if not (3, 10) <= sys.version_info[:2] <= (3, 13):
+        pytest.skip(f"the eBPF program reads CPython 3.10-3.13, not {sys.version.split()[0]}")
+    script = str(PROGRAMS / "pyshares.py")
+    db = tmp_path / "db"
+    p = cs("record", "--db", str(db), "-g", "fp", "--", sys.executable, script, "100", timeout=300)
+    assert "runs CPython: its Python frames are read by the eBPF path" in p.stderr, p.stderr
+    st = folded(cs("export", "collapsed", "--db", str(db)).stdout)
+    named = sum(n for s, n in st.items() if f"py::seventy:{script}" in s.split(";"))
+    assert named > 0.4 * sum(st.values()), st.most_common(3)
+    rings = tmp_path / "rings"
+    p = cs("record", "--db", str(rings), "-g", "fp", "--collector", "perf", "--", sys.executable, script, "30",
+           timeout=300)
+    assert "runs CPython" not in p.stderr
+    assert not any("py::" in s for s in folded(cs("export", "collapsed", "--db", str(rings)).stdout))
+
+
+@pytest.mark.usefixtures("bpf_loads")
 @pytest.mark.parametrize("python", interpreters_without_perf_maps())
 def test_python_frames_read_from_the_interpreter_without_x_perf(python: str, tmp_path: Path) -> None:
     """No -X perf: the eBPF program reads the thread's frames from the interpreter's memory."""

@@ -525,3 +525,57 @@ def test_a_live_process_is_named_from_copies_where_its_memory_moved_on_and_from_
     assert syms is not None
     assert list(syms.names) == [f"py::sample_function:{__file__}", f"py::_codes:{__file__}"]
     assert first & ((1 << SLOT_BITS) - 1) == 1 and pf.codes_at_exit == 1  # the copy's first line
+
+
+def test_a_command_that_runs_cpython_is_known_by_its_name_or_its_hash_bang(tmp_path: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """runs_cpython: an interpreter by its file name (symlinks followed, pyenv's shims are scripts),
+    and scripts by their #! line, through env too; anything else is not."""
+    from cyclescope.collect.pyframes import is_cpython_process, runs_cpython
+
+    def script(name: str, text: str, mode: int = 0o755) -> str:
+        f = tmp_path / name
+        f.write_text(text)
+        f.chmod(mode)
+        return str(f)
+
+    (tmp_path / "python3.12").symlink_to("/bin/true")  # by its name: the version is the eBPF path's to check
+    (tmp_path / "tool").symlink_to(sys.executable)  # a virtualenv's python under another name
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert runs_cpython("python3.12") and runs_cpython("tool")
+    assert runs_cpython(script("app", "#!/usr/bin/env python3.12\nprint(1)\n"))
+    assert runs_cpython(script("app-s", "#!/usr/bin/env -S python3.12 -u\nprint(1)\n"))
+    assert runs_cpython(script("console", f"#!{tmp_path / 'tool'}\nimport sys\n"))
+    assert not runs_cpython(script("sh-script", "#!/bin/sh\necho\n"))
+    assert not runs_cpython(script("plain", "print(1)\n"))
+    assert not runs_cpython(script("not-executable", "#!/usr/bin/env python3.12\n", 0o644))
+    assert not runs_cpython("true") and not runs_cpython("no-such-command-here")
+    assert is_cpython_process(os.getpid())  # the test runner
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        assert not is_cpython_process(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not is_cpython_process(1 << 30)  # no such process
+
+
+def test_python_stacks_take_the_ebpf_path_unless_the_options_need_the_rings() -> None:
+    """record's python_frames_args: -g and a CPython command per task turn loop counts off (the
+    eBPF path reads Python frames, the rings cannot); any option that needs the rings, or no -g,
+    or -a, leaves the options as they are."""
+    from cyclescope.cli.main import build_parser
+    from cyclescope.cli.sampling import python_frames_args
+
+    def lean(*opts: str, cmd: str = "python3") -> bool:
+        args = build_parser().parse_args(["record", *opts, "--", cmd, "app.py"])
+        out = python_frames_args(args, [cmd, "app.py"], ())
+        assert out is None or (out.no_loop_counts and not args.no_loop_counts)  # a copy: args unchanged
+        return out is not None
+
+    assert lean("-g", "fp") and lean("-g", "dwarf")
+    assert not lean()  # no stacks: no Python frames either way
+    assert not lean("-g", "fp", cmd="true")
+    for opts in (("--collector", "perf"), ("--collector", "bpf"), ("--loop-counts",), ("--anchors",),
+                 ("--anchor-budget", "0.02"), ("--values",), ("-a",), ("--no-loop-counts",)):
+        assert not lean("-g", "fp", *opts), opts

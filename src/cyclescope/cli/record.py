@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from cyclescope.cli.base import Command, add_db_option, db_path, eprint, finite_float, register, stderr_tty
 from cyclescope.cli.sampling import (
+    PYTHON_FRAMES_NOTE,
     add_count_options,
     add_sampling_options,
     add_value_options,
@@ -23,6 +24,7 @@ from cyclescope.cli.sampling import (
     open_session,
     processors,
     progress_printer,
+    python_frames_args,
     summary_line,
     value_options,
 )
@@ -75,7 +77,7 @@ class Record(Command):
     def run(self, args: argparse.Namespace) -> int:
         from cyclescope.collect.daemon import Collector, CollectorConfig, child_done
         from cyclescope.collect.session import Command as CommandTarget
-        from cyclescope.collect.session import SystemWide, online_cpus
+        from cyclescope.collect.session import Processes, SystemWide, online_cpus
 
         cmd = list(args.command)
         if cmd and cmd[0] == "--":
@@ -93,9 +95,16 @@ class Record(Command):
                 raise UsageError("--exact does not record call stacks; leave out --call-graph")
             assert value_opts is not None
             return int(run_exact(args, cmd, events, rate, value_opts))
-        procs = processors(args, value_opts, system_wide=bool(args.all_cpus))
         ncpus = len(target.cpus) if isinstance(target, SystemWide) else len(online_cpus())
-        bpf = bpf_collector(args, procs, rate, ncpus, "record", system_wide=bool(args.all_cpus))
+        bpf, note = None, None
+        lean = python_frames_args(args, cmd, target.pids if isinstance(target, Processes) else ())
+        if lean is not None:  # a CPython program's stacks: the eBPF path, which alone names its frames
+            procs = processors(lean, value_opts)
+            bpf = bpf_collector(lean, procs, rate, ncpus, "record")
+            note = PYTHON_FRAMES_NOTE.format(what=cmd[0] if cmd else "the process") if bpf is not None else None
+        if bpf is None:
+            procs = processors(args, value_opts, system_wide=bool(args.all_cpus))
+            bpf = bpf_collector(args, procs, rate, ncpus, "record", system_wide=bool(args.all_cpus))
         session, db = open_session(args, events, target, rate, value_opts, procs, bpf)
         cfg = CollectorConfig(host=host_of(args), flush_interval_s=args.flush_interval, new_epoch=not args.append,
                               epoch_name=args.epoch_name, archive="none" if args.no_archive else "binaries",
@@ -118,6 +127,8 @@ class Record(Command):
             raise
         for w in session.warnings:
             eprint(f"cyclescope record: {w}")
+        if note is not None and not args.quiet:
+            eprint(f"cyclescope record: {note}")
         if isinstance(target, CommandTarget):
             until = child_done(session)
         if child_session is not None:

@@ -306,6 +306,32 @@ def bpf_without(needs: list[str], args: argparse.Namespace) -> str:
     return " and ".join(hints) if hints else "leave them out"
 
 
+PYTHON_FRAMES_NOTE = ("{what} runs CPython: its Python frames are read by the eBPF path, which counts samples "
+                      "without their registers, so loop counts, anchors and trip windows are off (--collector perf "
+                      "keeps them; Python frames then come only from perf maps: python3 -X perf)")
+
+
+def python_frames_args(args: argparse.Namespace, cmd: list[str], pids: tuple[int, ...]) -> argparse.Namespace | None:
+    """The options with loop counts off where call stacks of a CPython program are asked per task
+    with --collector auto and nothing that needs each sample's registers was asked for explicitly
+    (--loop-counts, --anchors, --anchor-budget, values): its Python frames are read from the
+    interpreter's memory by the eBPF program only, and the loop counter (on by default per task)
+    needs the rings. Left as they were, `record -g fp -- python3 app.py` named no Python function
+    (71% of a CPython 3.11 program's samples under unknown frames, the rest in libpython). None
+    where the options stay as they are."""
+    if (getattr(args, "collector", "auto") != "auto" or getattr(args, "call_graph", None) is None
+            or getattr(args, "all_cpus", False) or getattr(args, "no_loop_counts", False)
+            or getattr(args, "loop_counts", False) or getattr(args, "anchors", False)
+            or getattr(args, "anchor_budget", None) is not None or getattr(args, "values", None)
+            or getattr(args, "goal", None)):
+        return None
+    from cyclescope.collect.pyframes import is_cpython_process, runs_cpython
+
+    if not (runs_cpython(cmd[0]) if cmd else any(is_cpython_process(p) for p in pids)):
+        return None
+    return argparse.Namespace(**{**vars(args), "no_loop_counts": True})
+
+
 def bpf_collector(args: argparse.Namespace, procs: list[Processor], rate_hz: float | None, ncpus: int,
                   who: str, system_wide: bool = False) -> BpfAggregator | None:
     """The eBPF program loaded for this run, or None for the perf ring path, as --collector asks:
