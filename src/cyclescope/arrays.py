@@ -4,7 +4,9 @@ numpy's np.unique does more than the collector needs (numpy 2.4, here): over row
 compares them as a structured dtype (about 220 us for 200 rows of two columns, against 20 us for
 one sort of packed keys), with return_inverse or return_counts it adds passes and checks, and its
 first call imports numpy.ma (about 20 ms; parquet.from_numpy keeps pyarrow's conversions from
-importing it too). These do the one sort (or a bincount) and nothing else;
+importing it too), as does np.median's first call (its check for a masked array: 10 ms of a
+recording's first drain with moving arguments). These do the one sort (or a bincount, or a
+partition) and nothing else;
 the recording path (collect/, images/, db/, and calc's evidence collected while recording) uses
 them instead of np.unique.
 """
@@ -81,3 +83,12 @@ def lookup(keys: np.ndarray, values: np.ndarray, x: np.ndarray, missing: int = -
         return np.full(len(x), missing, values.dtype)
     pos = np.minimum(np.searchsorted(keys, x), len(keys) - 1)
     return np.where(keys[pos] == x, values[pos], missing)
+
+
+def median(x: np.ndarray) -> float:
+    """np.median of a non-empty 1-D array (the mean of the two middle values of an even count)."""
+    x = np.asarray(x, np.float64)
+    n = len(x)
+    lo, hi = (n - 1) // 2, n // 2
+    p = np.partition(x, (lo, hi))
+    return 0.5 * (float(p[lo]) + float(p[hi]))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from cyclescope.arrays import counts, distinct, group, group_rows, lookup
+from cyclescope.arrays import counts, distinct, group, group_rows, lookup, median
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 300])
@@ -43,3 +46,14 @@ def test_lookup_finds_each_value_among_sorted_keys_and_says_where_none() -> None
     x = np.array([7, 1, 20, 21, 3], np.uint64)  # found, below every key, the last, above every key
     assert lookup(keys, values, x).tolist() == [1, -1, 2, -1, 0]
     assert lookup(keys[:0], values[:0], x).tolist() == [-1] * 5
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 11, 300])
+def test_median_gives_what_np_median_gives_without_importing_numpy_ma(n: int) -> None:
+    rng = np.random.default_rng(n)
+    x = rng.random(n) * 10 - 3
+    assert median(x) == pytest.approx(float(np.median(x)), rel=0, abs=1e-12)
+    assert median(np.repeat([5.0], n)) == 5.0
+    code = ("import sys, numpy as np; from cyclescope.arrays import median; median(np.arange(7.0));"
+            "sys.exit('numpy.ma' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -887,3 +887,11 @@ def test_two_addresses_are_formed_from_one_samples_registers_and_subtracted() ->
     want = {(0x100 + 8 - ((-0x100 + 0x200 - 8) % (1 << 64))) % (1 << 64): 1,
             (0x100 + 8 - (0x10 + 0x200 - 8)) % (1 << 64): 2}
     assert _rows(vc) == {(0x1003, "goal:same-as-1000"): {(v, 0, -1): n for v, n in want.items()}}
+
+
+def test_capture_loads_the_interpreter_only_where_it_interprets() -> None:
+    """--goal and --interpret 0 interpret nothing: value capture does not import the interpreter
+    (its stepper and hashlib: about 40 ms of a goal recording's CPU, bench/specialize.py)."""
+    code = ("import sys; from cyclescope.values.capture import ValueCapture;"
+            "sys.exit(3 * ('cyclescope.values.interp' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from cyclescope.arrays import counts, distinct, group
+from cyclescope.arrays import counts, distinct, group, median
 from cyclescope.perf.abi import GPRS
 
 if TYPE_CHECKING:
@@ -1027,7 +1027,7 @@ class LoopCounter:
                 moving = good & (d > 0) & (tt > 0)
                 if moving.sum() >= 5:
                     r = d[moving] / tt[moving]
-                    good &= ~((d > 0) & (tt > 0) & (d > JUMP * float(np.median(r)) * np.maximum(tt, 1e-9)))
+                    good &= ~((d > 0) & (tt > 0) & (d > JUMP * median(r) * np.maximum(tt, 1e-9)))
                 st = self.progress.get((key[0], key[1], a))
                 if st is None:
                     st = self.progress[(key[0], key[1], a)] = np.zeros(5, np.float64)

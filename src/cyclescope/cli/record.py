@@ -101,7 +101,7 @@ class Record(Command):
         if lean is not None:  # a CPython program's stacks: the eBPF path, which alone names its frames
             procs = processors(lean, value_opts)
             bpf = bpf_collector(lean, procs, rate, ncpus, "record")
-            note = PYTHON_FRAMES_NOTE.format(what=cmd[0] if cmd else "the process") if bpf is not None else None
+            note = PYTHON_FRAMES_NOTE.format(what=cmd[0] if cmd else target.describe()) if bpf is not None else None
         if bpf is None:
             procs = processors(args, value_opts, system_wide=bool(args.all_cpus))
             bpf = bpf_collector(args, procs, rate, ncpus, "record", system_wide=bool(args.all_cpus))

@@ -35,7 +35,7 @@ import random
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -59,8 +59,10 @@ from cyclescope.images.registry import ImageTable
 from cyclescope.perf.abi import MISC_USER
 from cyclescope.values.api import MASK64, BatchEmit, Capture, Emit, Kinds, Step, StepBatch, ValueModule
 from cyclescope.values.insn import PERF_COLUMNS, ROW_REGS, InsnDetail, decode
-from cyclescope.values.interp import Interpreter
 from cyclescope.values.modules import DEFAULT_MODULES, MAP_CODE, load_modules
+
+if TYPE_CHECKING:
+    from cyclescope.values.interp import Interpreter
 
 MEM_KEY_DTYPE = np.dtype([("uid", "<i4"), ("image", "<i8"), ("offset", "<u8"), ("kind", "<i4")])
 MAX_PROC_BYTES = 1 << 18  # disassemble procedures up to 256 KiB for boundaries and branch targets
@@ -304,7 +306,11 @@ class ValueCapture:
         self.table = table
         self.code = code or CodeIndex(table)
         self.modules = modules if modules is not None else _modules(opts)
-        self.interp = interpreter or (Interpreter() if opts.length > 0 and not opts.exact else None)
+        if interpreter is None and opts.length > 0 and not opts.exact:
+            from cyclescope.values.interp import Interpreter  # not imported where nothing is interpreted (--goal)
+
+            interpreter = Interpreter()
+        self.interp = interpreter
         self.check: Counter[str] = Counter()
         self.kinds: list[str] = []
         self._kind_ids: dict[str, int] = {}
