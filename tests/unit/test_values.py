@@ -891,7 +891,7 @@ def test_two_addresses_are_formed_from_one_samples_registers_and_subtracted() ->
 
 def test_capture_loads_the_interpreter_only_where_it_interprets() -> None:
     """--goal and --interpret 0 interpret nothing: value capture does not import the interpreter
-    (its stepper and hashlib: about 40 ms of a goal recording's CPU, bench/specialize.py)."""
+    (its stepper and hashlib: about 10 ms of imports)."""
     code = ("import sys; from cyclescope.values.capture import ValueCapture;"
             "sys.exit(3 * ('cyclescope.values.interp' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
