@@ -14,6 +14,16 @@ over ``--runs`` runs, gated (counting only while every probe of the link is in: 
 do) and ungated (counting from the link's creation to its close), alternated; the trips per entry
 each gives against callgrind's over the same input.
 
+``pacing``: windows over a procedure's entry and blocks (``--points``, vaddrs, the entry first), on
+the suite's input ``--repeat`` times over, opened at random steps and alternated within each run:
+at once (the link in, then counting) or paced (the entry alone probed by a link of its own for
+``--pace-entries`` entries first: analysis/trips.py, PACE_SHARE); each block's runs per entry
+pooled over each kind's windows against callgrind's (``--callgrind FILE`` reuses a callgrind output
+of the same input, say bench/accuracy.py's kept one), with 90% bootstrap intervals over windows.
+
+    python bench/tripwindows.py pacing --program lzip --repeat 16 --runs 3 \
+        --points 0x9780,0x9920,0x9965,0x99c3,0x9834,0x9b1d --callgrind DIR/cg-lzip.out
+
 The suite comes from bench/suite.py (bench/out/suite).
 """
 
@@ -32,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from common import cyclescope_cmd, machine, save
-from suite import programs
+from suite import programs, repeated_input
 
 
 def callgrind(exe: Path, args: list[str], out: Path) -> dict[int, int]:
@@ -167,24 +177,105 @@ def windows(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) ->
     return out
 
 
+def pacing(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) -> dict[str, Any]:
+    import numpy as np
+
+    from cyclescope.analysis.callgrind import parse_callgrind
+    from cyclescope.collect.pointcount import GATE, PointCounter
+    from cyclescope.images.elf import read_load_info
+
+    if not args.points:
+        raise SystemExit("pacing needs --points ENTRY,BLOCK,... (vaddrs, the procedure's entry first)")
+    pts = [int(x, 0) for x in args.points.split(",")]
+    if args.callgrind:
+        prof = parse_callgrind(Path(args.callgrind).read_text())
+        ob = prof.object_for(str(exe)) or prof.object_for(str(exe.resolve()))
+        if ob is None:
+            raise SystemExit(f"{exe} not in {args.callgrind}")
+        truth = prof.counts[ob]
+    else:
+        truth = callgrind(exe, pargs, tmp / "cg.out")
+    if not truth.get(pts[0]):
+        raise SystemExit(f"{pts[0]:#x} never ran under callgrind: not the procedure's entry?")
+    want = np.array([truth.get(x, 0) / truth[pts[0]] for x in pts])
+    info = read_load_info(str(exe))
+    offs = [info.file_offset(x) or 0 for x in pts]
+    pa, pb = PointCounter(), PointCounter()
+    rows: list[dict[str, Any]] = []
+    k = 0
+    try:
+        for _ in range(args.runs):
+            p = subprocess.Popen([str(exe), *pargs], stdout=subprocess.DEVNULL)
+            time.sleep(random.uniform(0, args.gap))
+            while p.poll() is None:
+                paced, k = k % 2 == 1, k + 1
+                la = None
+                try:
+                    if paced:
+                        pa.zero(1)
+                        la = pa.attach(str(exe), offs[:1], p.pid)
+                        start = time.monotonic()
+                        while int(pa.counts(1)[0]) < args.pace_entries and time.monotonic() - start < 0.005:
+                            time.sleep(0.0002)
+                    pb.zero(len(pts), GATE)
+                    lb = pb.attach(str(exe), offs, p.pid)
+                    pb.set_skip(0)
+                    time.sleep(args.window)
+                    pb.set_skip(GATE)
+                    os.close(lb)
+                    if la is not None:
+                        os.close(la)
+                except OSError:  # the program ended meanwhile
+                    break
+                rows.append({"paced": paced, "counts": pb.counts(len(pts)).tolist(),
+                             "paced_entries": int(pa.counts(1)[0]) if paced else 0})
+                time.sleep(random.uniform(0, 2 * args.gap))
+    finally:
+        pa.close()
+        pb.close()
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"points": pts, "exact_per_entry": want.tolist(), "windows": rows}
+    for paced in (False, True):
+        c = np.array([r["counts"] for r in rows if r["paced"] == paced], float)
+        if not len(c) or not c[:, 0].sum():
+            continue
+        est = c.sum(0) / c[:, 0].sum() / np.where(want > 0, want, np.nan)
+        boot = [(lambda b: b.sum(0) / max(b[:, 0].sum(), 1.0))(c[rng.integers(0, len(c), len(c))]) / want
+                for _ in range(400)]
+        lo, hi = np.nanpercentile(boot, [5, 95], axis=0)
+        name = "paced" if paced else "at once"
+        out[name] = {"windows": len(c), "of_exact": est.tolist(), "lo": lo.tolist(), "hi": hi.tolist()}
+        print(f"{name}: {len(c)} windows, {c[:, 0].mean():.1f} entries a window")
+        for x, w, e, a, b in zip(pts[1:], want[1:], est[1:], lo[1:], hi[1:], strict=True):
+            print(f"   {x:#x} ({w:.3f} runs an entry by callgrind): {e:.3f} [{a:.3f}, {b:.3f}] of exact", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("exact", "windows"))
+    ap.add_argument("mode", choices=("exact", "windows", "pacing"))
     ap.add_argument("--program", default=None, help="a suite program (exact: zstd, windows: xz)")
     ap.add_argument("--db", help="exact: the points from this database's trips tallies")
     ap.add_argument("--bytes", type=int, default=300_000)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--window", type=float, default=0.002)
     ap.add_argument("--gap", type=float, default=0.05)
+    ap.add_argument("--points", help="pacing: the entry's and the blocks' vaddrs, comma-separated")
+    ap.add_argument("--repeat", type=int, default=1, help="pacing: the suite's input this many times over")
+    ap.add_argument("--callgrind", help="pacing: a callgrind output of the same program and input to reuse")
+    ap.add_argument("--pace-entries", type=int, default=1000)
     ap.add_argument("--save-as", default=None)
     args = ap.parse_args()
     name = args.program or ("zstd" if args.mode == "exact" else "xz")
     progs, inp = programs([name])
+    if args.mode == "pacing":
+        inp = repeated_input(args.repeat)
     p = progs[0]
     pargs = [a.replace("{input}", str(inp)) for a in p.args]
     with tempfile.TemporaryDirectory(prefix="cs-tw-") as d:
         tmp = Path(d)
-        res = exact(args, p.exe, pargs, inp, tmp) if args.mode == "exact" else windows(args, p.exe, pargs, tmp)
+        res = (exact(args, p.exe, pargs, inp, tmp) if args.mode == "exact" else
+               pacing(args, p.exe, pargs, tmp) if args.mode == "pacing" else windows(args, p.exe, pargs, tmp))
     path = save(args.save_as or f"tripwindows_{args.mode}", {"machine": machine(), "args": vars(args), **res})
     print(f"raw data: {path}")
 
