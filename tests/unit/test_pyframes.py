@@ -531,7 +531,7 @@ def test_a_command_that_runs_cpython_is_known_by_its_name_or_its_hash_bang(tmp_p
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """runs_cpython: an interpreter by its file name (symlinks followed, pyenv's shims are scripts),
     and scripts by their #! line, through env too; anything else is not."""
-    from cyclescope.collect.pyframes import is_cpython_process, runs_cpython
+    from cyclescope.collect.pycommand import is_cpython_process, runs_cpython
 
     def script(name: str, text: str, mode: int = 0o755) -> str:
         f = tmp_path / name
@@ -579,3 +579,17 @@ def test_python_stacks_take_the_ebpf_path_unless_the_options_need_the_rings() ->
     for opts in (("--collector", "perf"), ("--collector", "bpf"), ("--loop-counts",), ("--anchors",),
                  ("--anchor-budget", "0.02"), ("--values",), ("-a",), ("--no-loop-counts",)):
         assert not lean("-g", "fp", *opts), opts
+
+
+def test_a_flat_recording_of_python_says_where_its_functions_are_named() -> None:
+    """record without -g of a CPython command: a line saying that its Python functions are named
+    in call stacks; none with -g, with -q, or for another command."""
+    from cyclescope.cli.main import build_parser
+    from cyclescope.cli.sampling import python_flat_hint
+
+    def hint(*opts: str, cmd: str = "python3") -> str | None:
+        return python_flat_hint(build_parser().parse_args(["record", *opts, "--", cmd, "app.py"]), [cmd, "app.py"])
+
+    line = hint()
+    assert line is not None and line.startswith("python3 runs CPython") and "-g fp" in line
+    assert hint("-g", "fp") is None and hint("-q") is None and hint(cmd="true") is None

@@ -24,6 +24,7 @@ from cyclescope.cli.sampling import (
     open_session,
     processors,
     progress_printer,
+    python_flat_hint,
     python_frames_args,
     summary_line,
     value_options,
@@ -103,6 +104,7 @@ class Record(Command):
             bpf = bpf_collector(lean, procs, rate, ncpus, "record")
             note = PYTHON_FRAMES_NOTE.format(what=cmd[0] if cmd else target.describe()) if bpf is not None else None
         if bpf is None:
+            note = python_flat_hint(args, cmd)
             procs = processors(args, value_opts, system_wide=bool(args.all_cpus))
             bpf = bpf_collector(args, procs, rate, ncpus, "record", system_wide=bool(args.all_cpus))
         session, db = open_session(args, events, target, rate, value_opts, procs, bpf)

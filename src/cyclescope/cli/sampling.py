@@ -311,6 +311,20 @@ PYTHON_FRAMES_NOTE = ("{what} runs CPython: its Python frames are read by the eB
                       "keeps them; Python frames then come only from perf maps: python3 -X perf)")
 
 
+PYTHON_FLAT_HINT = ("{what} runs CPython: a flat profile names the interpreter's C functions; its Python functions "
+                    "are named in call stacks (record -g fp, then prof --stacks)")
+
+
+def python_flat_hint(args: argparse.Namespace, cmd: list[str]) -> str | None:
+    """The line for a recording of a CPython command without call stacks, whose profile shows
+    only the interpreter's C code (None: not such a recording)."""
+    if getattr(args, "call_graph", None) is not None or not cmd or getattr(args, "quiet", False):
+        return None
+    from cyclescope.collect.pycommand import runs_cpython
+
+    return PYTHON_FLAT_HINT.format(what=cmd[0]) if runs_cpython(cmd[0]) else None
+
+
 def python_frames_args(args: argparse.Namespace, cmd: list[str], pids: tuple[int, ...]) -> argparse.Namespace | None:
     """The options with loop counts off where call stacks of a CPython program are asked per task
     with --collector auto and nothing that needs each sample's registers was asked for explicitly
@@ -325,7 +339,7 @@ def python_frames_args(args: argparse.Namespace, cmd: list[str], pids: tuple[int
             or getattr(args, "anchor_budget", None) is not None or getattr(args, "values", None)
             or getattr(args, "goal", None)):
         return None
-    from cyclescope.collect.pyframes import is_cpython_process, runs_cpython
+    from cyclescope.collect.pycommand import is_cpython_process, runs_cpython
 
     if not (runs_cpython(cmd[0]) if cmd else any(is_cpython_process(p) for p in pids)):
         return None
