@@ -58,8 +58,13 @@ MAX_WAITING = 1 << 18  # samples held back while their procedures are analyzed
 # loop (MIN_PAIRS), and system-wide the daemon sees hundreds of procedures with a handful each
 # (measured: 869 procedures, 17.9 s of one CPU in the first 18 s, analyzing every one).
 ANALYZE_AFTER = 32
-# The analyses may use at most this share of one CPU (over the run); past it new procedures wait.
+# The analyses may use at most this share of one CPU (over the run), beyond ANALYSIS_ALLOWANCE_S
+# granted at the start; past it new procedures wait. Without the allowance, the first image opened
+# on a fresh cache (0.2-0.3 s of the worker's CPU) held the first procedure's analysis back to 2 s
+# into a recording (the budget's share of 2 s), and a system-wide run of 3 s watched it for a
+# third of its time.
 ANALYSIS_BUDGET = 0.10
+ANALYSIS_ALLOWANCE_S = 0.5
 MAX_INFLIGHT = 4  # system-wide: requests with the worker at once (LoopCounter._over_budget)
 # Loop tables kept in memory (their arrays run over every instruction of a procedure, a counter's
 # over its loop's: a large one is a few hundred KiB). Past this, the least recently used go; a procedure sampled
@@ -677,7 +682,7 @@ class LoopCounter:
         of a CPU for a minute."""
         if not self.per_task and self._inflight >= MAX_INFLIGHT:
             return True
-        return self.analysis_s > ANALYSIS_BUDGET * max(1.0, time.monotonic() - self._started)
+        return self.analysis_s > ANALYSIS_BUDGET * max(1.0, time.monotonic() - self._started) + ANALYSIS_ALLOWANCE_S
 
     def _hold(self, key: tuple[int, int], table: LoopTable) -> None:
         """Account for a table that landed (the lock held); let the least recently used go past
@@ -1248,10 +1253,20 @@ class LoopCountProcessor:
 
                 self.counter.partial = True  # add gets the watched samples and their followers only
 
-                # Not the recorder's own samples (system-wide it samples itself): its libraries'
-                # procedures (numpy's, the interpreter's) would be analyzed and watched for nothing.
+                # Not the recorder's own samples (system-wide it samples itself), nor its helpers'
+                # (collect/helpers.py: the analysis worker itself, importing numpy and capstone as
+                # it starts): their libraries' procedures (numpy's, the interpreter's) would be
+                # analyzed and watched for nothing, and opening libpython took the worker's first
+                # answers past the analyses' budget, so that a binary first seen system-wide was
+                # watched only from 4.5-5 s in.
+                from cyclescope.collect.helpers import is_helper
+
                 m = ((d.event == self._time_event) & (s["cpumode"] == MISC_USER) & (d.image > 0)
                      & (s["pid"] != self._own))
+                pids = distinct(s["pid"][m])
+                helper = [p for p in pids.tolist() if is_helper(p)]
+                if helper:
+                    m &= ~np.isin(s["pid"], helper)
                 self.counter.note(d.image[m], d.offset[m], d.count[m])
             return
         m = (d.event == self._time_event) & (s["regs"] >= 0)
