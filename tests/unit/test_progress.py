@@ -177,6 +177,8 @@ def test_windows_that_disagree_on_the_stride_lower_its_confidence_or_leave_it_ou
     assert err is not None and err > pg.MEDIUM_ERROR
     none, why = entries_from_progress({1: gap})
     assert none is None and why is not None and "disagree" in why and "rsi" in why
+    # ... and says what it would have given: the move over the run over the windows' stride.
+    assert f"it would give {gap.total / (gap.stride or 1):,.0f} entries" in why and "runs high" in why
     # Between the two bounds: medium. Tallies older than the sums of squares: low (not known).
     mid = stats(**windows([(200, 1440.0 * (1.2 if k % 2 else 0.8)) for k in range(12)]))
     assert pg.HIGH_ERROR < (mid.stride_error or 0) <= pg.MEDIUM_ERROR
@@ -202,6 +204,10 @@ def test_calc_takes_the_entry_count_from_a_moving_argument() -> None:
     weak = work(progress={1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]))},
                 anchor=AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10))
     assert weak.freq.block_method[block(weak, 0x1190)] == "anchor"  # medium against low: the anchor's
+    # The count it did not take is said beside the one kept.
+    kept = [n for n in weak.notes if n.startswith("entry count from moving arguments: rsi gives")]
+    assert len(kept) == 1 and f"{6_000_000 / 7.2:,.0f} entries (low confidence)" in kept[0]
+    assert "the anchor's" in kept[0] and "is kept" in kept[0] and "runs high" in kept[0]
     # Not enough: a note says why, the count is the model's.
     few = work(progress={1: stats(windows=2)})
     assert few.freq.block_method[block(few, 0x1190)] != "progress"
@@ -234,14 +240,23 @@ class RegsCounter(FakeCounter):
 
 
 class Moving:
-    """The loop counter's side: the procedure's arguments move."""
+    """The loop counter's side: the procedure's arguments move; the windows of the entry alone
+    it is handed (their local rates: LoopCounter.stride_window)."""
+
+    def __init__(self) -> None:
+        self.strides: list[tuple[int, int, int, int, int, list[float]]] = []
 
     def moving(self, img: int, start: int) -> bool:
         return True
 
+    def stride_window(self, img: int, entry: int, opened_ns: int, closed_ns: int, steps: int,
+                      moves: np.ndarray) -> None:
+        self.strides.append((img, entry, opened_ns, closed_ns, steps, moves.tolist()))
+
 
 def test_windows_of_the_entry_alone_measure_the_move_per_entry() -> None:
-    t = tw.TripWindows(anchors=None, loops=type("L", (), {"counter": Moving()})(), budget=1.0)
+    loops = Moving()
+    t = tw.TripWindows(anchors=None, loops=type("L", (), {"counter": loops})(), budget=1.0)
     t.hit_cost_s, t.emulated_hit_s = 1e-5, 5e-7
     t.counter = RegsCounter([101, 4_000])
     t.image_key = lambda i: f"img{i}"
@@ -263,5 +278,97 @@ def test_windows_of_the_entry_alone_measure_the_move_per_entry() -> None:
     assert d["windows"][rsi] == 2 and d["window_steps"][rsi] == 200 and d["window_delta"][rsi] == 1_400
     assert d["window_delta"][rdi] == 0 and d["windows"][rdi] == 2  # held, not moving
     assert [d["windows"][i] for i, a in enumerate(d["arg"]) if a not in (0, 1)] == [0, 0, 0, 0]
+    # Each window of the entry alone goes to the loop counter too, with its times and moves.
+    assert [(w[0], w[1], w[4]) for w in loops.strides] == [(1, 0x1000, 100)] * 2
+    assert all(w[2] < w[3] and w[5][1] == 700 for w in loops.strides)
     # Charged at the emulated hit's cost, with the lighter per-window charge.
     assert t.spent_s == pytest.approx(2 * 101 * 5e-7 + 2 * 4_101 * 5e-7 + 4 * tw.EMULATED_WINDOW_COST_S)
+
+
+def test_windows_entry_rates_come_from_the_samples_around_them() -> None:
+    """A stride window's entries per unit of the thread's time: the argument's move rate sampled
+    around it (LOCAL_AROUND_NS each side, no trap there) times the window's entries per move."""
+    import time
+
+    from cyclescope.analysis import loopcount as lcm
+
+    base = time.monotonic_ns()
+    ms = 1_000_000
+
+    def run(lc: LoopCounter, ks: range, tid: int = 7, step: int = 70) -> None:
+        # a sample a millisecond, each a period of 1,000 (event units); rsi 70 further each time
+        add(lc, [(tid, base + k * ms, 0x100A, regs(5, 1_000 + step * k)) for k in ks])
+
+    lc = counter()
+    run(lc, range(1, 8))  # a first drain: the argument moves (its samples are kept from now on)
+    lc.finish()
+    assert lc.moving(1, AT)
+    lc.take_progress()
+    # 99 entries after the first, rsi 693 further: 7 a call, in a window 20.5-22.5 ms in
+    lc.stride_window(1, AT, base + 20 * ms + ms // 2, base + 22 * ms + ms // 2, 99, np.array([0, 693.0, 0, 0, 0, 0]))
+    lc.stride_window(1, AT, base + 50 * ms, base + 52 * ms, 99, np.array([0, 693.0, 0, 0, 0, 0]))
+    run(lc, range(8, 40))
+    lc.finish()
+    got = merge(PROGRESS, [lc.take_progress()]).to_pydict()
+    rsi = got["arg"].index(pg.ARGS.index("rsi"))
+    # 0.07 of a position per unit of time, 1/7 of an entry per position: 0.01 entries a unit
+    assert got["local_windows"][rsi] == 1 and got["local_rate"][rsi] == pytest.approx(0.01)
+    assert got["local_rate_sq"][rsi] == pytest.approx(1e-4)
+    # The second window's samples after it come in the next drain: it waits for them.
+    assert len(lc._strides) == 1
+    run(lc, range(40, 70))
+    lc.finish()
+    got = merge(PROGRESS, [lc.take_progress()]).to_pydict()
+    assert got["local_windows"][got["arg"].index(pg.ARGS.index("rsi"))] == 1 and not lc._strides
+    # Two threads in the procedure around a window: whose entries it counted is not known.
+    two = counter()
+    add(two, [(t, base + k * ms + t, 0x100A, regs(5, 1_000 + 70 * k)) for k in range(1, 8) for t in (7, 8)])
+    two.finish()
+    two.stride_window(1, AT, base + 20 * ms, base + 22 * ms, 99, np.array([0, 693.0, 0, 0, 0, 0]))
+    add(two, [(t, base + k * ms + t, 0x100A, regs(5, 1_000 + 70 * k)) for k in range(8, 40) for t in (7, 8)])
+    two.finish()
+    assert two.moving(1, AT) and not two._strides  # resolved: not counted
+    d = merge(PROGRESS, [two.take_progress()]).to_pydict()
+    assert not any(d["local_windows"])
+    # A window whose samples never come is dropped after LOCAL_KEEP_NS.
+    old = counter()
+    old.stride_window(1, AT, base - lcm.LOCAL_KEEP_NS - 3 * ms, base - lcm.LOCAL_KEEP_NS - ms, 99,
+                      np.array([0, 693.0, 0, 0, 0, 0]))
+    run(old, range(1, 20))
+    old.finish()
+    assert not old._strides
+
+
+def test_the_local_rates_give_the_entry_count_where_the_windows_are_few() -> None:
+    # Four windows at 0.0095-0.0105 entries a unit of time over the pairs' 1e9 units: 1e7 entries.
+    rates = np.array([0.0095, 0.0105, 0.0098, 0.0102])
+    st = stats(local_windows=4, local_rate=float(rates.sum()), local_rate_sq=float(rates @ rates))
+    assert st.local_entries == pytest.approx(1e9 * 0.01)
+    assert st.local_error == pytest.approx(rates.std(ddof=1) / 2 / 0.01)
+    est = entries_from_progress({1: st})[0]
+    assert est is not None and est.local and est.confidence == "low" and est.entries == pytest.approx(1e7)
+    assert "move rate sampled around 4 trip windows" in est.why and "too few windows" in est.why
+    # Rates that disagree by more than LOCAL_MAX_ERROR: the stride's count as before.
+    wide = np.array([0.001, 0.03, 0.002])
+    st = stats(local_windows=3, local_rate=float(wide.sum()), local_rate_sq=float(wide @ wide))
+    est = entries_from_progress({1: st})[0]
+    assert est is not None and not est.local and est.entries == pytest.approx(6_000_000 / 7.2)
+    # calc: at equal (low) confidence the local rates' count replaces a short entry's anchor, which
+    # runs low; not an anchor that is surer, nor one of a long entry at the same confidence.
+    from cyclescope.analysis.anchors import AnchorStats
+
+    few = {1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]), local_windows=4,
+                    local_rate=float(rates.sum()), local_rate_sq=float(rates @ rates))}
+    short = AnchorStats(hits=10_000, samples=100, counted_s=1.0, windows=10)  # 10,000 cycles an entry
+    alone = work(anchor=short)
+    assert alone.freq.block_method[block(alone, 0x1190)] == "anchor"
+    assert alone.freq.block_confidence[block(alone, 0x1190)] == "low"
+    c = work(progress=few, anchor=short)
+    entry = block(c, 0x1190)
+    assert c.freq.block_method[entry] == "progress" and c.executions(entry) == pytest.approx(1e7, rel=0.01)
+    stride_only = {1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]))}  # low, from the stride
+    assert work(progress=stride_only, anchor=short).freq.block_method[entry] == "anchor"
+    surer = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)  # medium
+    c = work(progress=few, anchor=surer)
+    assert c.freq.block_method[block(c, 0x1190)] == "anchor"
+    assert any(n.startswith("entry count from moving arguments: rsi gives 10,000,000") for n in c.notes)

@@ -217,6 +217,7 @@ class Measured:
     confidence: str
     method: str  # one of MEASURED
     why: str = ""
+    low_bias: bool = False  # known to run low (a short entry's anchor: its traps' disturbance)
 
 
 def estimate_frequencies(cfg: CFG, classes: Classes, model: ProcedureModel, samples: Sequence[float] | np.ndarray,

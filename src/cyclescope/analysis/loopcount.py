@@ -72,11 +72,24 @@ MAX_INFLIGHT = 4  # system-wide: requests with the worker at once (LoopCounter._
 # of compilers otherwise gathered the tables of every hot procedure of cc1 and kept them.
 MAX_TABLE_BYTES = 48 << 20
 RECENT_DECAY = 0.9  # LoopCounter.recent: a drain's weight in the next
+# A trip window of an entry alone (analysis/trips.py) also gives the procedure's entries per second
+# of the thread's time where it ran: the argument's move rate over the window and LOCAL_AROUND_NS
+# on each side of it (from the thread's samples in the procedure, which no trap slows outside the
+# window) over the window's move per entry (analysis/progress.py, "local rate"). Samples of a
+# procedure whose argument moves are kept for LOCAL_HISTORY_NS of their time to find those around a
+# window, which may have come in the drain before; a window not resolved within LOCAL_KEEP_NS of
+# the samples' time after it is dropped.
+LOCAL_AROUND_NS = 10_000_000
+LOCAL_HISTORY_NS = 3_000_000_000
+LOCAL_KEEP_NS = 3_000_000_000
 SETTLING_DRAIN_S = 0.25  # system-wide: drains while procedures are analyzed (LoopCountProcessor.next_drain_s)
 MAX_RECENT = 1 << 16  # LoopCounter.recent's entries before those faded under one sample go
 STATS = ("own", "own_period", "followed", "next_own", "pairs", "iterations", "pair_period", "mismatched",
          "rejected", "trip_samples", "inv_trip")
 _S = {n: i for i, n in enumerate(STATS)}
+# The PROGRESS sums this side keeps per argument (the trip windows keep the others: trips.PROGRESS_ROWS)
+LOCAL_PROGRESS = ("pairs", "delta", "pair_period", "back", "back_period", "local_windows", "local_rate",
+                  "local_rate_sq")
 _LOW48 = (1 << 48) - 1
 
 
@@ -557,6 +570,10 @@ class LoopCounter:
         self._tcum: dict[int, float] = {}
         self._plast: dict[int, dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]]] = {}
         self._moving: dict[tuple[int, int, int], list[int]] = {}  # since the start: [pairs moving forward, back]
+        # stride windows not yet resolved (stride_window), and per (procedure, thread) the samples' recent
+        # [time, cum, values, known] in chunks (_local_rates)
+        self._strides: list[tuple[tuple[int, int], int, int, int, np.ndarray]] = []
+        self._phist: dict[tuple[tuple[int, int], int], deque[tuple[np.ndarray, ...]]] = {}
         self.analysis_s = 0.0
         self.skipped = 0  # samples whose procedure could not be analyzed in time
         # Samples per procedure from note (the eBPF path's rows), decayed by RECENT_DECAY a drain
@@ -856,6 +873,8 @@ class LoopCounter:
         self._last.pop(tid, None)
         self._tcum.pop(tid, None)
         self._plast.pop(tid, None)
+        for k in [k for k in self._phist if k[1] == tid]:
+            del self._phist[k]
 
     def _stat(self, img: int, header: int) -> np.ndarray:
         k = (img, header)
@@ -1013,6 +1032,8 @@ class LoopCounter:
                 seq_cum.append(cum[rows][m])
                 lr = np.flatnonzero(m)[-1]
                 self._plast.setdefault(t_, {})[key] = (vals[lr].copy(), known[lr].copy(), float(cum[rows][lr]))
+                if self.moving(*key):  # trip windows of its entry alone come (trips.TripWindows._stride_turn)
+                    self._keep_history(key, t_, b.time[order[rows]][m], cum[rows][m], vals[m], known[m])
             st_ = np.concatenate(seq_tid)
             sv = np.concatenate(seq_val)
             sk = np.concatenate(seq_known)
@@ -1033,9 +1054,7 @@ class LoopCounter:
                 if moving.sum() >= 5:
                     r = d[moving] / tt[moving]
                     good &= ~((d > 0) & (tt > 0) & (d > JUMP * median(r) * np.maximum(tt, 1e-9)))
-                st = self.progress.get((key[0], key[1], a))
-                if st is None:
-                    st = self.progress[(key[0], key[1], a)] = np.zeros(5, np.float64)
+                st = self._progress_stat(key, a)
                 mv = self._moving.setdefault((key[0], key[1], a), [0, 0])
                 mv[0] += int((good & (d > 0)).sum())
                 mv[1] += int((~good).sum())
@@ -1044,6 +1063,96 @@ class LoopCounter:
                 st[2] += float(tt[good].sum())
                 st[3] += int((~good).sum())
                 st[4] += float(tt[~good].sum())
+        if self._strides:
+            self._local_rates({k: t.argwidth for k, t in tables.items() if len(t.args)})
+
+    def _progress_stat(self, key: tuple[int, int], a: int) -> np.ndarray:
+        """The PROGRESS sums this side keeps for one argument (take_progress: LOCAL_PROGRESS order)."""
+        st = self.progress.get((key[0], key[1], a))
+        if st is None:
+            st = self.progress[(key[0], key[1], a)] = np.zeros(len(LOCAL_PROGRESS), np.float64)
+        return st
+
+    def _keep_history(self, key: tuple[int, int], tid: int, times: np.ndarray, cum: np.ndarray, vals: np.ndarray,
+                      known: np.ndarray) -> None:
+        """This drain's samples of a thread in a procedure whose argument moves, for _local_rates;
+        chunks older than LOCAL_HISTORY_NS of the samples' time go."""
+        if not len(times):
+            return
+        h = self._phist.setdefault((key, tid), deque())
+        h.append((times.astype(np.int64), cum.astype(np.float64), vals, known))
+        last = int(times[-1])
+        while len(h) > 1 and int(h[0][0][-1]) < last - LOCAL_HISTORY_NS:
+            h.popleft()
+
+    def stride_window(self, img: int, entry: int, opened_ns: int, closed_ns: int, steps: int,
+                      moves: np.ndarray) -> None:
+        """A trip window of the entry alone (analysis/trips.py, from its thread): between its CLOCK_MONOTONIC
+        times, ``steps`` entries after the first, each argument moving ``moves`` (NaN where no
+        register held it). Resolved against the thread's samples around it once they come."""
+        if steps < 1:
+            return
+        with self._lock:
+            self._strides.append(((img, entry), opened_ns, closed_ns, steps, np.asarray(moves, np.float64).copy()))
+
+    def _local_rates(self, widths: dict[tuple[int, int], np.ndarray]) -> None:
+        """Each pending stride window whose procedure's samples now reach LOCAL_AROUND_NS past it
+        (``widths``: the argument widths of the procedures this drain sampled): per argument, its
+        entries per unit of the thread's time, the argument's move from the first sample within
+        LOCAL_AROUND_NS before the window to the last within LOCAL_AROUND_NS after it, over the
+        thread's time between them, times the window's entries per move. Only where one thread
+        sampled the procedure around the window (a window counts the process's entries, and two
+        threads' registers do not mix), with samples on both sides of it and no move back."""
+        from cyclescope.analysis.progress import signed_moves
+
+        with self._lock:
+            pending, self._strides = self._strides, []
+        now = time.monotonic_ns()
+        keep = []
+        for key, t0, t1, steps, moves in pending:
+            if now - t1 > LOCAL_KEEP_NS:
+                continue  # its samples never came (the process exited, or left the procedure)
+            width = widths.get(key)
+            if width is None:
+                keep.append((key, t0, t1, steps, moves))
+                continue
+            spans = []
+            latest = 0
+            for (k, _tid), h in self._phist.items():
+                if k != key:
+                    continue
+                times = np.concatenate([c[0] for c in h])
+                latest = max(latest, int(times[-1]))
+                lo = int(np.searchsorted(times, t0 - LOCAL_AROUND_NS, "left"))
+                hi = int(np.searchsorted(times, t1 + LOCAL_AROUND_NS, "right")) - 1
+                if lo < hi and times[lo] <= t0 and times[hi] >= t1:
+                    spans.append((h, lo, hi))
+            if latest < t1 + LOCAL_AROUND_NS:  # the samples after it are not all in yet
+                keep.append((key, t0, t1, steps, moves))
+                continue
+            if len(spans) != 1:
+                continue
+            h, lo, hi = spans[0]
+            cum = np.concatenate([c[1] for c in h])[lo : hi + 1]
+            vals = np.concatenate([c[2] for c in h])[lo : hi + 1]
+            known = np.concatenate([c[3] for c in h])[lo : hi + 1]
+            dt = float(cum[-1] - cum[0])
+            if dt <= 0:
+                continue
+            for a, mv in enumerate(moves.tolist()):
+                if not mv > 0 or not known[:, a].all():
+                    continue
+                with np.errstate(over="ignore"):
+                    d = signed_moves(vals[1:, a] - vals[:-1, a], int(width[a]))
+                if (d < 0).any() or d.sum() <= 0:
+                    continue
+                e = float(d.sum()) / dt * steps / mv
+                st = self._progress_stat(key, a)
+                st[5] += 1
+                st[6] += e
+                st[7] += e * e
+        with self._lock:
+            self._strides = keep + self._strides
 
     def moving(self, img: int, start: int) -> bool:
         """Has an argument of the procedure moved forward between its samples (a few times, and
@@ -1060,11 +1169,10 @@ class LoopCounter:
         """The arguments' moves since the last take, as a PROGRESS tally table (db/tallies.py)."""
         from cyclescope.analysis.progress import tally
 
-        rows = [(self.image_key(i), e, a, v) for (i, e, a), v in self.progress.items() if v[0] or v[3]]
+        rows = [(self.image_key(i), e, a, v) for (i, e, a), v in self.progress.items() if v[0] or v[3] or v[5]]
         self.progress = {}
-        names = ("pairs", "delta", "pair_period", "back", "back_period")  # the order of the stats' arrays
         return tally([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                     {n: [float(r[3][k]) for r in rows] for k, n in enumerate(names)})
+                     {n: [float(r[3][k]) for r in rows] for k, n in enumerate(LOCAL_PROGRESS)})
 
     def _pairs(self, img: int, t: LoopTable, a: np.ndarray, bb: np.ndarray, same: np.ndarray, inner: np.ndarray,
                ix: np.ndarray, order: np.ndarray, b: _Batch) -> None:

@@ -22,7 +22,16 @@ a new position. Two things then give its entry count:
   moves add up to how far it went (the sum telescopes). Where it jumped back or far ahead (a new
   buffer, a reset), the move is not known: the pair's time times the argument's rate elsewhere.
 
-Entries = total move / move per entry. What it assumes: the windows, spread over the run at
+Entries = total move / move per entry. That needs many windows: the move per entry is heavy-tailed
+in time (HEAVY_TAIL below), and from a few windows the count runs high. Each window also gives a
+local rate (loopcount.LoopCounter._local_rates): its entries per unit of the thread's time, the
+argument's move rate sampled around it (no trap slows the samples outside the window) times the
+window's entries per move. The entry rate varies less over the run than the move per entry, so
+the mean of the local rates times the time the procedure's pairs of samples span is the count
+from a few windows (_local_estimate), used before the stride's where three or more agree within
+LOCAL_MAX_ERROR; at equal confidence it replaces a short entry's anchor, which runs low.
+
+What the stride's count assumes: the windows, spread over the run at
 random, see the run's mean move per entry (its phases weighted by their entries); calc says how
 many windows and entries the stride rests on and how far they disagree (its relative standard
 error), leaves the count out where they disagree by over MEDIUM_ERROR, and keeps it in low
@@ -80,6 +89,19 @@ MEDIUM_ERROR, HIGH_ERROR = 0.10, 0.04
 # stride is itself a guess (xz's suite run: 3 windows, 9.7%, the count 1.30 times exact), and the
 # count is low confidence
 TRUST_WINDOWS = 10
+# Why a stride from a few windows runs low, and the count from it high: an argument's move per entry
+# is heavy-tailed in time as well (xz's match finder on the suite's input, every call's position from
+# a uprobe: 5.2-7.5 a call in nine tenths of the calls, 16.6 in the tenth where long matches are
+# skipped, 7.2 over the run: bench/stridetime.py), so that a few windows mostly miss the stretches
+# that move most. In
+# nine sets of three runs of the suite's xz, the count from 3-5 windows came out at 0.99-1.62 of
+# exact (1.17 median), the entry's anchor at 0.60-0.84: the two bracketed it every time.
+HEAVY_TAIL = ("from a few windows such a count runs high: an argument's move per entry varies over the run, "
+              "and a few windows mostly miss the stretches where it moves most")
+# The local rates' relative standard error up to which their count is used (low confidence below
+# TRUST_WINDOWS windows): bench/stridetime.py's simulated sets of four windows on xz's match finder
+# put the count from them at 0.80-1.45 of exact (10th to 90th percentile), the stride's at 0.67-1.44
+LOCAL_MAX_ERROR = 0.30
 MAX_BACK = 0.10  # of the windows, and of the pairs (with their time), that went back or jumped
 HIGH_BACK = 0.02
 
@@ -217,6 +239,12 @@ class ProgressStats:
     window_delta_sq: float = 0.0
     window_steps_sq: float = 0.0
     window_cross: float = 0.0
+    # windows of the entry alone whose entries per unit of the thread's time the samples around them
+    # gave (loopcount.LoopCounter._local_rates), the sum of those rates and of their squares (0 in
+    # tallies older than them)
+    local_windows: int = 0
+    local_rate: float = 0.0
+    local_rate_sq: float = 0.0
 
     @property
     def stride(self) -> float | None:
@@ -239,6 +267,24 @@ class ProgressStats:
                            self.window_delta_sq, self.window_steps_sq, self.window_cross)
 
     @property
+    def local_entries(self) -> float | None:
+        """Entries over the run from the windows' local rates: their mean entries per unit of the
+        thread's time, times the time the procedure's pairs of samples span."""
+        if self.local_windows <= 0 or self.local_rate <= 0:
+            return None
+        return (self.pair_period + self.back_period) * self.local_rate / self.local_windows
+
+    @property
+    def local_error(self) -> float | None:
+        """The local rates' mean's relative standard error, from how far they spread."""
+        n = self.local_windows
+        if n < 2 or self.local_rate <= 0:
+            return None
+        mean = self.local_rate / n
+        var = max(0.0, (self.local_rate_sq - n * mean * mean) / (n - 1))
+        return float(np.sqrt(var / n)) / mean
+
+    @property
     def total(self) -> float:
         """How far the argument moved over the run: the known moves, and the rate times the time
         of the pairs whose move is not known."""
@@ -252,14 +298,36 @@ class ProgressEstimate:
     confidence: str  # low, medium, high
     arg: int
     why: str
+    local: bool = False  # from the windows' local rates (unbiased where they are few), not the stride
+
+
+def _local_estimate(a: int, st: ProgressStats, back_p: float) -> ProgressEstimate | None:
+    """The entry count from the windows' local rates (enough of them, agreeing within
+    LOCAL_MAX_ERROR), or None."""
+    n = st.local_entries
+    err = st.local_error
+    if n is None or err is None or st.local_windows < MIN_WINDOWS or err > LOCAL_MAX_ERROR:
+        return None
+    high = (st.local_windows >= HIGH_WINDOWS and st.pairs >= HIGH_PAIRS and back_p <= HIGH_BACK
+            and err <= HIGH_ERROR)
+    trusted = st.local_windows >= TRUST_WINDOWS and err <= MEDIUM_ERROR
+    conf = "high" if high else "medium" if trusted else "low"
+    why = (f"argument {ARGS[a]}'s move rate sampled around {st.local_windows:,} trip windows of the entry alone, "
+           f"over its move per entry in each: {n:,.0f} entries over the {st.pairs:,} pairs of samples' time in the "
+           f"procedure (relative standard error {err:.0%})"
+           + ("" if st.local_windows >= TRUST_WINDOWS else f"; too few windows to trust its error ({TRUST_WINDOWS} "
+              "are needed)"))
+    return ProgressEstimate(n, conf, a, why, local=True)
 
 
 def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEstimate | None, str | None]:
-    """The procedure's entry count from its best argument (most entries in the windows, then pairs),
-    or None with the reason none could be used (None when no argument was followed at all)."""
-    best: tuple[tuple[int, int, int], ProgressEstimate] | None = None
+    """The procedure's entry count from its best argument (the surest; at equal confidence one from
+    the windows' local rates before one from the stride, then most entries in the windows, then
+    pairs), or None with the reason none could be used (None when no argument was followed at
+    all). Where an argument's local rates agree (_local_estimate), its stride's count is not used."""
+    best: tuple[tuple[int, int, int, int], ProgressEstimate] | None = None
     tried = []
-    disagree: list[tuple[int, float]] = []
+    disagree: list[tuple[int, float, float]] = []
     for a, st in stats.items():
         s = st.stride
         allp = st.pairs + st.back
@@ -273,8 +341,14 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
         if back_p > MAX_BACK or back_w > MAX_BACK or st.delta <= 0:
             tried.append(a)
             continue
+        local = _local_estimate(a, st, back_p)
+        if local is not None:
+            rank = (SURETY[local.confidence], 1, st.local_windows, st.pairs)
+            if best is None or rank > best[0]:
+                best = (rank, local)
+            continue
         if err is not None and err > MEDIUM_ERROR:
-            disagree.append((a, err))
+            disagree.append((a, err, st.total / s))
             continue
         high = (allw >= HIGH_WINDOWS and st.window_steps >= HIGH_STEPS and st.pairs >= HIGH_PAIRS
                 and back_p <= HIGH_BACK and back_w <= HIGH_BACK and err is not None and err <= HIGH_ERROR)
@@ -287,7 +361,7 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
                + ("" if trusted else f"; too few windows to trust its error ({TRUST_WINDOWS} are needed)"))
         conf = "high" if high else "medium" if trusted else "low"
         est = ProgressEstimate(n, conf, a, why)
-        rank = (SURETY[conf], st.window_steps, st.pairs)
+        rank = (SURETY[conf], 0, st.window_steps, st.pairs)
         if best is None or rank > best[0]:
             best = (rank, est)
     if best is not None:
@@ -295,9 +369,9 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
     if not stats:
         return None, None
     if disagree:
-        a, err = min(disagree, key=lambda x: x[1])
+        a, err, n = min(disagree, key=lambda x: x[1])
         return None, (f"entry count from moving arguments: the trip windows disagree on how far {ARGS[a]} moves per "
                       f"entry (relative standard error {err:.0%}; {MEDIUM_ERROR:.0%} at most is used): more windows "
-                      "are needed")
+                      f"are needed (it would give {n:,.0f} entries; {HEAVY_TAIL})")
     return None, (f"entry count from moving arguments: none of {', '.join(ARGS[a] for a in sorted(tried))} moved "
                   "steadily forward with enough windows and pairs")

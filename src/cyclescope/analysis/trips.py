@@ -583,9 +583,11 @@ class TripWindows:
         try:
             passed = GATE - self.counter.skip_left()  # hits while the probes were being installed
             self.counter.set_skip(0)
+            opened_ns = time.monotonic_ns()  # the samples' clock (CLOCK_MONOTONIC)
             self._stop.wait(STRIDE_WINDOW_S if alone else WINDOW_S)
             if alone:
                 self._next_entry()
+            closed_ns = time.monotonic_ns()
             self.counter.set_skip(GATE)
         finally:
             self.counter.detach(link)
@@ -606,6 +608,9 @@ class TripWindows:
         with self.lock:
             assert t.hits is not None
             if moves is not None:
+                loops = getattr(self.loops, "counter", None)
+                if loops is not None:  # its entries per second, from the move rate sampled around it
+                    loops.stride_window(t.img, t.entry, opened_ns, closed_ns, int(got[0]) - 1, moves)
                 held = ~np.isnan(moves)
                 fwd = held & (moves >= 0)
                 steps = np.where(fwd, float(got[0] - 1), 0.0)

@@ -115,14 +115,18 @@ SCALE = TallyKind(
 # procedure (the loop counters' side) the pairs whose move was known, their moves and time, and the
 # pairs that went back or jumped, with their time; from the trip windows' entry hits the windows,
 # their entries - 1 and moves, the windows whose move went back, and the sums of squares and products
-# of the windows' moves and steps (the stride's error). Sums of moves, never a value.
+# of the windows' moves and steps (the stride's error); and from the windows and the samples around
+# them (the loop counter's side: loopcount.LoopCounter._local_rates), the windows whose entries per
+# unit of time were found, and the sums of those rates and of their squares. Sums of moves and
+# rates, never a value.
 PROGRESS = TallyKind(
     "progress", "pg",
     keys=(("image", pa.string()), ("entry", pa.uint64()), ("arg", pa.uint32())),
     sums=(("pairs", pa.uint64()), ("delta", pa.float64()), ("pair_period", pa.float64()), ("back", pa.uint64()),
           ("back_period", pa.float64()), ("windows", pa.uint64()), ("window_steps", pa.uint64()),
           ("window_delta", pa.float64()), ("window_back", pa.uint64()), ("window_delta_sq", pa.float64()),
-          ("window_steps_sq", pa.float64()), ("window_cross", pa.float64())),
+          ("window_steps_sq", pa.float64()), ("window_cross", pa.float64()), ("local_windows", pa.uint64()),
+          ("local_rate", pa.float64()), ("local_rate_sq", pa.float64())),
 )
 
 # Samples over time (collect/timeline.py): per process name, 100 ms window (its start, in ms since
