@@ -422,5 +422,21 @@ def test_an_entry_count_from_an_argument_that_moves(compile_c: Callable[..., Pat
     # from the move over the run over the move per entry, or (three windows whose entry rates agree)
     # from the move rate sampled around each window over its move per entry
     assert entry["evidence"].startswith(("argument rsi moved", "argument rsi's move rate")), entry["evidence"]
+    # The windows' local rates: the windows' CLOCK_MONOTONIC span met the samples' times around them
+    # (a window of the entry alone, resolved against the thread's samples 10 ms each side).
+    import pyarrow.parquet as pq
+
+    from cyclescope.analysis.progress import ARGS, ProgressStats
+    from cyclescope.db.tallies import PROGRESS
+
+    sums: dict[str, float] = {n: 0.0 for n in PROGRESS.sum_names}
+    for f in db.glob("epoch=*/host=*/progress/*.parquet"):
+        for r in pq.read_table(f).to_pylist():
+            if r["entry"] == start and r["arg"] == ARGS.index("rsi"):
+                for n in PROGRESS.sum_names:
+                    sums[n] += r.get(n) or 0
+    st = ProgressStats(**sums)  # type: ignore[arg-type]
+    assert st.local_windows >= 1, sums
+    assert st.local_entries == pytest.approx(calls, rel=0.3), (st.local_entries, calls, sums)
     loop = max(blocks.values(), key=lambda b: b["executions"] or 0)
     assert loop["method"] == "trip-window" and loop["executions"] == pytest.approx(inner, rel=0.3)
