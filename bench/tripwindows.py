@@ -17,9 +17,10 @@ each gives against callgrind's over the same input.
 ``pacing``: windows over a procedure's entry and blocks (``--points``, vaddrs, the entry first), on
 the suite's input ``--repeat`` times over, opened at random steps and alternated within each run:
 at once (the link in, then counting) or paced (the entry alone probed by a link of its own for
-``--pace-entries`` entries first: analysis/trips.py, PACE_SHARE); each block's runs per entry
-pooled over each kind's windows against callgrind's (``--callgrind FILE`` reuses a callgrind output
-of the same input, say bench/accuracy.py's kept one), with 90% bootstrap intervals over windows.
+``--pace-entries`` entries first; tried in the recorder and not kept: docs/benchmarks.md); each
+block's runs per entry pooled over each kind's windows against callgrind's (``--callgrind FILE``
+reuses a callgrind output of the same input, say bench/accuracy.py's kept one), with 90% bootstrap
+intervals over windows.
 
     python bench/tripwindows.py pacing --program lzip --repeat 16 --runs 3 \
         --points 0x9780,0x9920,0x9965,0x99c3,0x9834,0x9b1d --callgrind DIR/cg-lzip.out

@@ -1109,6 +1109,7 @@ class LoopCounter:
             pending, self._strides = self._strides, []
         now = time.monotonic_ns()
         keep = []
+        joined: dict[tuple[int, int], list[tuple[np.ndarray, ...]]] = {}  # per procedure, each thread's history
         for key, t0, t1, steps, moves in pending:
             if now - t1 > LOCAL_KEEP_NS:
                 continue  # its samples never came (the process exited, or left the procedure)
@@ -1116,26 +1117,23 @@ class LoopCounter:
             if width is None:
                 keep.append((key, t0, t1, steps, moves))
                 continue
+            if key not in joined:
+                joined[key] = [tuple(np.concatenate([c[i] for c in h]) for i in range(4))
+                               for (k, _tid), h in self._phist.items() if k == key]
             spans = []
             latest = 0
-            for (k, _tid), h in self._phist.items():
-                if k != key:
-                    continue
-                times = np.concatenate([c[0] for c in h])
+            for times, cum, vals, known in joined[key]:
                 latest = max(latest, int(times[-1]))
                 lo = int(np.searchsorted(times, t0 - LOCAL_AROUND_NS, "left"))
                 hi = int(np.searchsorted(times, t1 + LOCAL_AROUND_NS, "right")) - 1
                 if lo < hi and times[lo] <= t0 and times[hi] >= t1:
-                    spans.append((h, lo, hi))
+                    spans.append((cum[lo : hi + 1], vals[lo : hi + 1], known[lo : hi + 1]))
             if latest < t1 + LOCAL_AROUND_NS:  # the samples after it are not all in yet
                 keep.append((key, t0, t1, steps, moves))
                 continue
             if len(spans) != 1:
                 continue
-            h, lo, hi = spans[0]
-            cum = np.concatenate([c[1] for c in h])[lo : hi + 1]
-            vals = np.concatenate([c[2] for c in h])[lo : hi + 1]
-            known = np.concatenate([c[3] for c in h])[lo : hi + 1]
+            cum, vals, known = spans[0]
             dt = float(cum[-1] - cum[0])
             if dt <= 0:
                 continue

@@ -89,6 +89,7 @@ MEDIUM_ERROR, HIGH_ERROR = 0.10, 0.04
 # stride is itself a guess (xz's suite run: 3 windows, 9.7%, the count 1.30 times exact), and the
 # count is low confidence
 TRUST_WINDOWS = 10
+FEW_WINDOWS = f"; too few windows to trust its error ({TRUST_WINDOWS} are needed)"
 # Why a stride from a few windows runs low, and the count from it high: an argument's move per entry
 # is heavy-tailed in time as well (xz's match finder on the suite's input, every call's position from
 # a uprobe: 5.2-7.5 a call in nine tenths of the calls, 16.6 in the tenth where long matches are
@@ -315,8 +316,7 @@ def _local_estimate(a: int, st: ProgressStats, back_p: float) -> ProgressEstimat
     why = (f"argument {ARGS[a]}'s move rate sampled around {st.local_windows:,} trip windows of the entry alone, "
            f"over its move per entry in each: {n:,.0f} entries over the {st.pairs:,} pairs of samples' time in the "
            f"procedure (relative standard error {err:.0%})"
-           + ("" if st.local_windows >= TRUST_WINDOWS else f"; too few windows to trust its error ({TRUST_WINDOWS} "
-              "are needed)"))
+           + ("" if st.local_windows >= TRUST_WINDOWS else FEW_WINDOWS))
     return ProgressEstimate(n, conf, a, why, local=True)
 
 
@@ -358,7 +358,7 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
                + (f", {st.back:,} of them jumping, filled in at its rate" if st.back else "")
                + f") and {s:,.4g} per entry in {allw:,} trip windows ({st.window_steps + allw - st.window_back:,} "
                "entries counted" + (f", relative standard error {err:.0%}" if err is not None else "") + ")"
-               + ("" if trusted else f"; too few windows to trust its error ({TRUST_WINDOWS} are needed)"))
+               + ("" if trusted else FEW_WINDOWS))
         conf = "high" if high else "medium" if trusted else "low"
         est = ProgressEstimate(n, conf, a, why)
         rank = (SURETY[conf], 0, st.window_steps, st.pairs)

@@ -8,6 +8,8 @@ import re
 import shutil
 
 PY_COMMAND = re.compile(r"^python3?(?:\.\d+)?$")  # an interpreter by its file name (a pyenv shim is a script)
+# An interpreter image by its path: libpython3.X or python3.X (its version: group 1; collect/pyframes.py)
+PY_IMAGE = re.compile(r"(?:^|/)(?:libpython|python)3\.(\d+)[^/]*$")
 
 
 def runs_cpython(argv0: str, depth: int = 0) -> bool:
@@ -42,6 +44,6 @@ def is_cpython_process(pid: int) -> bool:
         if PY_COMMAND.match(os.path.basename(os.readlink(f"/proc/{pid}/exe"))):
             return True
         with open(f"/proc/{pid}/maps") as f:
-            return any("libpython3." in line for line in f)
+            return any(PY_IMAGE.search(line.rstrip("\n")) for line in f)
     except OSError:
         return False

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import re
 import struct
 import time
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 from cyclescope.collect.helpers import is_helper
 from cyclescope.collect.procmem import ProcessMemory
+from cyclescope.collect.pycommand import PY_IMAGE
 
 if TYPE_CHECKING:
     import threading
@@ -95,7 +95,6 @@ OFFSETS: dict[tuple[int, int], dict[str, int]] = {
                   code_filename=112, code_firstlineno=68, code_linetable=136, bytes_size=16,
                   bytes_sval=32, unicode_state=32, unicode_length=16, ascii_size=40, compact_size=56),
 }
-PY_IMAGE = re.compile(r"(?:^|/)(?:libpython|python)3\.(\d+)[^/]*$")
 SLOT_BITS = 24  # a code object's range in its process's image: offset = slot << SLOT_BITS | line
 EVAL = "_PyEval_EvalFrameDefault"
 PY_PROC = struct.Struct("<Q22I")  # profile.bpf.c's struct py_proc
