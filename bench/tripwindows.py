@@ -10,9 +10,14 @@ from a database's trips tallies, ``--db``, else recorded here), counting a whole
 
 ``windows``: the program on the suite's whole input, its hottest procedure's entry and first loop
 header counted in windows of ``--window`` seconds opened at random steps (``--gap`` on average)
-over ``--runs`` runs, gated (counting only while every probe of the link is in: what trip windows
-do) and ungated (counting from the link's creation to its close), alternated; the trips per entry
-each gives against callgrind's over the same input.
+over ``--runs`` runs, in each of ``--modes`` alternated: gated (counting only while every probe of
+the link is in), whole (gated, the header counted from the window's first entry on and the window
+ended at an entry, its entries but one the runs: what trip windows do where a window holds a few
+entries, collect/pointcount.program) and ungated (counting from the link's creation to its close);
+the trips per entry each gives against callgrind's over the same input (``--callgrind FILE``
+reuses a callgrind output of it).
+
+    python bench/tripwindows.py windows --program xz --runs 4 --callgrind DIR/cg-xz.out
 
 ``pacing``: windows over a procedure's entry and blocks (``--points``, vaddrs, the entry first), on
 the suite's input ``--repeat`` times over, opened at random steps and alternated within each run:
@@ -111,13 +116,27 @@ def exact(args: argparse.Namespace, exe: Path, pargs: list[str], inp: Path, tmp:
     return {"rows": rows, "same": same}
 
 
+def exact_counts(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) -> dict[int, int]:
+    """callgrind's counts of ``exe pargs``: from ``--callgrind`` (a kept output of the same program
+    and input) where given, else from a run of it here."""
+    if not args.callgrind:
+        return callgrind(exe, pargs, tmp / "cg.out")
+    from cyclescope.analysis.callgrind import parse_callgrind
+
+    prof = parse_callgrind(Path(args.callgrind).read_text())
+    ob = prof.object_for(str(exe)) or prof.object_for(str(exe.resolve()))
+    if ob is None:
+        raise SystemExit(f"{exe} not in {args.callgrind}")
+    return prof.counts[ob]
+
+
 def windows(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) -> dict[str, Any]:
     from cyclescope.analysis.loopcount import loop_table
     from cyclescope.collect.pointcount import GATE, PointCounter
     from cyclescope.images.disasm import read_code
     from cyclescope.images.elf import read_load_info
 
-    truth = callgrind(exe, pargs, tmp / "cg.out")
+    truth = exact_counts(args, exe, pargs, tmp)
     # The hottest procedure with a loop: the one whose loop header runs most, by callgrind.
     from elftools.elf.elffile import ELFFile
 
@@ -142,24 +161,34 @@ def windows(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) ->
     info = read_load_info(str(exe))
     offs = [info.file_offset(entry) or 0, info.file_offset(header) or 0]
     pc = PointCounter()
-    out: dict[str, Any] = {"procedure": name, "exact": want, "gated": [], "ungated": []}
+    modes = args.modes.split(",")
+    out: dict[str, Any] = {"procedure": name, "exact": want, **{m: [] for m in modes}}
     try:
         for r in range(args.runs):
-            for how in (("gated", "ungated") if r % 2 == 0 else ("ungated", "gated")):
+            for how in (modes if r % 2 == 0 else modes[::-1]):
                 tot = [0, 0]
                 n = 0
                 p = subprocess.Popen([str(exe), *pargs], stdout=subprocess.DEVNULL)
                 time.sleep(random.uniform(0, args.gap))
                 while p.poll() is None:
-                    pc.zero(2, GATE if how == "gated" else 0)
+                    pc.zero(2, 0 if how == "ungated" else GATE, whole=how == "whole")
                     link = pc.attach(str(exe), offs, p.pid)
-                    if how == "gated":
+                    if how != "ungated":
                         pc.set_skip(0)
                     time.sleep(args.window)
-                    if how == "gated":
+                    ended = False
+                    if how == "whole" and pc.counts(1)[0]:
+                        pc.end_at_entry()
+                        t0 = time.monotonic()
+                        while pc.skip_left() <= 0 and time.monotonic() - t0 < 0.02:
+                            pass
+                        ended = pc.skip_left() > 0
+                    if how != "ungated" and not ended:
                         pc.set_skip(GATE)
                     os.close(link)
                     c = pc.counts(2).tolist()
+                    if ended:
+                        c[0] -= 1  # its entries but one are whole runs
                     tot = [a + b for a, b in zip(tot, c, strict=True)]
                     n += 1
                     time.sleep(random.uniform(0, 2 * args.gap))
@@ -169,7 +198,7 @@ def windows(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) ->
                       f"{ratio:.2f} trips per entry ({ratio / want:.2f} of exact)", flush=True)
     finally:
         pc.close()
-    for how in ("gated", "ungated"):
+    for how in modes:
         e = sum(r["entries"] for r in out[how])
         h = sum(r["headers"] for r in out[how])
         out[f"{how}_pooled"] = h / e if e else float("nan")
@@ -181,21 +210,13 @@ def windows(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) ->
 def pacing(args: argparse.Namespace, exe: Path, pargs: list[str], tmp: Path) -> dict[str, Any]:
     import numpy as np
 
-    from cyclescope.analysis.callgrind import parse_callgrind
     from cyclescope.collect.pointcount import GATE, PointCounter
     from cyclescope.images.elf import read_load_info
 
     if not args.points:
         raise SystemExit("pacing needs --points ENTRY,BLOCK,... (vaddrs, the procedure's entry first)")
     pts = [int(x, 0) for x in args.points.split(",")]
-    if args.callgrind:
-        prof = parse_callgrind(Path(args.callgrind).read_text())
-        ob = prof.object_for(str(exe)) or prof.object_for(str(exe.resolve()))
-        if ob is None:
-            raise SystemExit(f"{exe} not in {args.callgrind}")
-        truth = prof.counts[ob]
-    else:
-        truth = callgrind(exe, pargs, tmp / "cg.out")
+    truth = exact_counts(args, exe, pargs, tmp)
     if not truth.get(pts[0]):
         raise SystemExit(f"{pts[0]:#x} never ran under callgrind: not the procedure's entry?")
     want = np.array([truth.get(x, 0) / truth[pts[0]] for x in pts])
@@ -263,7 +284,8 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=0.05)
     ap.add_argument("--points", help="pacing: the entry's and the blocks' vaddrs, comma-separated")
     ap.add_argument("--repeat", type=int, default=1, help="pacing: the suite's input this many times over")
-    ap.add_argument("--callgrind", help="pacing: a callgrind output of the same program and input to reuse")
+    ap.add_argument("--callgrind", help="windows, pacing: a callgrind output of the same program and input to reuse")
+    ap.add_argument("--modes", default="gated,whole", help="windows: of gated, whole, ungated")
     ap.add_argument("--pace-entries", type=int, default=1000)
     ap.add_argument("--save-as", default=None)
     args = ap.parse_args()

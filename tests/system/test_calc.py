@@ -289,13 +289,18 @@ def _point_counter() -> Any:
         pytest.skip(f"no BPF here: {e}")
 
 
-def _counted_run(counter: Any, exe: Path, offsets: list[int]) -> str:
-    """``exe 2000`` run once with every offset counted by one link (counts zeroed first): its output."""
+def _counted_run(counter: Any, exe: Path, offsets: list[int], skip: int = 0, whole: bool = False,
+                 end: bool = False) -> str:
+    """``exe 2000`` run once with every offset counted by one link (counts zeroed first, the first
+    ``skip`` hits let through; ``whole``, ``end``: PointCounter.zero's and end_at_entry): its
+    output."""
     import subprocess
 
     from cyclescope.errors import CycleScopeError
 
-    counter.zero(len(offsets))
+    counter.zero(len(offsets), skip, whole)
+    if end:
+        counter.end_at_entry()
     try:
         link = counter.attach(str(exe), offsets, 0)
     except CycleScopeError as e:
@@ -309,8 +314,9 @@ def _counted_run(counter: Any, exe: Path, offsets: list[int]) -> str:
 
 def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Callable[..., Path]) -> None:
     """collect/pointcount.py: one BPF program on one uprobe_multi link counts `walk`'s entry, its
-    outer loop's header and its inner loop's, each exactly (the program prints the inner count)."""
-    import subprocess
+    outer loop's header and its inner loop's, each exactly (the program prints the inner count);
+    its gate lets the first hits through, its whole-runs flag keeps the other points from counting
+    before the entry does, and asked to end it shuts the gate at the next entry."""
 
     exe = compile_c("trips", "-O2", "-g", out="trips")
     points, offsets = _walk_points(exe)
@@ -319,19 +325,26 @@ def test_one_link_counts_the_entry_and_the_loop_headers_exactly(compile_c: Calla
         out = _counted_run(counter, exe, offsets)
         got = counter.counts(len(points)).tolist()
         # The gate: the first 500 hits pass uncounted (a window counts only once its probes are in).
-        counter.zero(len(points), 500)
-        link = counter.attach(str(exe), offsets, 0)
-        try:
-            subprocess.run([str(exe), "2000"], capture_output=True, check=True)
-        finally:
-            counter.detach(link)
+        _counted_run(counter, exe, offsets, skip=500)
         gated = counter.counts(len(points)).tolist()
         left = counter.skip_left()
+        # Whole runs: the points after the entry count from its first hit on, so with the entry
+        # let through by the gate nothing counts; without a gate, all of it.
+        _counted_run(counter, exe, offsets, skip=500, whole=True)
+        whole_gated = counter.counts(len(points)).tolist()
+        _counted_run(counter, exe, offsets, whole=True)
+        whole = counter.counts(len(points)).tolist()
+        # Asked to end before the run: the first entry is counted, and shuts the gate behind it.
+        _counted_run(counter, exe, offsets, whole=True, end=True)
+        ended = counter.counts(len(points)).tolist()
+        shut = counter.skip_left()
     finally:
         counter.close()
     inner = int(out.split()[0])
     assert got == [1, 2000, inner], (got, out)
     assert sum(gated) == sum(got) - 500 and left == -sum(gated), (gated, left)
+    assert whole_gated == [0, 0, 0] and whole == got, (whole_gated, whole)
+    assert ended == [1, 0, 0] and shut > 0, (ended, shut)
 
 
 def _recorded_with_windows(compile_c: Callable[..., Path], tmp_path: Path, name: str,
@@ -403,6 +416,39 @@ def test_the_link_keeps_the_first_points_registers(compile_c: Callable[..., Path
     assert int(first[rsi]) == 0 and 1997 <= int(last[rsi]) < 2000, (first[rsi], last[rsi])
 
 
+def test_the_link_keeps_the_progress_points_registers_too(compile_c: Callable[..., Path]) -> None:
+    """collect/pointcount.py: the second point's hits keep their registers as well (a window of an
+    entry alone probes its progress point there): progress_member.c's find() loads m->pos into a
+    register before its loop, 0 at the first call and just under 2,000 at the last."""
+    import numpy as np
+
+    from cyclescope.analysis.loopcount import loop_table
+    from cyclescope.analysis.progress import NARGS, W32
+    from cyclescope.images.disasm import read_code
+    from cyclescope.images.elf import read_load_info
+    from cyclescope.perf.abi import GPRS
+
+    exe = compile_c("progress_member", "-O2", "-g", out="progress_member")
+    start, end = _symbol(exe, "find")
+    table = loop_table(read_code(str(exe), start, end), start, end)
+    assert table.point > start, table.point  # after the load, before the loop
+    k = int(np.searchsorted(table.addrs, np.uint64(table.point)))
+    held = [int(c) for c in table.args[k, NARGS:] if c >= 0]
+    assert len(held) == 1, held  # the position, alone worth following there
+    off = read_load_info(str(exe)).file_offset(start)
+    assert off is not None
+    counter = _point_counter()
+    try:
+        out = _counted_run(counter, exe, [off, off + table.point - start])
+        hits = counter.counts(2).tolist()
+        first, last = counter.first_regs(1)
+    finally:
+        counter.close()
+    pos = held[0] % W32
+    assert hits[0] == hits[1] == int(out.split()[0]), (hits, out)
+    assert int(first[pos]) == 0 and 1997 <= int(last[pos]) < 2000, (GPRS[pos], first[pos], last[pos])
+
+
 def test_an_entry_count_from_an_argument_that_moves(compile_c: Callable[..., Path], tmp_path: Path) -> None:
     """progress.c's find() is entered about 50 million times a second, its position argument one
     to three ahead at each call: no anchor can count it, and its loop's exit is a value. calc takes
@@ -440,3 +486,28 @@ def test_an_entry_count_from_an_argument_that_moves(compile_c: Callable[..., Pat
     assert st.local_entries == pytest.approx(calls, rel=0.3), (st.local_entries, calls, sums)
     loop = max(blocks.values(), key=lambda b: b["executions"] or 0)
     assert loop["method"] == "trip-window" and loop["executions"] == pytest.approx(inner, rel=0.3)
+
+
+def test_an_entry_count_from_a_position_read_from_a_structure(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    """progress_member.c's find(m) reads its position from the structure it is passed (lzip's
+    match finder reads this->pos): no argument register moves, but the register the position is
+    loaded into before the loop does. The trip windows of the entry alone probe the procedure's
+    progress point beside it (analysis/progress.progress_point) and take that register's move per
+    entry there; the samples give its move over the run, or its rate around each window. The
+    entry's count within 20% of the calls, as for progress.c's argument."""
+    from cyclescope.analysis.progress import NARGS
+
+    exe, db, out = _recorded_with_windows(compile_c, tmp_path, "progress_member", "300000000")
+    assert "with moving arguments alone" in out.stderr, out.stderr
+    calls, _inner = (int(x) for x in out.stdout.split())
+    start, _ = _symbol(exe, "find")
+    entry = {b["start"]: b for b in calc(db, "find")["blocks"]}[start]
+    assert entry["method"] == "progress", entry
+    assert entry["executions"] == pytest.approx(calls, rel=0.2)
+    assert " at the progress point 0x" in entry["evidence"].split(" moved ")[0].split("'s move rate")[0], entry
+    # The value's windows and pairs are tallied under its own number (NARGS and up), not an argument's.
+    import pyarrow.parquet as pq
+
+    rows = [r for f in db.glob("epoch=*/host=*/progress/*.parquet") for r in pq.read_table(f).to_pylist()
+            if r["entry"] == start and r["arg"] >= NARGS and r["window_steps"]]
+    assert rows and all(r["window_delta"] > r["window_steps"] for r in rows), rows  # 1.6 positions a call

@@ -515,3 +515,46 @@ def test_a_scale_point_is_an_anchor_of_its_own_keyed_by_where_it_probes() -> Non
     s.fail_point(1, 0x1080, "refused")
     assert p.failed == "refused" and not s.open_point(1, 0x1080)
     s.stop()
+
+
+def test_a_hold_keeps_costly_windows_shut_and_quiet_says_since_when_nothing_trapped() -> None:
+    """The trip windows' local rates need samples no trap slowed (analysis/trips.py,
+    TripWindows._quiet_before): while a hold lasts no window of an anchor that traps often opens,
+    and quiet_ns is the time since the last such window's probes closed (0 while one is open or
+    closing). A cheap anchor's window (a rare entry, counted all the time) does not count."""
+    held, probes, clock = make(per_task=False, rate=100_000.0)
+    twin, tprobes, tclock = make(per_task=False, rate=100_000.0)
+    for s, c in ((held, clock), (twin, tclock)):
+        s.tick()  # the first window, measuring the rate: not quiet
+        assert s.quiet_ns() == 0
+        c[0] += 50 * MS
+        s.tick()
+        s.close_pending()
+        c[0] += 20 * MS
+    assert held.quiet_ns() == 20 * MS
+    held.hold(clock[0] + 70_000 * MS)
+    for _ in range(3_000):  # a minute: the twin's windows open, the held one's do not
+        for s, c in ((held, clock), (twin, tclock)):
+            c[0] += 20 * MS
+            s.tick()
+            s.close_pending()
+    assert len(tprobes.open_at) > 1 and len(probes.open_at) == 1
+    assert held.quiet_ns() >= 60_000 * MS
+    held.hold(0)
+    for _ in range(3_000):
+        clock[0] += 20 * MS
+        held.tick()
+        held.close_pending()
+    assert len(probes.open_at) > 1  # released: its windows open again
+    # A rare entry's anchor: its window open all the time, hold or not, and quiet all the same.
+    rare, _, rclock = make(per_task=False, rate=10.0)
+    rare.tick()
+    rclock[0] += 50 * MS
+    rare.tick()
+    rare.close_pending()
+    rare.hold(rclock[0] + 1_000 * MS)
+    rclock[0] += 50 * MS
+    rare.tick()
+    assert any(a.window is not None for a in rare.anchors.values())
+    rclock[0] += 50 * MS
+    assert rare.quiet_ns() >= 50 * MS

@@ -46,7 +46,9 @@ def test_entry_values_are_followed_through_copies_until_written_or_clobbered() -
     assert held(t, 0x1014, "rsi") == "rbx/32"
     assert held(t, 0x1014, "rdi") is None and held(t, 0x1014, "rdx") is None
     # An argument a 32-bit copy holds somewhere is taken modulo 2**32 everywhere.
-    assert t.argwidth.tolist() == [64, 32, 64, 64, 64, 64]
+    assert t.argwidth[: pg.NARGS].tolist() == [64, 32, 64, 64, 64, 64]
+    # No value of its own is held in the loop (rax is a copy, then written in it): no progress point.
+    assert t.point == 0 and (t.args[:, pg.NARGS :] < 0).all()
     # The cache's arrays give the same table back.
     again = table_from_arrays(table_arrays(t))
     assert again is not None and np.array_equal(again.args, t.args) and np.array_equal(again.sites, t.sites)
@@ -55,6 +57,33 @@ def test_entry_values_are_followed_through_copies_until_written_or_clobbered() -
     broken = table_arrays(t)
     del broken["sites"]
     assert table_from_arrays(broken) is None
+
+
+# f(this, end):             push rbx; mov ecx, [rdi+0x34]; mov rbx, [rdi+0x10]; add rbx, rcx;
+#                           mov eax, 0; jmp 0x2012
+# 0x2012 (loop):            movzx edx, byte [rbx+rax]; add rax, 1; cmp rdx, rsi; jne 0x2012
+# 0x201f:                   pop rbx; ret
+MEMBER = bytes.fromhex("53" "8b4f34" "488b5f10" "4801cb" "b800000000" "eb00" "0fb61403" "4883c001" "4839f2" "75f3"
+                       "5b" "c3")
+
+
+def test_a_value_loaded_before_the_loops_is_followed_from_the_progress_point() -> None:
+    """A position read from a structure (lzip's match finder: ``this->pos``) and the pointer into
+    the buffer made from it are no argument: the progress point is where the registers hold them
+    before the loop, at the jump (the kernel emulates it) rather than the constant's load before."""
+    at = 0x2000
+    t = loop_table(MEMBER, at, at + len(MEMBER))
+    assert t.point == 0x2010
+    rbx, rcx = pg.NARGS + COL["rbx"], pg.NARGS + COL["rcx"]
+    k = {int(a): i for i, a in enumerate(t.addrs)}
+    # held from the point through the loop, and not before it
+    assert t.args[k[0x2010], rbx] == COL["rbx"] and t.args[k[0x2012], rbx] == COL["rbx"]
+    assert t.args[k[0x201a], rcx] == COL["rcx"] and t.args[k[0x2008], rbx] < 0
+    # rax holds a constant there (not a value of its own); the arguments are still followed
+    assert (t.args[:, pg.NARGS + COL["rax"]] < 0).all() and t.args[k[0x201a], pg.ARGS.index("rsi")] == COL["rsi"]
+    assert pg.value_name(rbx, t.point) == "rbx at the progress point 0x2010"
+    again = table_from_arrays(table_arrays(t))
+    assert again is not None and again.point == t.point and np.array_equal(again.args, t.args)
 
 
 def test_blocks_are_probed_where_the_kernel_emulates_the_hit() -> None:
@@ -110,14 +139,32 @@ def test_pairs_of_samples_add_up_an_arguments_moves_across_drains() -> None:
     # 10 -> 40 over two periods (the sample elsewhere between), 40 -> 70 over one; 70 -> 20 back
     assert d["pairs"][rsi] == 2 and d["delta"][rsi] == 60 and d["pair_period"][rsi] == 3000.0
     assert d["back"][rsi] == 1 and d["back_period"][rsi] == 1000.0
-    # rdi (a struct pointer, say) does not move; no register holds it after the call (0x1014), so
-    # only the last pair of thread 7 knows it at both ends
+    # rdi (a struct pointer, say) does not move; no register holds it after the call (0x1014): its
+    # pairs are of the samples that know it, the first to the fourth (across the drains, over the
+    # third) and the fourth to the fifth, their time the thread's between them
     rdi = rows[pg.ARGS.index("rdi")]
-    assert d["pairs"][rdi] == 1 and d["delta"][rdi] == 0
+    assert d["pairs"][rdi] == 2 and d["delta"][rdi] == 0 and d["pair_period"][rdi] == 4000.0
     assert lc.take_progress().num_rows == 0  # taken
     # The total: known moves, and the unknown one at the rate of the others.
     st = ProgressStats(pairs=2, delta=60, pair_period=3000.0, back=1, back_period=1000.0)
     assert st.total == pytest.approx(80.0)
+
+
+def test_a_values_last_known_sample_is_its_own_threads() -> None:
+    """Each value's pairs run between the samples of one thread that know it, across drains: a
+    thread whose first drain knew no rdi (its samples after the call, 0x1014) starts rdi's pairs
+    at its next sample that knows it, not at another thread's."""
+    lc = counter()
+    add(lc, [(7, 1, 0x100A, regs(5, 10)), (8, 2, 0x1014, regs(0, 999, rbx=50))])
+    add(lc, [(8, 3, 0x100A, regs(9, 60)), (8, 4, 0x100A, regs(9, 70))])
+    lc.finish()
+    d = merge(PROGRESS, [lc.take_progress()]).to_pydict()
+    rows = {a: i for i, a in enumerate(d["arg"])}
+    rdi, rsi = rows[pg.ARGS.index("rdi")], rows[pg.ARGS.index("rsi")]
+    # thread 8's rdi: its third and fourth samples only (9 -> 9); thread 7's 5 is not its start
+    assert d["pairs"][rdi] == 1 and d["delta"][rdi] == 0 and d["back"][rdi] == 0
+    # rsi (rbx's low half after the call): 50 -> 60 -> 70 in thread 8
+    assert d["pairs"][rsi] == 2 and d["delta"][rsi] == 20
 
 
 def test_a_jump_far_ahead_is_not_taken_as_a_move() -> None:
@@ -141,9 +188,9 @@ def windows(moves: list[tuple[int, float]]) -> dict[str, float]:
 
 
 def stats(**kw: float) -> ProgressStats:
-    # 12 windows of 200 steps, 7.2 per step, within 2% of each other
+    # 12 windows of 200 steps, 7.2 per step, within 5% of each other
     base: dict[str, float] = {"pairs": 500, "delta": 6_000_000.0, "pair_period": 1e9,
-                              **windows([(200, 1440.0 * (1.02 if k % 2 else 0.98)) for k in range(12)])}
+                              **windows([(200, 1440.0 * (1.05 if k % 2 else 0.95)) for k in range(12)])}
     return ProgressStats(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -153,8 +200,16 @@ def test_the_estimate_is_the_total_move_over_the_move_per_entry() -> None:
     assert est.entries == pytest.approx(6_000_000 / 7.2) and est.confidence == "high" and est.arg == 1
     assert "argument rsi moved 6,000,000" in est.why and "7.2 per entry in 12 trip windows" in est.why
     # Three windows: low (too few to trust the stride's error). Two, or too few entries: not used.
-    three = entries_from_progress({1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]))})[0]
+    three = entries_from_progress({1: stats(**windows([(100, 700.0), (150, 1_110.0), (150, 1_070.0)]))})[0]
     assert three is not None and three.confidence == "low" and "too few windows" in three.why
+    # Three windows that agree exactly (one move an entry in each: lzip's match finder), with local
+    # rates beside them that do not: the stride's count, in medium confidence, before the local rates'.
+    same = stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]), local_windows=3,
+                 local_rate=0.021, local_rate_sq=0.021**2 / 3 * 1.001)
+    assert same.local_entries is not None and same.local_error is not None and same.local_error < 0.3
+    steady = entries_from_progress({1: same})[0]
+    assert steady is not None and not steady.local and steady.confidence == "medium"
+    assert steady.entries == pytest.approx(6_000_000 / 7.2) and "the same in every window" in steady.why
     assert entries_from_progress({1: stats(windows=2)})[0] is None
     none, why = entries_from_progress({1: stats(window_steps=50)})
     assert none is None and why is not None and "rsi" in why
@@ -168,8 +223,8 @@ def test_the_estimate_is_the_total_move_over_the_move_per_entry() -> None:
 
 
 def test_windows_that_disagree_on_the_stride_lower_its_confidence_or_leave_it_out() -> None:
-    # The stride's relative standard error: windows within 2% of each other give about 0.6%.
-    assert stats().stride_error == pytest.approx(0.02 / np.sqrt(12), rel=0.05)
+    # The stride's relative standard error: windows within 5% of each other give about 1.5%.
+    assert stats().stride_error == pytest.approx(0.05 / np.sqrt(11), rel=0.05)
     # One window in twelve that held a long gap (the argument moved by 20 times as much): 7.2 per
     # step elsewhere, and the stride rests on that one window; not used.
     gap = stats(**windows([(200, 1440.0)] * 11 + [(200, 28_800.0)]))
@@ -191,7 +246,7 @@ def test_windows_that_disagree_on_the_stride_lower_its_confidence_or_leave_it_ou
 
 def test_calc_takes_the_entry_count_from_a_moving_argument() -> None:
     # 6,000,000 / 7.2 entries; the loop's header counted 3,750 times per entry in the windows.
-    c = work(progress={1: stats()}, trips={0x1190: (400, 12), 0x11A0: (1_500_000, 12)})
+    c = work(progress={1: stats()}, trips={0x1190: (400, 12, 400), 0x11A0: (1_500_000, 12, 400)})
     entry, loop = block(c, 0x1190), block(c, 0x11A0)
     assert c.freq.block_method[entry] == "progress" and c.freq.block_confidence[entry] == "high"
     assert c.executions(entry) == pytest.approx(6_000_000 / 7.2, rel=0.01)
@@ -201,11 +256,11 @@ def test_calc_takes_the_entry_count_from_a_moving_argument() -> None:
     # A surer anchor keeps the entry; a low-confidence one gives way.
     from cyclescope.analysis.anchors import AnchorStats
 
-    weak = work(progress={1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]))},
+    weak = work(progress={1: stats(**windows([(100, 700.0), (150, 1_110.0), (150, 1_070.0)]))},
                 anchor=AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10))
     assert weak.freq.block_method[block(weak, 0x1190)] == "anchor"  # medium against low: the anchor's
     # The count it did not take is said beside the one kept.
-    kept = [n for n in weak.notes if n.startswith("entry count from moving arguments: rsi gives")]
+    kept = [n for n in weak.notes if n.startswith("entry count from moving arguments: argument rsi gives")]
     assert len(kept) == 1 and f"{6_000_000 / 7.2:,.0f} entries (low confidence)" in kept[0]
     assert "the anchor's" in kept[0] and "is kept" in kept[0] and "runs high" in kept[0]
     # Not enough: a note says why, the count is the model's.
@@ -216,21 +271,11 @@ def test_calc_takes_the_entry_count_from_a_moving_argument() -> None:
 
 class RegsCounter(FakeCounter):
     """A PointCounter whose first point's hits saw rsi go from 1,000 to 1,000 + 7 * (hits - 1), the
-    last of them after the window's time (TripWindows._next_entry waits for it)."""
+    last of them after the window's time (TripWindows._end_at_entry asks for it)."""
 
-    tails = 0
-
-    def zero(self, n: int, skip: int = 0) -> None:
-        super().zero(n, skip)
-        self.waiting = True
-
-    def counts(self, n: int) -> np.ndarray:
-        got = super().counts(n)
-        if self.waiting and n == 1:  # the first look at the window's end: the last entry is yet to come
-            self.waiting = False
-            self.tails += 1
-            return got - np.uint64(1)
-        return got
+    @property
+    def tails(self) -> int:
+        return getattr(self, "ends", 0)
 
     def first_regs(self) -> tuple[np.ndarray, np.ndarray]:
         first, last = np.zeros(16, np.uint64), np.zeros(16, np.uint64)
@@ -271,8 +316,8 @@ def test_windows_of_the_entry_alone_measure_the_move_per_entry() -> None:
     # Every other window counts the entry alone (first), the others every point: only those count
     # in the ratios, and only the entry's own windows, which end at an entry, measure the moves.
     assert [a[1] for a in t.counter.attached] == [[0x400], [0x400, 0x41D]] * 2
-    assert target.stride_windows == 2 and target.windows == 2 and target.hits.tolist() == [202, 8_000]
-    assert t.counter.tails == 2
+    assert target.stride_windows == 2 and target.windows == 2 and target.hits.tolist() == [200, 8_000]  # runs
+    assert t.counter.tails == 4  # every window ends at an entry
     d = merge(PROGRESS, [t.take_progress()]).to_pydict()
     rsi, rdi = d["arg"].index(pg.ARGS.index("rsi")), d["arg"].index(pg.ARGS.index("rdi"))
     assert d["windows"][rsi] == 2 and d["window_steps"][rsi] == 200 and d["window_delta"][rsi] == 1_400
@@ -283,6 +328,72 @@ def test_windows_of_the_entry_alone_measure_the_move_per_entry() -> None:
     assert all(w[2] < w[3] and w[5][1] == 700 for w in loops.strides)
     # Charged at the emulated hit's cost, with the lighter per-window charge.
     assert t.spent_s == pytest.approx(2 * 101 * 5e-7 + 2 * 4_101 * 5e-7 + 4 * tw.EMULATED_WINDOW_COST_S)
+
+
+class PointRegsCounter(RegsCounter):
+    """RegsCounter with a progress point beside the entry: the point ran at 99 of the 101 entries,
+    r12 there going from 50 to 50 + 3 * 98."""
+
+    def counts(self, n: int) -> np.ndarray:
+        got = super().counts(n)
+        return np.array([got[0], 99][:n], np.uint64) if n == 2 else got
+
+    def first_regs(self, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        if slot == 0:
+            return super().first_regs()
+        first, last = np.zeros(16, np.uint64), np.zeros(16, np.uint64)
+        first[COL["r12"]], last[COL["r12"]] = 50, 50 + 3 * 98
+        return first, last
+
+
+def test_windows_of_the_entry_alone_probe_its_progress_point_beside_it() -> None:
+    """A procedure with a progress point (a value it loads before its loops): its windows of the
+    entry alone count the point too, the point's registers give that value's move, taken per
+    entry (the point may not run at every entry: 99 runs of 101 entries), the arguments' moves
+    still come from the entry's registers, and the values the windows held are tallied."""
+    loops = Moving()
+    t = tw.TripWindows(anchors=None, loops=type("L", (), {"counter": loops})(), budget=1.0)
+    t.hit_cost_s, t.emulated_hit_s = 1e-5, 5e-7
+    t.counter = PointRegsCounter([101, 4_000])
+    t.image_key = lambda i: f"img{i}"
+    r12 = pg.NARGS + COL["r12"]
+    holders = np.full(pg.NVALUES, -1, np.int8)
+    holders[pg.ARGS.index("rsi")] = COL["rbx"] + pg.W32
+    at_point = np.full(pg.NVALUES, -1, np.int8)
+    at_point[r12] = COL["r12"]
+    target = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x41D], pid=42, hits=np.zeros(2, np.uint64),
+                       emulated=[True, True], argwidth=np.full(pg.NVALUES, 64, np.int8), site_args=holders,
+                       point_offset=0x408, point_emulated=False, point_args=at_point)
+    t.targets[(1, 0x1000)] = target
+    t._window(target)
+    assert t.counter.attached[0][1] == [0x400, 0x408]  # the entry and its point
+    (w,) = loops.strides
+    moves = w[5]
+    assert w[4] == 100 and moves[pg.ARGS.index("rsi")] == 700
+    # 294 over the point's 99 runs but one, in the window's 100 whole runs of the procedure (it ended
+    # at its 101st entry): 2.97 an entry, 297 over the 100 steps
+    assert moves[r12] == pytest.approx(3 * 98 * 99 / 98)
+    d = merge(PROGRESS, [t.take_progress()]).to_pydict()
+    assert r12 in d["arg"] and d["windows"][d["arg"].index(r12)] == 1
+    assert sorted(a for a in d["arg"] if a >= pg.NARGS) == [r12]  # only the values held
+    # Charged as the two probes: the entry's emulated hits, the point's single-stepped ones.
+    assert t.spent_s == pytest.approx(101 * 5e-7 + 99 * 1e-5 + tw.WINDOW_COST_S)
+    # A point the kernel refuses to probe: its windows count the entry alone from then on.
+    from cyclescope.errors import CycleScopeError
+
+    class Refusing(PointRegsCounter):
+        def attach(self, path: str, offsets: list[int], pid: int = 0) -> int:
+            if 0x408 in offsets:
+                raise CycleScopeError("uprobe_multi refused /bin/x")
+            return super().attach(path, offsets, pid)
+
+    t.counter = Refusing([101, 4_000])
+    target.turns = 0
+    t._window(target)
+    assert target.point_offset is None and target.failed is None and not t.counter.attached
+    target.turns = 0
+    t._window(target)
+    assert t.counter.attached[-1][1] == [0x400] and target.stride_windows == 2
 
 
 def test_windows_entry_rates_come_from_the_samples_around_them() -> None:
@@ -357,7 +468,7 @@ def test_the_local_rates_give_the_entry_count_where_the_windows_are_few() -> Non
     # runs low; not an anchor that is surer, nor one of a long entry at the same confidence.
     from cyclescope.analysis.anchors import AnchorStats
 
-    few = {1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]), local_windows=4,
+    few = {1: stats(**windows([(100, 700.0), (150, 1_110.0), (150, 1_070.0)]), local_windows=4,
                     local_rate=float(rates.sum()), local_rate_sq=float(rates @ rates))}
     short = AnchorStats(hits=10_000, samples=100, counted_s=1.0, windows=10)  # 10,000 cycles an entry
     alone = work(anchor=short)
@@ -366,9 +477,9 @@ def test_the_local_rates_give_the_entry_count_where_the_windows_are_few() -> Non
     c = work(progress=few, anchor=short)
     entry = block(c, 0x1190)
     assert c.freq.block_method[entry] == "progress" and c.executions(entry) == pytest.approx(1e7, rel=0.01)
-    stride_only = {1: stats(**windows([(100, 720.0), (150, 1_080.0), (150, 1_080.0)]))}  # low, from the stride
+    stride_only = {1: stats(**windows([(100, 700.0), (150, 1_110.0), (150, 1_070.0)]))}  # low, from the stride
     assert work(progress=stride_only, anchor=short).freq.block_method[entry] == "anchor"
     surer = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)  # medium
     c = work(progress=few, anchor=surer)
     assert c.freq.block_method[block(c, 0x1190)] == "anchor"
-    assert any(n.startswith("entry count from moving arguments: rsi gives 10,000,000") for n in c.notes)
+    assert any(n.startswith("entry count from moving arguments: argument rsi gives 10,000,000") for n in c.notes)

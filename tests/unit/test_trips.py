@@ -37,7 +37,7 @@ def test_a_loop_header_takes_its_entry_count_times_the_windows_ratio() -> None:
     counted the loop's header 3,750 times per entry: the header's count is the entry's times that,
     no surer than the anchor (medium)."""
     anchor = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)
-    c = work(anchor=anchor, trips={0x1190: (400, 6), 0x11A0: (1_500_000, 6)})
+    c = work(anchor=anchor, trips={0x1190: (400, 6, 400), 0x11A0: (1_500_000, 6, 400)})
     entry, loop = block(c, 0x1190), block(c, 0x11A0)
     assert c.freq.block_method[entry] == "anchor"
     assert c.freq.block_method[loop] == "trip-window" and c.freq.block_confidence[loop] == "medium"
@@ -55,6 +55,13 @@ def test_a_loop_header_takes_its_entry_count_times_the_windows_ratio() -> None:
 
     steady = _steady_branches(c.cfg, _loops(c.cfg, c.infos), c.freq, {})
     assert set(steady) == {0x11BB} and steady[0x11BB] == {loop}
+    # A header counted in half the windows only (a block near the share that makes it a point, in
+    # one run and not the next): its runs per entry in those, not against all the entry's hits.
+    half = work(anchor=anchor, trips={0x1190: (400, 6, 400), 0x11A0: (750_000, 3, 200)})
+    assert half.executions(block(half, 0x11A0)) == pytest.approx(half.executions(entry) * 3750, rel=0.01)
+    # A tally older than the entry's hits beside each point's: the entry's own hits.
+    old = work(anchor=anchor, trips={0x1190: (400, 6, 0), 0x11A0: (1_500_000, 6, 0)})
+    assert old.executions(block(old, 0x11A0)) == pytest.approx(old.executions(entry) * 3750, rel=0.01)
     # Without trips, the loop's count is the model's.
     plain = work(anchor=anchor)
     assert plain.freq.block_method[block(plain, 0x11A0)] != "trip-window"
@@ -63,19 +70,20 @@ def test_a_loop_header_takes_its_entry_count_times_the_windows_ratio() -> None:
 
 def test_ratios_need_a_measured_point_and_enough_hits() -> None:
     # No point has a measured count: nothing to scale the ratio by; calc says so.
-    c = work(trips={0x1190: (400, 6), 0x11A0: (15_000, 6)})
+    c = work(trips={0x1190: (400, 6, 400), 0x11A0: (15_000, 6, 400)})
     assert c.freq.block_method[block(c, 0x11A0)] != "trip-window"
     assert any("none of them has a measured count" in n for n in c.notes)
     # Too few entries in the windows: the ratio is not used.
     anchor = AnchorStats(hits=500, samples=151, counted_s=1.0, windows=10)
-    few = work(anchor=anchor, trips={0x1190: (tw.MIN_HITS - 1, 1), 0x11A0: (71_000, 1)})
+    n = tw.MIN_HITS - 1
+    few = work(anchor=anchor, trips={0x1190: (n, 1, n), 0x11A0: (71_000, 1, n)})
     assert few.freq.block_method[block(few, 0x11A0)] != "trip-window"
     # Between MIN_HITS and MEDIUM_HITS: used, in low confidence.
-    low = work(anchor=anchor, trips={0x1190: (50, 2), 0x11A0: (187_500, 2)})
+    low = work(anchor=anchor, trips={0x1190: (50, 2, 50), 0x11A0: (187_500, 2, 50)})
     assert low.freq.block_method[block(low, 0x11A0)] == "trip-window"
     assert low.freq.block_confidence[block(low, 0x11A0)] == "low"
     # Hits enough for high confidence, but all from two windows: one phase of the run, low.
-    one = work(anchor=anchor, trips={0x1190: (1_500, 2), 0x11A0: (5_625_000, 2)})
+    one = work(anchor=anchor, trips={0x1190: (1_500, 2, 1_500), 0x11A0: (5_625_000, 2, 1_500)})
     assert one.freq.block_method[block(one, 0x11A0)] == "trip-window"
     assert one.freq.block_confidence[block(one, 0x11A0)] == "low"
 
@@ -104,11 +112,19 @@ class FakeCounter:
         self.attached: list[tuple[str, list[int], int]] = []
         self.skip = 0
 
-    def zero(self, n: int, skip: int = 0) -> None:
+    def zero(self, n: int, skip: int = 0, whole: bool = False) -> None:
         self.skip = skip
+        self.whole = whole
 
     def set_skip(self, skip: int) -> None:
         self.skip = skip
+
+    def end_at_entry(self) -> None:
+        """The next entry shuts the gate (the counts already hold it: the window's last entry)."""
+        from cyclescope.collect.pointcount import GATE
+
+        self.skip = GATE
+        self.ends = getattr(self, "ends", 0) + 1
 
     def skip_left(self) -> int:
         from cyclescope.collect.pointcount import GATE
@@ -144,10 +160,13 @@ def test_windows_keep_to_the_budget_and_tally_by_addition(monkeypatch: pytest.Mo
     assert t._step() > tw.MIN_GAP_S  # owed: waits for the budget
     table = t.take()
     d = merge(TRIPS, [table, table]).to_pydict()
-    assert d["point"] == [0x1000, 0x1010] and d["hits"] == [20 * n, 800 * n] and d["windows"] == [2 * n, 2 * n]
+    # Each window ended at an entry: its 10 entries are 9 whole runs, the other points' hits their ratio's
+    assert d["point"] == [0x1000, 0x1010] and d["hits"] == [18 * n, 800 * n] and d["windows"] == [2 * n, 2 * n]
+    assert d["entry_hits"] == [18 * n, 18 * n]  # the entry's runs beside each point
     assert t.take().num_rows == 0  # taken: nothing since
     empty = build(TRIPS, {"image": [], "entry": np.zeros(0, np.uint64), "point": np.zeros(0, np.uint64),
-                          "hits": np.zeros(0, np.uint64), "windows": np.zeros(0, np.uint64)})
+                          "hits": np.zeros(0, np.uint64), "windows": np.zeros(0, np.uint64),
+                          "entry_hits": np.zeros(0, np.uint64)})
     assert empty.schema == TRIPS.schema
     # A link refused (an instruction uprobes cannot take) before any window counted: the sampled
     # blocks go, the entry and the loop headers are tried again; refused again, the target fails.
@@ -331,8 +350,9 @@ def test_a_short_entry_surveys_rare_blocks_and_keeps_one_to_scale_by(monkeypatch
     t = tw.TripWindows(anchors=anchors, loops=None, budget=0.01)
     t.image_key = lambda i: f"img{i}"
     # Entry 0x1000 (offset 0x400), a header 0x1010; candidates 0x1100 (frequent), 0x1200 (never runs),
-    # 0x1300 (one run in 100 entries), 0x1400 (one in 500).
-    rates = {0x400: 1000, 0x410: 3000, 0x500: 2000, 0x600: 0, 0x700: 10, 0x800: 2}
+    # 0x1300 (one run in 100 entries), 0x1400 (one in 500). A window ends at an entry: 1,001 entries
+    # are 1,000 whole runs.
+    rates = {0x400: 1001, 0x410: 3000, 0x500: 2000, 0x600: 0, 0x700: 10, 0x800: 2}
     t.counter = OffsetCounter(rates)
     target = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x410], pid=42, hits=np.zeros(2, np.uint64),
                        emulated=[True, True])
@@ -406,3 +426,30 @@ def test_a_point_run_too_often_is_thinned_to_its_rarer_sites() -> None:
     assert anchors.placed == [(1, 0x1000, 0x1400, 0x800)] and target.scale[0x1400].windows == 0
     t._thin(target, [0x1400], np.array([9000], np.uint64), 0.05)  # one site: nothing rarer to keep
     assert target.scale_sites == [0x1400]
+
+
+def test_windows_count_whole_runs_unless_a_run_did_not_fit() -> None:
+    """A window of all the points counts whole runs of the procedure: its other points from the
+    first entry on, and it ends at an entry (the counting program shuts it there), so that its
+    entries but one are the runs its other points' hits are a ratio to (pointcount.program). A
+    procedure whose windows held no whole run, EMPTY_RUNS in a row (entered once a run: a
+    program's loop nest), gets windows of fixed length from then on, those not counted."""
+    t = tw.TripWindows(anchors=None, loops=None, budget=1.0)
+    t.hit_cost_s = 1e-6
+    t.counter = FakeCounter([101, 4_000])
+    hot = tw.Target(1, 0x1000, "/bin/x", [0x1000, 0x1010], [0x400, 0x410], pid=42, hits=np.zeros(2, np.uint64))
+    t.targets[(1, 0x1000)] = hot
+    t._window(hot)
+    assert t.counter.whole and getattr(t.counter, "ends", 0) == 1
+    assert hot.hits.tolist() == [100, 4_000] and not hot.fixed
+    d = t.take().to_pydict()
+    assert d["entry_hits"] == [100, 100]
+    t.counter = FakeCounter([1, 4_000])
+    once = tw.Target(1, 0x2000, "/bin/x", [0x2000, 0x2010], [0x800, 0x810], pid=42, hits=np.zeros(2, np.uint64))
+    for _ in range(tw.EMPTY_RUNS):
+        assert not once.fixed
+        t._window(once)
+        assert once.windows == 0 and once.hits.tolist() == [0, 0]
+    assert once.fixed
+    t._window(once)
+    assert not t.counter.whole and once.windows == 1 and once.hits.tolist() == [1, 4_000]

@@ -91,6 +91,7 @@ KEEP_NS = 30_000_000_000  # windows kept for samples that arrive late
 RECENT_NS = 5_000_000_000  # a thread that sampled the procedure this recently is counted
 MAX_TASKS = 4  # threads per window in per-task mode
 ALLOWANCE = 0.05  # trap seconds the budget grants ahead of time (first windows, which measure the rates)
+QUIET_SHARE = 0.001  # of the time in an anchor's traps from which its windows are not quiet (AnchorSet.quiet_ns)
 NEAR_BYTES = 12  # the entry's first bytes, where a trap returns (tallied apart: see AnchorStats.entries)
 
 
@@ -293,6 +294,12 @@ class AnchorSet:
         self.opened = 0
         self.failures = 0
         self.started: int | None = None  # the budget accrues from here (the recording's start; else the first tick)
+        # Quiet spans for the trip windows' local rates (analysis/trips.py): no window opens before
+        # hold_ns (the clock's), and trapped_ns is when the last window's probes stopped trapping
+        # (their fds closed).
+        self.hold_ns = 0
+        self.trapped_ns = 0
+        self._closing_now: Anchor | None = None  # whose fds the closer is closing
 
     # --- choosing ------------------------------------------------------------------------------
     def want(self, img: int, start: int) -> bool:
@@ -524,6 +531,9 @@ class AnchorSet:
             short = a.credit - WINDOW_SLACK_S - closing
             if short >= max(MIN_WINDOW_S, closing):
                 length, registered = short, a.credit
+        if now < self.hold_ns and self._disturbs(a):  # the trip windows' samples around a window of theirs
+            t.wait = min(t.wait, max(TICK_S, (self.hold_ns - now) / 1e9))
+            return
         if t.spent >= t.cap:  # nothing opens until the time since the start has paid for the traps
             t.wait = min(t.wait, max(TICK_S, (t.spent - ALLOWANCE) / self.budget - (now - t.started) / 1e9))
             return
@@ -568,6 +578,28 @@ class AnchorSet:
                 self.closes += len(fds)
             self.wake.set()
 
+    def _disturbs(self, a: Anchor) -> bool:
+        """Do the anchor's probes trap often enough to slow what the samples around them show? (Its
+        rate is not known yet, or its traps take QUIET_SHARE of the time or more: a cheap anchor's
+        windows stay open all the time and trap next to never, a program's main once.)"""
+        return a.rate is None or a.rate * a.hit_s(self.hit_cost_s) >= QUIET_SHARE
+
+    def quiet_ns(self) -> int:
+        """How long no anchor's probe has trapped at a rate that matters (_disturbs): 0 while such
+        a window is open or its fds close."""
+        with self.lock:
+            if (self._closing_now is not None and self._disturbs(self._closing_now)) or any(
+                    self._disturbs(a) for a, _ in self._closing) or any(
+                    a.window is not None and self._disturbs(a) for a in self.anchors.values()):
+                return 0
+            return max(0, self.clock() - self.trapped_ns)
+
+    def hold(self, until_ns: int) -> None:
+        """No window opens before ``until_ns`` (the clock's; 0: from now on they may): a span of
+        samples without traps."""
+        with self.lock:
+            self.hold_ns = until_ns
+
     def close_pending(self) -> None:
         """Close the fds of ended windows (slow: the closer thread calls this). Each fd's count is
         read just before its close: the hits since the window ended are traps it cost too."""
@@ -576,6 +608,7 @@ class AnchorSet:
                 if not self._closing:
                     return
                 a, fds = self._closing.popleft()
+                self._closing_now = a
             for fd, last in fds.items():
                 try:
                     late = self.probes.read(fd) - last
@@ -586,6 +619,10 @@ class AnchorSet:
                 self.probes.close(fd)
                 with self.lock:
                     self.closes -= 1
+                    if self._disturbs(a):
+                        self.trapped_ns = self.clock()
+            with self.lock:
+                self._closing_now = None
 
     def stop(self) -> None:
         """End every window now (the run is ending) and close everything."""

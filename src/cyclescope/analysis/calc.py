@@ -26,7 +26,14 @@ from cyclescope.analysis.frequency import MEASURED, Frequencies, Measured, estim
 from cyclescope.analysis.loopcount import LoopStats, loop_executions
 from cyclescope.analysis.loops import Loop
 from cyclescope.analysis.paths import PathBlock
-from cyclescope.analysis.progress import ARGS, HEAVY_TAIL, ProgressStats, entries_from_progress
+from cyclescope.analysis.progress import (
+    HEAVY_TAIL,
+    NARGS,
+    ProgressStats,
+    entries_from_progress,
+    point_address,
+    value_name,
+)
 from cyclescope.analysis.schedule import BlockModel, InsnModel, ProcedureModel, model_blocks, model_key
 from cyclescope.analysis.skid import skidded
 from cyclescope.analysis.trips import MIN_HITS, ScaleStats
@@ -116,7 +123,7 @@ def calc_procedure(
     mean_period: float = 0.0,
     anchor: AnchorStats | None = None,
     outcomes: dict[int, dict[int, float]] | None = None,
-    trips: dict[int, tuple[int, int]] | None = None,
+    trips: dict[int, tuple[int, int, int]] | None = None,
     progress: dict[int, ProgressStats] | None = None,
     scale: dict[int, tuple[AnchorStats, ScaleStats]] | None = None,
 ) -> Calc:
@@ -160,7 +167,7 @@ def calc_procedure(
     if scale:
         mnotes += _scaled(cfg, s_cyc, scale, period_cycles, measured, anchor)
     if progress:
-        mnotes += _progressed(cfg, progress, period_cycles, measured)
+        mnotes += _progressed(cfg, progress, period_cycles, measured, infos, loops)
     freq = estimate_frequencies(cfg, classes, model, s_cyc, infos, estimator=estimator, measured=measured)
     if trips:  # loop headers from their exact ratios to a measured point counted in the same windows
         by_ratio, rnotes = _by_ratios(cfg, trips, measured, freq)
@@ -300,13 +307,15 @@ _RANK = SURETY
 _BY_RANK = {v: k for k, v in _RANK.items()}
 
 
-def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, Measured],
+def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int, int]], measured: dict[int, Measured],
                freq: Frequencies) -> tuple[dict[int, Measured], list[str]]:
     """Blocks whose first instruction the trip windows counted (analysis/trips.py: the procedure's
-    entry, loop headers and hot blocks, all counted together in each window): each gets the count
-    of the best counted block with a measured count (an anchor, a loop counter; else a
-    high-confidence one) times the exact ratio of their hits. The ratio's error goes as 1/sqrt of
-    the rarer point's hits (the trials: a loop's entries, each running some trips): MIN_HITS to be
+    entry, loop headers and hot blocks, all counted together in each window; ``trips``: point ->
+    hits, windows, the entry's hits in them): each gets the count of the best counted block with a
+    measured count (an anchor, a loop counter; else a high-confidence one) times the exact ratio
+    of their runs per entry in the windows that counted each (a block near the share that makes it
+    a point may be one in some runs and not in others). The ratio's error goes as 1/sqrt of the
+    rarer point's hits (the trials: a loop's entries, each running some trips): MIN_HITS to be
     used, MEDIUM_HITS and HIGH_HITS for medium and high confidence (about 10% and 3% where the trips
     vary as much as their mean), with MEDIUM_WINDOWS and HIGH_WINDOWS windows (a ratio changes with
     a program's phases, and one window sees one); the result is no surer than the count it scales.
@@ -316,10 +325,16 @@ def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, 
     from cyclescope.analysis.trips import HIGH_HITS, HIGH_WINDOWS, MEDIUM_HITS, MEDIUM_WINDOWS, MIN_HITS
 
     block_at = {b.start: b.id for b in cfg.blocks}
-    pts = {block_at[a]: h for a, (h, _) in trips.items() if a in block_at}
-    windows = max((w for _, w in trips.values()), default=0)
+    entry = _entry_block(cfg)
+    own = trips.get(cfg.blocks[entry].start) if entry is not None else None  # the entry's hits (older tallies)
+    pts: dict[int, tuple[int, int, float]] = {}  # block -> hits, windows, runs per entry
+    for a, (h, w, eh) in trips.items():
+        if a in block_at:
+            per = h / eh if eh > 0 else h / own[0] if own is not None and own[0] > 0 else float(h)
+            pts[block_at[a]] = (h, w, per)
+    windows = max((w for _, w, _ in trips.values()), default=0)
     refs = []
-    for b, h in pts.items():
+    for b, (h, _w, _per) in pts.items():
         if h < MIN_HITS:
             continue
         m = measured.get(b)
@@ -333,22 +348,24 @@ def _by_ratios(cfg: CFG, trips: dict[int, tuple[int, int]], measured: dict[int, 
                         "measured count to scale the ratios by; their counts are the model's"]
         return {}, []
     rank, _, h0, b0, f0, conf0, how = max(refs)
+    _, w0, per0 = pts[b0]
     out: dict[int, Measured] = {}
-    for b, h in pts.items():
-        if b == b0 or h <= 0:
+    for b, (h, w, per) in pts.items():
+        if b == b0 or h <= 0 or per0 <= 0:
             continue
         n = min(h, h0)
         if n < MIN_HITS:
             continue
-        surety = (2 if n >= HIGH_HITS and windows >= HIGH_WINDOWS else
-                  1 if n >= MEDIUM_HITS and windows >= MEDIUM_WINDOWS else 0)
+        both = min(w, w0)
+        surety = (2 if n >= HIGH_HITS and both >= HIGH_WINDOWS else
+                  1 if n >= MEDIUM_HITS and both >= MEDIUM_WINDOWS else 0)
         r = min(rank, surety)
         m = measured.get(b)
         if m is not None and _RANK[m.confidence] >= r:
             continue
-        out[b] = Measured(f0 * h / h0, _BY_RANK[r], "trip-window",
-                          f"{h / h0:,.4g} runs per run of {cfg.blocks[b0].start:#x} ({h:,} against {h0:,}, counted "
-                          f"together in {windows:,} windows), whose count is {how} ({conf0} confidence)")
+        out[b] = Measured(f0 * per / per0, _BY_RANK[r], "trip-window",
+                          f"{per / per0:,.4g} runs per run of {cfg.blocks[b0].start:#x} ({h:,} against {h0:,}, counted "
+                          f"beside the entry in {w:,} and {w0:,} windows), whose count is {how} ({conf0} confidence)")
     return out, []
 
 
@@ -489,7 +506,7 @@ def _heads_loop(cfg: CFG, block: int) -> bool:
 
 
 def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: float | None,
-                measured: dict[int, Measured]) -> list[str]:
+                measured: dict[int, Measured], infos: Sequence[InsnInfo] = (), loops: Sequence[Loop] = ()) -> list[str]:
     """The entry block's frequency from an argument that moves forward through the run
     (analysis/progress.py), added to ``measured`` where it is surer than what is there (an anchor
     of a short entry is low confidence: its traps' disturbance makes it low). Notes where it
@@ -497,7 +514,10 @@ def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: flo
     entry = _entry_block(cfg)
     if not period_cycles or entry is None:
         return []
-    est, why_not = entries_from_progress(progress)
+    point = None
+    if infos and any(a >= NARGS for a in progress):  # named by where it is read
+        point = point_address(cfg, infos, [lp.addresses for lp in (loops or _loops(cfg, infos))])
+    est, why_not = entries_from_progress(progress, point)
     if est is None:
         return [why_not] if why_not else []
     if _heads_loop(cfg, entry):
@@ -510,7 +530,7 @@ def _progressed(cfg: CFG, progress: dict[int, ProgressStats], period_cycles: flo
     if m is not None and _RANK[m.confidence] >= _RANK[est.confidence] and not fairer:
         # Kept, but the other count is said: where both are low (a short entry's anchor runs low, a
         # stride from a few windows high), the exact count was between them on the benchmark.
-        return [f"entry count from moving arguments: {ARGS[est.arg]} gives {est.entries:,.0f} entries "
+        return [f"entry count from moving arguments: {value_name(est.arg, point)} gives {est.entries:,.0f} entries "
                 f"({est.confidence} confidence); the {m.method}'s {m.value * period_cycles:,.0f} "
                 f"({m.confidence} confidence) is kept"
                 + (f" ({HEAVY_TAIL})" if est.confidence == "low" and not est.local else "")]

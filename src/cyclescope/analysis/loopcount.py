@@ -93,6 +93,17 @@ LOCAL_PROGRESS = ("pairs", "delta", "pair_period", "back", "back_period", "local
 _LOW48 = (1 << 48) - 1
 
 
+def _last_known(vals: list[np.ndarray], known: list[np.ndarray],
+                cum: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per value, its last known sample over a thread's samples in a procedure (``vals``, ``known``,
+    ``cum``: the earlier last known one, if any, then this drain's rows): its value, whether there
+    is one, and the thread's time at it."""
+    v, k, c = np.concatenate(vals), np.concatenate(known), np.concatenate(cum)
+    last = len(k) - 1 - np.argmax(k[::-1], axis=0)  # per value, its last known row (0 where none)
+    cols = np.arange(k.shape[1])
+    return v[last, cols].copy(), k[last, cols].copy(), c[last, cols].copy()
+
+
 class Window:
     """A per-instruction array that is zero (False) outside [lo, lo + len(data)), indexed like the
     whole one by arrays of instruction indices: a counter's offsets and validity, which hold only
@@ -147,14 +158,16 @@ class LoopTable:
     trips: list[tuple[int, int, int, int, int, int, int, Window, Window, bool] | None] = field(
         default_factory=list)
     blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))  # uint64: the CFG's block starts
-    # int8 [instruction, argument]: the register holding an argument's entry value there
-    # (analysis/progress.entry_args), and each argument's width
-    args: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), np.int8))
-    argwidth: np.ndarray = field(default_factory=lambda: np.full(6, 64, np.int8))
+    # int8 [instruction, value]: the register holding an argument's entry value there, or a
+    # register's value at the progress point (analysis/progress.entry_args: NVALUES), and each
+    # value's width
+    args: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int8))  # none followed
+    argwidth: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
     # uint64 per block (as ``blocks``): where to probe it (block_sites), and whether the kernel
     # emulates the instruction there
     sites: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     site_emulated: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    point: int = 0  # the progress point's address (analysis/progress.progress_point), 0: none
 
     @property
     def empty(self) -> bool:
@@ -169,7 +182,7 @@ class LoopTable:
         return n + 200 * (len(self.counters) + 1)  # the lists and tuples around them
 
 
-ANALYSIS_VERSION = 6  # of loop_table's output: cached tables of another version are not used
+ANALYSIS_VERSION = 7  # of loop_table's output: cached tables of another version are not used
 
 
 def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
@@ -202,6 +215,7 @@ def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
         "crow": np.array(crow, np.int64).reshape(-1, 5), "cidx": cat(idx_parts), "coff": cat(off_parts),
         "trow": np.array(trow, np.int64).reshape(-1, 10), "blocks": t.blocks, "args": t.args,
         "argwidth": t.argwidth, "sites": t.sites, "site_emulated": t.site_emulated,
+        "point": np.array([t.point], np.uint64),
     }
 
 
@@ -245,7 +259,7 @@ def _table_from_arrays(a: dict[str, np.ndarray]) -> LoopTable | None:
     return LoopTable(a["addrs"], a["inner"], a["depth"], a["anc"], a["headers"], invariants, counters, trips,
                      np.asarray(a["blocks"], np.uint64), np.asarray(a["args"], np.int8),
                      np.asarray(a["argwidth"], np.int8), np.asarray(a["sites"], np.uint64),
-                     np.asarray(a["site_emulated"], bool))
+                     np.asarray(a["site_emulated"], bool), int(a["point"][0]))
 
 
 EMPTY = LoopTable(np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(0, np.int32),
@@ -259,7 +273,7 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
     # and the loops cost 14 ms of its start-up), and the worker process that does imports them once.
     from cyclescope.analysis.cfg import build_cfg
     from cyclescope.analysis.loops import find_loops
-    from cyclescope.analysis.progress import entry_args
+    from cyclescope.analysis.progress import entry_args, progress_point
     from cyclescope.images.disasm import LazyInfos, disassemble
 
     insns = disassemble(code, start)
@@ -304,13 +318,18 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
                         c.limit.how == "cross")
         counters.append(cs)
         trips.append(trip)
-    args, argwidth = entry_args(cfg, infos)
+    looped = np.zeros(len(insns), bool)
+    for lp in loops:
+        looped[[index[a] for a in lp.addresses]] = True
+    point = progress_point(cfg, infos, looped)
+    args, argwidth = entry_args(cfg, infos, *(point or (-1, ())))
     ordered = sorted(cfg.blocks, key=lambda b: b.start)
     sites = [block_site(insns[b.first : b.last + 1]) for b in ordered]
     return LoopTable(addrs, inner, depth, anc, np.array([lp.header for lp in loops], np.uint64),
                      [np.array([col[r] for r in lp.invariants], np.intp) for lp in loops], counters, trips,
                      np.array([b.start for b in ordered], np.uint64), args, argwidth,
-                     np.array([a for a, _ in sites], np.uint64), np.array([e for _, e in sites], bool))
+                     np.array([a for a, _ in sites], np.uint64), np.array([e for _, e in sites], bool),
+                     insns[point[0]].address if point is not None else 0)
 
 
 def block_site(insns: list[Any]) -> tuple[int, bool]:
@@ -568,7 +587,8 @@ class LoopCounter:
         # procedure (the arguments' values, which are known, that time)
         self.progress: dict[tuple[int, int, int], np.ndarray] = {}
         self._tcum: dict[int, float] = {}
-        self._plast: dict[int, dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]]] = {}
+        # per thread and procedure: each value's last known sample (its value, known, the thread's time)
+        self._plast: dict[int, dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._moving: dict[tuple[int, int, int], list[int]] = {}  # since the start: [pairs moving forward, back]
         # stride windows not yet resolved (stride_window), and per (procedure, thread) the samples' recent
         # [time, cum, values, known] in chunks (_local_rates)
@@ -984,7 +1004,7 @@ class LoopCounter:
         """How far the arguments of each sampled procedure moved between consecutive samples of a
         thread in it (analysis/progress.py). A thread's time is the sum of its samples' periods (per
         task, exactly its CPU time; system-wide, its expected value)."""
-        from cyclescope.analysis.progress import JUMP, NARGS, W32, signed_moves
+        from cyclescope.analysis.progress import JUMP, W32, signed_moves
 
         f = np.flatnonzero(fresh)
         if not len(f):
@@ -1016,7 +1036,9 @@ class LoopCounter:
             vals = np.take_along_axis(regs, np.where(known, codes % W32, 0), axis=1)
             vals = np.where(codes >= W32, vals & np.uint64(0xFFFFFFFF), vals)
             key = (int(i), int(s))
-            # the thread's last sample in the procedure before this drain's, then this drain's
+            # each value's last known sample of the thread in the procedure before this drain's,
+            # then this drain's (each value's pairs are of the samples where it is known: a
+            # progress point's values are not before the point in each call)
             seq_tid, seq_val, seq_known, seq_cum = [], [], [], []
             for t_ in distinct(tid[rows]).tolist():
                 last = self._plast.get(t_, {}).get(key)
@@ -1024,31 +1046,30 @@ class LoopCounter:
                     seq_tid.append(np.array([t_]))
                     seq_val.append(last[0][None, :])
                     seq_known.append(last[1][None, :])
-                    seq_cum.append(np.array([last[2]]))
+                    seq_cum.append(last[2][None, :])
                 m = tid[rows] == t_
                 seq_tid.append(tid[rows][m])
                 seq_val.append(vals[m])
                 seq_known.append(known[m])
-                seq_cum.append(cum[rows][m])
-                lr = np.flatnonzero(m)[-1]
-                self._plast.setdefault(t_, {})[key] = (vals[lr].copy(), known[lr].copy(), float(cum[rows][lr]))
+                seq_cum.append(np.repeat(cum[rows][m][:, None], known.shape[1], axis=1))
+                mine = 2 if last is not None else 1  # this thread's pieces: its earlier last known, then its rows
+                self._plast.setdefault(t_, {})[key] = _last_known(seq_val[-mine:], seq_known[-mine:], seq_cum[-mine:])
                 if self.moving(*key):  # trip windows of its entry alone come (trips.TripWindows._stride_turn)
                     self._keep_history(key, t_, b.time[order[rows]][m], cum[rows][m], vals[m], known[m])
             st_ = np.concatenate(seq_tid)
             sv = np.concatenate(seq_val)
             sk = np.concatenate(seq_known)
             sc = np.concatenate(seq_cum)
-            same = st_[1:] == st_[:-1]
-            if not same.any():
-                continue
-            dt = sc[1:] - sc[:-1]
-            for a in range(NARGS):
-                ok = same & sk[1:, a] & sk[:-1, a]
+            for a in range(sk.shape[1]):
+                ka = np.flatnonzero(sk[:, a])
+                if len(ka) < 2:
+                    continue
+                ok = st_[ka[1:]] == st_[ka[:-1]]
                 if not ok.any():
                     continue
                 with np.errstate(over="ignore"):
-                    d = signed_moves(sv[1:, a] - sv[:-1, a], int(t.argwidth[a]))[ok]
-                tt = dt[ok]
+                    d = signed_moves(sv[ka[1:], a] - sv[ka[:-1], a], int(t.argwidth[a]))[ok]
+                tt = (sc[ka[1:], a] - sc[ka[:-1], a])[ok]
                 good = d >= 0
                 moving = good & (d > 0) & (tt > 0)
                 if moving.sum() >= 5:
@@ -1085,24 +1106,27 @@ class LoopCounter:
         while len(h) > 1 and int(h[0][0][-1]) < last - LOCAL_HISTORY_NS:
             h.popleft()
 
-    def stride_window(self, img: int, entry: int, opened_ns: int, closed_ns: int, steps: int,
+    def stride_window(self, img: int, entry: int, probed_ns: int, unprobed_ns: int, steps: int,
                       moves: np.ndarray) -> None:
-        """A trip window of the entry alone (analysis/trips.py, from its thread): between its CLOCK_MONOTONIC
-        times, ``steps`` entries after the first, each argument moving ``moves`` (NaN where no
+        """A trip window of the entry alone (analysis/trips.py, from its thread): its probes trapped
+        between these CLOCK_MONOTONIC times (from their attach to the end of their detach), and it
+        counted ``steps`` entries after the first, each value moving ``moves`` (NaN where no
         register held it). Resolved against the thread's samples around it once they come."""
         if steps < 1:
             return
         with self._lock:
-            self._strides.append(((img, entry), opened_ns, closed_ns, steps, np.asarray(moves, np.float64).copy()))
+            self._strides.append(((img, entry), probed_ns, unprobed_ns, steps, np.asarray(moves, np.float64).copy()))
 
     def _local_rates(self, widths: dict[tuple[int, int], np.ndarray]) -> None:
         """Each pending stride window whose procedure's samples now reach LOCAL_AROUND_NS past it
-        (``widths``: the argument widths of the procedures this drain sampled): per argument, its
-        entries per unit of the thread's time, the argument's move from the first sample within
-        LOCAL_AROUND_NS before the window to the last within LOCAL_AROUND_NS after it, over the
-        thread's time between them, times the window's entries per move. Only where one thread
-        sampled the procedure around the window (a window counts the process's entries, and two
-        threads' registers do not mix), with samples on both sides of it and no move back."""
+        (``widths``: the values' widths of the procedures this drain sampled): per value, its
+        entries per unit of the thread's time, the value's move rate over the thread's time in the
+        LOCAL_AROUND_NS before the window's probes went in and after they were out (no trap slows
+        those: the probes trap while they are attached and detached too, and a procedure of 0.2 us
+        a call trapped twice a call runs several times slower there), times the window's entries per
+        move. Only where one thread sampled the procedure around the window (a window counts the
+        process's entries, and two threads' registers do not mix), with samples on both sides of it
+        and no move back."""
         from cyclescope.analysis.progress import signed_moves
 
         with self._lock:
@@ -1127,24 +1151,27 @@ class LoopCounter:
                 lo = int(np.searchsorted(times, t0 - LOCAL_AROUND_NS, "left"))
                 hi = int(np.searchsorted(times, t1 + LOCAL_AROUND_NS, "right")) - 1
                 if lo < hi and times[lo] <= t0 and times[hi] >= t1:
-                    spans.append((cum[lo : hi + 1], vals[lo : hi + 1], known[lo : hi + 1]))
+                    spans.append((times[lo : hi + 1], cum[lo : hi + 1], vals[lo : hi + 1], known[lo : hi + 1]))
             if latest < t1 + LOCAL_AROUND_NS:  # the samples after it are not all in yet
                 keep.append((key, t0, t1, steps, moves))
                 continue
             if len(spans) != 1:
                 continue
-            cum, vals, known = spans[0]
-            dt = float(cum[-1] - cum[0])
-            if dt <= 0:
-                continue
             for a, mv in enumerate(moves.tolist()):
-                if not mv > 0 or not known[:, a].all():
+                if not mv > 0:
+                    continue
+                # The samples where a register held the value (a progress point's, only after the
+                # point in each call), on both sides of the window; their pairs outside it.
+                times, cum, vals, known = (x[spans[0][3][:, a]] for x in spans[0])
+                if len(times) < 2 or times[0] > t0 or times[-1] < t1:
                     continue
                 with np.errstate(over="ignore"):
                     d = signed_moves(vals[1:, a] - vals[:-1, a], int(width[a]))
-                if (d < 0).any() or d.sum() <= 0:
+                dt = cum[1:] - cum[:-1]
+                out = (times[1:] <= t0) | (times[:-1] >= t1)
+                if not out.any() or (d[out] < 0).any() or d[out].sum() <= 0 or dt[out].sum() <= 0:
                     continue
-                e = float(d.sum()) / dt * steps / mv
+                e = float(d[out].sum()) / float(dt[out].sum()) * steps / mv
                 st = self._progress_stat(key, a)
                 st[5] += 1
                 st[6] += e
@@ -1153,11 +1180,12 @@ class LoopCounter:
             self._strides = keep + self._strides
 
     def moving(self, img: int, start: int) -> bool:
-        """Has an argument of the procedure moved forward between its samples (a few times, and
-        seldom back) since the recording began? Trip windows measure its move per entry then."""
-        from cyclescope.analysis.progress import MAX_BACK, MIN_MOVING
+        """Has an argument of the procedure (or a value at its progress point) moved forward
+        between its samples (a few times, and seldom back) since the recording began? Trip windows
+        measure its move per entry then."""
+        from cyclescope.analysis.progress import MAX_BACK, MIN_MOVING, NVALUES
 
-        for a in range(6):
+        for a in range(NVALUES):
             mv = self._moving.get((img, start, a))
             if mv is not None and mv[0] >= MIN_MOVING and mv[1] <= MAX_BACK * (mv[0] + mv[1]):
                 return True

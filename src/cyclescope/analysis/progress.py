@@ -22,6 +22,14 @@ a new position. Two things then give its entry count:
   moves add up to how far it went (the sum telescopes). Where it jumped back or far ahead (a new
   buffer, a reset), the move is not known: the pair's time times the argument's rate elsewhere.
 
+A position need not be an argument: lzip's match finder reads it from ``this`` (``mov ecx, [rdi +
+0x34]``), gzip's from a global. The procedure's progress point (``progress_point``) is where, before
+its loops, the registers hold most of what it loaded or computed and keeps through them; each
+register's value there is followed as an argument's is (NVALUES values in all), the windows of the
+entry alone probe the point beside the entry (its registers at the first and last counted runs),
+and the samples before the point in a call, which do not know those values, are skipped by the
+pairs (each value's pairs are of the samples that know it).
+
 Entries = total move / move per entry. That needs many windows: the move per entry is heavy-tailed
 in time (HEAVY_TAIL below), and from a few windows the count runs high. Each window also gives a
 local rate (loopcount.LoopCounter._local_rates): its entries per unit of the thread's time, the
@@ -44,7 +52,7 @@ Nothing but sums of moves and counts is stored (db/tallies.py PROGRESS): no valu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +72,11 @@ if TYPE_CHECKING:
 # The System V argument registers, in order: the ones whose entry values are followed.
 ARGS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 NARGS = len(ARGS)
+# Beside them, the general registers at the procedure's progress point (progress_point): value
+# NARGS + c is what GPR column c held there. So a position the procedure loads from memory or
+# computes (lzip's match finder reads its position from ``this``; gzip's, from a global) is followed
+# as an argument is. NVALUES values in all (the PROGRESS tally's ``arg``).
+NVALUES = NARGS + 16
 W32 = 16  # added to a holder's column where it holds only the low 32 bits (``mov ebx, esi``)
 _COL = {r: i for i, r in enumerate(GPRS)}
 
@@ -103,15 +116,24 @@ HEAVY_TAIL = ("from a few windows such a count runs high: an argument's move per
 # TRUST_WINDOWS windows): bench/stridetime.py's simulated sets of four windows on xz's match finder
 # put the count from them at 0.80-1.45 of exact (10th to 90th percentile), the stride's at 0.67-1.44
 LOCAL_MAX_ERROR = 0.30
+# A stride's relative standard error up to which its windows count as agreeing exactly (the same
+# move per entry in each): its count is then used before the local rates', from MIN_WINDOWS
+# windows, in medium confidence. The suite's xz, whose move per entry varies, had 3.4% at least
+# over eleven sets of three runs (3-5 windows); lzip's match finder 0.04%.
+STEADY_ERROR = 0.01
 MAX_BACK = 0.10  # of the windows, and of the pairs (with their time), that went back or jumped
 HIGH_BACK = 0.02
 
 
-def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndarray]:
-    """Per instruction and argument register, the register (its column in GPRS order) that holds
-    the argument's value at entry when the instruction is about to run, -1 where none surely does;
-    W32 added where only a 32-bit copy holds it. And each argument's width: 32 where a 32-bit copy
-    is all some instruction has (its moves are then taken modulo 2**32 everywhere), else 64.
+def entry_args(cfg: CFG, infos: Sequence[InsnInfo], point: int = -1,
+               point_cols: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Per instruction and value (NVALUES: the argument registers' entry values, then the general
+    registers' values at the progress point), the register (its column in GPRS order) that holds
+    the value when the instruction is about to run, -1 where none surely does; W32 added where only
+    a 32-bit copy holds it. And each value's width: 32 where a 32-bit copy is all some instruction
+    has (its moves are then taken modulo 2**32 everywhere), else 64. ``point``: the progress point's
+    instruction index (progress_point; -1: none), where the registers ``point_cols`` take on values
+    of their own (NARGS + column) unless they hold an argument.
 
     A forward copy propagation: at entry each argument register holds itself; ``mov r64, r64``
     copies a holding, ``mov r32, r32`` copies its low half; any other write, and a call for the
@@ -119,14 +141,30 @@ def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndar
     every path. Written by hand: it is the few lines a reaching-definitions pass would need, and
     cfg.ReachingDefs answers one register at a time."""
     n = len(cfg.insns)
-    out = np.full((n, NARGS), -1, np.int8)
-    widths = np.full(NARGS, 64, np.int8)
+    out = np.full((n, NVALUES), -1, np.int8)
+    widths = np.full(NVALUES, 64, np.int8)
     if not cfg.blocks or n == 0:
         return out, widths
-    unknown = -1
-    start = [unknown] * 16  # per GPR column: the argument it holds (+NARGS: its low 32 bits), or -1
+    start = [-1] * 16  # per GPR column: the value it holds (+NVALUES: its low 32 bits), or -1
     for a, r in enumerate(ARGS):
         start[_COL[r]] = a
+    at_point = (point, tuple(point_cols))
+    state_in = _propagate(cfg, start, lambda b, st: _transfer_block(cfg, infos, b, st, None, at_point))
+    for b in range(len(cfg.blocks)):
+        st = state_in[b]
+        if st is not None:
+            _transfer_block(cfg, infos, b, list(st), out, at_point)
+    for a in range(NVALUES):
+        col = out[:, a]
+        if ((col >= W32) & (col >= 0)).any():
+            widths[a] = 32
+    return out, widths
+
+
+def _propagate(cfg: CFG, start: list[int], transfer: Callable[[int, list[int]], list[int]]) -> list[list[int] | None]:
+    """Each block's state on entry (per GPR column: what it holds, -1 unknown), forward from the
+    procedure's entry with ``start``, meeting paths by keeping what they agree on."""
+    unknown = -1
     entry_blocks = {e.dst for e in cfg.out_edges(ENTRY) if e.dst >= 0} or {0}
     state_in: list[list[int] | None] = [None] * len(cfg.blocks)
     for b in entry_blocks:
@@ -137,7 +175,7 @@ def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndar
         st = state_in[b]
         if st is None:
             continue
-        cur = _transfer_block(cfg, infos, b, list(st), None)
+        cur = transfer(b, list(st))
         for eid in cfg.blocks[b].succs:
             d = cfg.edges[eid].dst
             if d < 0:
@@ -150,25 +188,23 @@ def entry_args(cfg: CFG, infos: Sequence[InsnInfo]) -> tuple[np.ndarray, np.ndar
                 state_in[d] = new
                 if d not in work:
                     work.append(d)
-    for b in range(len(cfg.blocks)):
-        st = state_in[b]
-        if st is not None:
-            _transfer_block(cfg, infos, b, list(st), out)
-    for a in range(NARGS):
-        col = out[:, a]
-        if ((col >= W32) & (col >= 0)).any():
-            widths[a] = 32
-    return out, widths
+    return state_in
 
 
-def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], out: np.ndarray | None) -> list[int]:
+def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], out: np.ndarray | None,
+                    at_point: tuple[int, tuple[int, ...]] = (-1, ())) -> list[int]:
     blk = cfg.blocks[b]
+    point, cols = at_point
     for k in range(blk.first, blk.last + 1):
+        if k == point:
+            for c in cols:
+                if st[c] < 0 or st[c] % NVALUES >= NARGS:  # an argument's holding stays
+                    st[c] = NARGS + c
         if out is not None:
             for c, h in enumerate(st):
                 if h < 0:
                     continue
-                a, half = h % NARGS, h >= NARGS
+                a, half = h % NVALUES, h >= NVALUES
                 prev = int(out[k, a])
                 # a full copy is preferred to a low half
                 if prev < 0 or (prev >= W32 and not half):
@@ -177,7 +213,11 @@ def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], 
     return st
 
 
-def _transfer(ins: Insn, info: InsnInfo | None, st: list[int]) -> None:
+def _transfer(ins: Insn, info: InsnInfo | None, st: list[int], scoring: bool = False,
+              written: int | None = None) -> None:
+    """One instruction's effect on the holdings ``st``. ``scoring`` (progress_point's pass): a
+    32-bit copy copies the value whole, and a write other than a copy leaves ``written`` + the
+    register's column there (a value of its own; None: nothing known)."""
     m = ins.mnemonic
     if m == "mov":
         ops = [o.strip() for o in ins.op_str.split(",")]
@@ -188,7 +228,7 @@ def _transfer(ins: Insn, info: InsnInfo | None, st: list[int]) -> None:
                 return
             if d in _R32 and s in _R32:
                 h = st[_COL[_R32[s]]]
-                st[_COL[_R32[d]]] = (h % NARGS) + NARGS if h >= 0 else -1
+                st[_COL[_R32[d]]] = h if scoring or h < 0 else (h % NVALUES) + NVALUES
                 return
     if m == "call":
         for r in CALLER_SAVED:
@@ -197,7 +237,89 @@ def _transfer(ins: Insn, info: InsnInfo | None, st: list[int]) -> None:
         for r in info.writes:
             c = _COL.get(r)
             if c is not None and r != "rsp":
-                st[c] = -1
+                st[c] = -1 if written is None else written + c
+
+
+# progress_point's values of its own: one per instruction and written register (ids from here up)
+_OWN = 64
+# The values progress_point follows: those held at this share of the loop instructions where the
+# most held one is, or more (a value held in a loop or two of many is rarely where the time goes)
+MAIN_SHARE = 0.5
+
+
+def progress_point(cfg: CFG, infos: Sequence[InsnInfo], looped: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
+    """Where to read a procedure's own values: the instruction (its index) outside the procedure's
+    loops (``looped``: per instruction) before which the general registers hold the most of what
+    the procedure loaded or computed outside its loops and keeps through them, weighed by the loop
+    instructions where each is held (a position read from a structure or a global, a pointer into
+    a buffer: the values whose moves count entries, analysis/progress.py), and the registers (GPR
+    columns) holding those there (the values held at MAIN_SHARE of the loop instructions of the
+    most held one, or more). At equal weight, an instruction the kernel emulates (a probe there
+    costs a trap alone), then the earliest. None where the loops hold no such value.
+
+    The same copy propagation as entry_args, each other write outside the loops a value of its own
+    (not a constant: a load of an immediate or an address, or a register zeroed; nor one read off
+    the stack pointer); the arguments' holdings are entry_args' already."""
+    from cyclescope.images.disasm import uprobe_emulated
+
+    n = len(cfg.insns)
+    if not cfg.blocks or n == 0 or not looped.any():
+        return None
+
+    owns: dict[int, int | None] = {}  # memo: the worklist passes over blocks more than once
+
+    def own(k: int) -> int | None:
+        if k in owns:
+            return owns[k]
+        info = infos[k] if k < len(infos) else None
+        ins = cfg.insns[k]
+        ops = [o.strip() for o in ins.op_str.split(",")]
+        reads = set(info.reads) - {"rip", "rflags"} if info is not None else set()
+        if (looped[k] or info is None or "rsp" in reads or "rsp" in info.mem_regs or (not reads and not info.loads)
+                or (ins.mnemonic in ("xor", "sub") and len(ops) == 2 and ops[0] == ops[1])):
+            owns[k] = None
+        else:
+            owns[k] = _OWN + 16 * k
+        return owns[k]
+
+    def step(b: int, st: list[int], seen: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        blk = cfg.blocks[b]
+        for k in range(blk.first, blk.last + 1):
+            if seen is not None:
+                seen(k, st)
+            _transfer(cfg.insns[k], infos[k] if k < len(infos) else None, st, True, own(k))
+        return st
+
+    start = [-1] * 16
+    for a, r in enumerate(ARGS):
+        start[_COL[r]] = a
+    state_in = _propagate(cfg, start, lambda b, st: step(b, st))
+    weight: dict[int, int] = {}
+    before: dict[int, list[int]] = {}  # the holdings before each instruction outside the loops
+
+    def seen(k: int, st: list[int]) -> None:
+        if looped[k]:
+            for v in {h for h in st if h >= _OWN}:
+                weight[v] = weight.get(v, 0) + 1
+        else:
+            before[k] = list(st)
+
+    for b in range(len(cfg.blocks)):
+        if state_in[b] is not None:
+            step(b, list(state_in[b]), seen)  # type: ignore[arg-type]
+    if not weight:
+        return None
+    main = max(weight.values()) * MAIN_SHARE
+    best: tuple[tuple[float, bool, int], int, tuple[int, ...]] | None = None
+    for k, st in before.items():
+        cols = tuple(c for c, h in enumerate(st) if h >= _OWN and weight.get(h, 0) >= main and c != _COL["rsp"])
+        got = sum(weight[v] for v in {st[c] for c in cols})
+        if not got:
+            continue
+        rank = (got, uprobe_emulated(cfg.insns[k].raw), -k)
+        if best is None or rank > best[0]:
+            best = (rank, k, cols)
+    return (best[1], best[2]) if best is not None else None
 
 
 def signed_moves(delta: np.ndarray, width: int) -> np.ndarray:
@@ -302,7 +424,29 @@ class ProgressEstimate:
     local: bool = False  # from the windows' local rates (unbiased where they are few), not the stride
 
 
-def _local_estimate(a: int, st: ProgressStats, back_p: float) -> ProgressEstimate | None:
+def point_address(cfg: CFG, infos: Sequence[InsnInfo], loop_addresses: Sequence[frozenset[int]]) -> int | None:
+    """The progress point's address (progress_point), from the loops' instruction addresses."""
+    index = {ins.address: k for k, ins in enumerate(cfg.insns)}
+    looped = np.zeros(len(cfg.insns), bool)
+    for addrs in loop_addresses:
+        looped[[index[a] for a in addrs if a in index]] = True
+    got = progress_point(cfg, infos, looped)
+    return cfg.insns[got[0]].address if got is not None else None
+
+
+def value_name(a: int, point: int | None = None) -> str:
+    """What value ``a`` of a PROGRESS tally is: an argument register's entry value, or a register's
+    value at the progress point (at ``point``, its address, where known)."""
+    if a < NARGS:
+        return f"argument {ARGS[a]}"
+    return f"{GPRS[a - NARGS]} at the progress point" + (f" {point:#x}" if point else "")
+
+
+def _short(a: int, point: int | None) -> str:
+    return ARGS[a] if a < NARGS else f"{GPRS[a - NARGS]} at " + (f"{point:#x}" if point else "the progress point")
+
+
+def _local_estimate(a: int, st: ProgressStats, back_p: float, point: int | None = None) -> ProgressEstimate | None:
     """The entry count from the windows' local rates (enough of them, agreeing within
     LOCAL_MAX_ERROR), or None."""
     n = st.local_entries
@@ -313,18 +457,21 @@ def _local_estimate(a: int, st: ProgressStats, back_p: float) -> ProgressEstimat
             and err <= HIGH_ERROR)
     trusted = st.local_windows >= TRUST_WINDOWS and err <= MEDIUM_ERROR
     conf = "high" if high else "medium" if trusted else "low"
-    why = (f"argument {ARGS[a]}'s move rate sampled around {st.local_windows:,} trip windows of the entry alone, "
+    why = (f"{value_name(a, point)}'s move rate sampled around {st.local_windows:,} trip windows of the entry alone, "
            f"over its move per entry in each: {n:,.0f} entries over the {st.pairs:,} pairs of samples' time in the "
            f"procedure (relative standard error {err:.0%})"
            + ("" if st.local_windows >= TRUST_WINDOWS else FEW_WINDOWS))
     return ProgressEstimate(n, conf, a, why, local=True)
 
 
-def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEstimate | None, str | None]:
+def entries_from_progress(stats: dict[int, ProgressStats],
+                          point: int | None = None) -> tuple[ProgressEstimate | None, str | None]:
     """The procedure's entry count from its best argument (the surest; at equal confidence one from
     the windows' local rates before one from the stride, then most entries in the windows, then
     pairs), or None with the reason none could be used (None when no argument was followed at
-    all). Where an argument's local rates agree (_local_estimate), its stride's count is not used."""
+    all). Where an argument's local rates agree (_local_estimate), its stride's count is not used,
+    unless its windows agree on it exactly (STEADY_ERROR).
+    ``point``: the progress point's address, to name its values by."""
     best: tuple[tuple[int, int, int, int], ProgressEstimate] | None = None
     tried = []
     disagree: list[tuple[int, float, float]] = []
@@ -341,7 +488,12 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
         if back_p > MAX_BACK or back_w > MAX_BACK or st.delta <= 0:
             tried.append(a)
             continue
-        local = _local_estimate(a, st, back_p)
+        # A move per entry the same in every window (lzip's match finder: one position a call, in
+        # each of three windows) does not vary with the run's phases either: its count is surer
+        # than the local rates', which a run's few windows take at a few phases (the same set:
+        # the stride's count 1.01 of exact, the local rates' 0.72-0.86, at 0.57 s into each run).
+        steady = err is not None and err <= STEADY_ERROR
+        local = None if steady else _local_estimate(a, st, back_p, point)
         if local is not None:
             rank = (SURETY[local.confidence], 1, st.local_windows, st.pairs)
             if best is None or rank > best[0]:
@@ -352,16 +504,17 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
             continue
         high = (allw >= HIGH_WINDOWS and st.window_steps >= HIGH_STEPS and st.pairs >= HIGH_PAIRS
                 and back_p <= HIGH_BACK and back_w <= HIGH_BACK and err is not None and err <= HIGH_ERROR)
-        trusted = err is not None and allw >= TRUST_WINDOWS
+        trusted = err is not None and (allw >= TRUST_WINDOWS or steady)
         n = st.total / s
-        why = (f"argument {ARGS[a]} moved {st.total:,.0f} over the run ({st.pairs:,} pairs of samples in the procedure"
+        why = (f"{value_name(a, point)} moved {st.total:,.0f} over the run ({st.pairs:,} pairs of samples in the "
+               "procedure"
                + (f", {st.back:,} of them jumping, filled in at its rate" if st.back else "")
                + f") and {s:,.4g} per entry in {allw:,} trip windows ({st.window_steps + allw - st.window_back:,} "
                "entries counted" + (f", relative standard error {err:.0%}" if err is not None else "") + ")"
-               + ("" if trusted else FEW_WINDOWS))
+               + ("; the same in every window" if steady and allw < TRUST_WINDOWS else "" if trusted else FEW_WINDOWS))
         conf = "high" if high else "medium" if trusted else "low"
         est = ProgressEstimate(n, conf, a, why)
-        rank = (SURETY[conf], 0, st.window_steps, st.pairs)
+        rank = (SURETY[conf], int(steady), st.window_steps, st.pairs)
         if best is None or rank > best[0]:
             best = (rank, est)
     if best is not None:
@@ -370,8 +523,10 @@ def entries_from_progress(stats: dict[int, ProgressStats]) -> tuple[ProgressEsti
         return None, None
     if disagree:
         a, err, n = min(disagree, key=lambda x: x[1])
-        return None, (f"entry count from moving arguments: the trip windows disagree on how far {ARGS[a]} moves per "
-                      f"entry (relative standard error {err:.0%}; {MEDIUM_ERROR:.0%} at most is used): more windows "
-                      f"are needed (it would give {n:,.0f} entries; {HEAVY_TAIL})")
-    return None, (f"entry count from moving arguments: none of {', '.join(ARGS[a] for a in sorted(tried))} moved "
-                  "steadily forward with enough windows and pairs")
+        return None, (f"entry count from moving arguments: the trip windows disagree on how far "
+                      f"{value_name(a, point)} moves per entry (relative standard error {err:.0%}; "
+                      f"{MEDIUM_ERROR:.0%} at most is used): more windows are needed (it would give {n:,.0f} "
+                      f"entries; {HEAVY_TAIL})")
+    names = ", ".join(_short(a, point) for a in sorted(tried))
+    return None, (f"entry count from moving arguments: none of {names} moved steadily forward with enough "
+                  "windows and pairs")

@@ -73,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from cyclescope.analysis.loopcount import LOCAL_AROUND_NS
 from cyclescope.errors import CycleScopeError
 
 MAX_HEADERS = 15  # loop headers counted beside the entry (outermost first)
@@ -100,6 +101,17 @@ STRIDE_LATER = 4
 # TAIL_STEP_S (the collector's own CPU: a millisecond of looking at each window cost more than the
 # windows' own work).
 TAIL_S = 0.02
+FULL_TAIL_S = 0.002  # a window of all the points waits for its entry this long at most: they all trap meanwhile
+# Windows of whole runs in a row that held none before a procedure's windows have a fixed length (a
+# program's loop nest, entered once; one such window may come where a hot procedure is not running)
+EMPTY_RUNS = 2
+# Around a window of the entry alone, the anchors' windows are held off (AnchorSet.hold: from the
+# wait for quiet, at most QUIET_WAIT_S, through the window, HOLD_NS in all, then LOCAL_AFTER_NS past
+# its detach), so that the samples LOCAL_AROUND_NS on each side of it saw no trap.
+LOCAL_AFTER_NS = LOCAL_AROUND_NS + 2_000_000
+QUIET_WAIT_S = 0.1
+QUIET_STEP_S = 0.002
+HOLD_NS = 400_000_000
 TAIL_SPIN_S = 0.0002
 TAIL_STEP_S = 0.0002
 BUDGET_SHARE = 1.0  # of the anchors' budget (a share of one CPU)
@@ -251,9 +263,19 @@ class Target:
     # analysis/progress.py: the arguments' widths (None: not followed), and per argument the windows
     # that counted two entries or more, their entries - 1 and moves, and those whose move went back
     argwidth: np.ndarray | None = None
-    site_args: np.ndarray | None = None  # int8 per argument: the register holding it at the entry's probe
+    site_args: np.ndarray | None = None  # int8 per value: the register holding it at the entry's probe
+    # The procedure's progress point (analysis/progress.progress_point), counted beside the entry in
+    # its windows alone: its file offset, whether its hit is emulated, and per value the register
+    # holding it there (its own values only: the arguments come from the entry's registers)
+    point_offset: int | None = None
+    point_emulated: bool = False
+    point_args: np.ndarray | None = None
+    # Its windows have a fixed length: EMPTY_RUNS windows of whole runs in a row held none
+    # (TripWindows._window); those in a row so far.
+    fixed: bool = False
+    empty: int = 0
     emulated: list[bool] = field(default_factory=list)  # per point: its probe's hit is emulated (cheap)
-    progress: np.ndarray = field(default_factory=lambda: np.zeros((len(PROGRESS_ROWS), 6), np.float64))
+    progress: np.ndarray = field(default_factory=lambda: np.zeros((len(PROGRESS_ROWS), 0), np.float64))
     stride_windows: int = 0  # windows of the entry alone (for its arguments' moves), and their entries
     stride_entries: int = 0
     turns: int = 0
@@ -384,6 +406,7 @@ class TripWindows:
                     k = int(np.searchsorted(table.addrs, np.uint64(site.get(key[1], key[1]))))
                     if k < len(table.addrs) and int(table.addrs[k]) == site.get(key[1], key[1]):
                         t.argwidth, t.site_args = table.argwidth.copy(), table.args[k].copy()
+                        _follow_point(t, table, path, file_offset)
                 with self.lock:
                     self.targets[key] = t
             elif m is not None:
@@ -426,7 +449,11 @@ class TripWindows:
         owed = self.spent_s - ALLOWANCE - self.budget * elapsed
         if owed > 0:
             return max(MIN_GAP_S, owed / self.budget * self.rng.uniform(1.0 - JITTER, 1.0 + JITTER))
-        self._window(min(ready, key=_claim))
+        with self.lock:
+            counted = [t for t in self.targets.values() if t.spent_s > 0]
+        typical = sum(t.spent_s for t in counted) / max(1, sum(t.total_windows + t.stride_windows + t.scale_windows
+                                                             for t in counted))
+        self._window(min(ready, key=lambda t: _claim(t, typical or WINDOW_COST_S)))
         return MIN_GAP_S
 
     def _stride_turn(self, t: Target) -> bool:
@@ -548,12 +575,26 @@ class TripWindows:
         n = 1 if alone else 1 + len(sites) if groups else len(t.points)
         offsets = [t.offsets[0], *(t.candidates[st][0] for st in sites)] if groups else t.offsets[:n]
         emulated = [t.emulated[0], *(t.candidates[st][1] for st in sites)] if groups else t.emulated
+        if alone and t.point_offset is not None:  # the progress point's registers beside the entry's
+            n, offsets, emulated = 2, [t.offsets[0], t.point_offset], [t.emulated[0], t.point_emulated]
         # Gated while the link's probes are installed one by one (the first would count alone),
         # and again before the close removes them one by one (the module's docstring).
-        self.counter.zero(n, GATE)
+        quiet = alone and self._quiet_before()
+        # Whole runs of the procedure (from an entry to an entry): the ratios' end effects go
+        # (pointcount.program). A procedure whose windows held no run (entered once a run: a
+        # program's loop nest) has its loop headers' ratios counted in windows of fixed length.
+        whole = alone or not t.fixed
+        self.counter.zero(n, GATE, whole)
+        probed_ns = time.monotonic_ns()  # the samples' clock (CLOCK_MONOTONIC): from here to the
+        # detach's end the probes may trap (loopcount.LoopCounter._local_rates leaves that time out)
         try:
             link = self.counter.attach(t.path, offsets, t.pid if self.per_task else 0)
         except CycleScopeError as e:
+            self._release_hold(alone)
+            if alone and n == 2:  # its progress point refused (the kernel does not say which): the entry alone
+                with self.lock:
+                    t.point_offset = t.point_args = None
+                return
             if scaled:
                 with self.lock:
                     if t.scale_at is not None:  # refused now (a file replaced?): the entry counts again
@@ -575,6 +616,7 @@ class TripWindows:
             t.failed = str(e)
             return
         except OSError as e:
+            self._release_hold(alone)
             if e.errno == errno.ESRCH:  # the process is gone: wait for the next one
                 t.pid = 0
             else:
@@ -583,34 +625,50 @@ class TripWindows:
         try:
             passed = GATE - self.counter.skip_left()  # hits while the probes were being installed
             self.counter.set_skip(0)
-            opened_ns = time.monotonic_ns()  # the samples' clock (CLOCK_MONOTONIC)
             self._stop.wait(STRIDE_WINDOW_S if alone else WINDOW_S)
-            if alone:
-                self._next_entry()
-            closed_ns = time.monotonic_ns()
-            self.counter.set_skip(GATE)
+            ended = whole and self._end_at_entry(TAIL_S if alone else FULL_TAIL_S)
+            if not ended:
+                self.counter.set_skip(GATE)
         finally:
             self.counter.detach(link)
+        unprobed_ns = time.monotonic_ns()
+        aset = getattr(self.anchors, "set", None)
+        if alone and aset is not None:  # the samples after it, untrapped too
+            aset.hold(unprobed_ns + LOCAL_AFTER_NS)
         passed += GATE - self.counter.skip_left()  # and while they were being removed
         got = self.counter.counts(n)
         moves = None
         paired = False
-        # Only a window of the entry alone measures a move per entry: it ends at an entry
-        # (_next_entry); a window of all the points has a fixed length, and made longer the same way
-        # it kept every point trapping for up to TAIL_S where the entry is rare, at a cost the
-        # budget's charge per window does not cover (bench/overhead.py: the default at 1.25 times
-        # plain sampling's extra CPU, 1.22 times the same without trip windows).
+        # Only a window of the entry alone measures a move per entry: it waits for its last entry
+        # up to TAIL_S (_end_at_entry); a window of all the points up to FULL_TAIL_S only: made
+        # longer the same way it kept every point trapping for up to TAIL_S where the entry is rare,
+        # at a cost the budget's charge per window does not cover (bench/overhead.py: the default
+        # at 1.25 times plain sampling's extra CPU, 1.22 times the same without trip windows).
         if alone and t.argwidth is not None and t.site_args is not None and got[0] >= 2:
             try:
                 moves = _moves(t.argwidth, t.site_args, *self.counter.first_regs())  # one process's entries
+                if n == 2 and t.point_args is not None and got[1] >= 2:
+                    # The point's values moved this far over its hits but one; per entry, as the
+                    # arguments' moves are (the point may not run at every entry).
+                    own = _moves(t.argwidth, t.point_args, *self.counter.first_regs(1))
+                    runs = float(got[0]) - 1 if ended else float(got[0])  # the procedure's whole runs in it
+                    own *= (float(got[0]) - 1) / runs * float(got[1]) / (float(got[1]) - 1)
+                    moves = np.where(np.isnan(moves), own, moves)
             except OSError:  # the registers' map unreadable: this window's counts still stand
                 moves = None
+        # A window that ended at an entry holds its entries but one as whole runs of the procedure,
+        # against which its other points' counts are ratios (pointcount.program).
+        runs = got.copy()
+        if ended and runs[0] > 0:
+            runs[0] -= 1
         with self.lock:
             assert t.hits is not None
             if moves is not None:
+                if t.progress.shape[1] != len(moves):
+                    t.progress = np.zeros((len(PROGRESS_ROWS), len(moves)), np.float64)
                 loops = getattr(self.loops, "counter", None)
-                if loops is not None:  # its entries per second, from the move rate sampled around it
-                    loops.stride_window(t.img, t.entry, opened_ns, closed_ns, int(got[0]) - 1, moves)
+                if loops is not None and quiet:  # its entries per second, from the move rate sampled around it
+                    loops.stride_window(t.img, t.entry, probed_ns, unprobed_ns, int(got[0]) - 1, moves)
                 held = ~np.isnan(moves)
                 fwd = held & (moves >= 0)
                 steps = np.where(fwd, float(got[0] - 1), 0.0)
@@ -633,16 +691,20 @@ class TripWindows:
                     p = t.scale[st]
                     p.hits += int(h)
                     p.total_hits += int(h)
-                    p.entry_hits += int(got[0])
-                    p.total_entry += int(got[0])
+                    p.entry_hits += int(runs[0])
+                    p.total_entry += int(runs[0])
                     p.windows += 1
                     p.hits_sq += float(h) * float(h)
-                    p.entry_sq += float(got[0]) * float(got[0])
-                    p.cross += float(h) * float(got[0])
+                    p.entry_sq += float(runs[0]) * float(runs[0])
+                    p.cross += float(h) * float(runs[0])
                 t.scale_windows += 1
                 self._choose_scale(t, scaled, refused=False)
+            elif whole and runs[0] < 1:  # no whole run (not counted): after EMPTY_RUNS, windows of fixed length
+                t.empty += 1
+                t.fixed = t.empty >= EMPTY_RUNS
             else:  # the ratios: only windows that counted every point together
-                t.hits += got
+                t.empty = 0
+                t.hits += runs
                 t.windows += 1
                 t.total_windows += 1
             cost = self._cost(emulated, got, passed)
@@ -727,8 +789,34 @@ class TripWindows:
         """What a hit costs at the dearest of ``sites`` (emulated or single-stepped)."""
         return max(self.emulated_hit_s if t.candidates[x][1] else self.hit_cost_s for x in sites)
 
-    def _next_entry(self) -> None:
-        """Count on until the entry runs once more after the window's time, or TAIL_S has passed.
+    def _quiet_before(self) -> bool:
+        """Before a window of an entry alone: hold the anchors' windows off until it is over, and
+        wait (up to QUIET_WAIT_S) until none has trapped for LOCAL_AFTER_NS, so that the samples
+        on both sides of it run untrapped (the local rates, loopcount.LoopCounter._local_rates: an
+        anchor's window on the same procedure opened 5 ms after a window of lzip's
+        match finder had ended, its traps slowing the samples the window's rate was taken from).
+        False where the wait ran out: the window's moves still count, its local rate does not."""
+        aset = getattr(self.anchors, "set", None)
+        if aset is None:
+            return True
+        aset.hold(time.monotonic_ns() + HOLD_NS)
+        deadline = time.monotonic() + QUIET_WAIT_S
+        while aset.quiet_ns() < LOCAL_AFTER_NS:
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return False
+            time.sleep(QUIET_STEP_S)
+        return True
+
+    def _release_hold(self, alone: bool) -> None:
+        """A window of the entry alone that did not open: the anchors' windows may open again."""
+        aset = getattr(self.anchors, "set", None)
+        if alone and aset is not None:
+            aset.hold(0)
+
+    def _end_at_entry(self, tail_s: float) -> bool:
+        """Count on until the entry runs once more after the window's time (the counting program
+        then shuts the gate itself: PointCounter.end_at_entry), or ``tail_s`` has passed; True if
+        it ended at an entry.
 
         An argument's move per entry is measured from the registers of the window's first and last
         counted entries, so it covers the intervals between entries that began and ended inside the
@@ -737,17 +825,21 @@ class TripWindows:
         matches are skipped: its windows measured 5.2-6.5 positions per entry against 7.35 over the
         run). Ending the window at an entry instead keeps every interval that began in it, which is
         a share of the intervals that does not depend on their lengths. An interval longer than
-        TAIL_S is still left out (the window ends without it, as a window of fixed length did)."""
-        before = int(self.counter.counts(1)[0])
-        if before == 0:
-            return
+        the tail is still left out (the window ends without it, as a window of fixed length did).
+        The same end makes a window of all the points hold whole runs of the procedure, its
+        entries but one (the counting program counts the other points from the first entry on):
+        the ratios' denominator (_window)."""
+        if int(self.counter.counts(1)[0]) == 0:
+            return False
+        self.counter.end_at_entry()
         start = time.monotonic()
-        while int(self.counter.counts(1)[0]) == before:
+        while self.counter.skip_left() <= 0:
             waited = time.monotonic() - start
-            if waited >= TAIL_S or self._stop.is_set():
-                return
+            if waited >= tail_s or self._stop.is_set():
+                return False
             if waited > TAIL_SPIN_S:  # a long interval: no need to look every few microseconds
                 time.sleep(TAIL_STEP_S)
+        return True
 
     def _cost(self, emulated: list[bool], got: np.ndarray, passed: int) -> float:
         """What a window of the first ``len(got)`` points cost the program: each point's hits at its
@@ -768,6 +860,7 @@ class TripWindows:
         point: list[int] = []
         hits: list[int] = []
         windows: list[int] = []
+        entry_hits: list[int] = []
         with self.lock:
             for t in self.targets.values():
                 if not t.windows or t.hits is None:
@@ -778,9 +871,11 @@ class TripWindows:
                     point.append(p)
                     hits.append(int(h))
                     windows.append(t.windows)
+                    entry_hits.append(int(t.hits[0]))
                 t.hits[:] = 0
                 t.windows = 0
         return build(TRIPS, {"image": image, "entry": np.array(entry, np.uint64),
+                             "entry_hits": np.array(entry_hits, np.uint64),
                              "point": np.array(point, np.uint64), "hits": np.array(hits, np.uint64),
                              "windows": np.array(windows, np.uint64)})
 
@@ -816,7 +911,9 @@ class TripWindows:
         with self.lock:
             for t in self.targets.values():
                 if t.progress[0].any():
-                    rows += [(self.image_key(t.img), t.entry, a, t.progress[:, a].copy()) for a in range(NARGS)]
+                    # every argument, and the point's values its windows held
+                    rows += [(self.image_key(t.img), t.entry, a, t.progress[:, a].copy())
+                             for a in range(t.progress.shape[1]) if a < NARGS or t.progress[0, a]]
                     t.progress[:] = 0
         return tally([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                      {n: [float(r[3][k]) for r in rows] for k, n in enumerate(PROGRESS_ROWS)})
@@ -900,13 +997,31 @@ def _cpu_ns(pid: int) -> int | None:
     return total
 
 
-def _claim(t: Target) -> float:
+def _claim(t: Target, typical_s: float) -> float:
     """Which procedure the next window counts: the one whose windows cost least per sample it took,
     so that the budget goes to procedures as their samples do (calc's errors are weighed by samples:
     xz's match finder holds three quarters of its samples, and counted in turn with five other
     procedures it got two to four windows in three runs of 4 s; six to nine now). A new procedure,
-    nothing spent yet, is counted first."""
-    return t.spent_s / max(t.seen, 1.0)
+    nothing spent yet, is charged a window's ``typical_s`` ahead: where a run affords a few windows,
+    a procedure with a tenth of the samples took one of the three that the hot one needed (lzip's
+    match finder: its entry alone once, then two new procedures, and no window of its loops)."""
+    return (t.spent_s or typical_s) / max(t.seen, 1.0)
+
+
+def _follow_point(t: Target, table: Any, path: str, file_offset: int) -> None:
+    """``t``'s progress point from its loop table (loopcount.LoopTable.point), where it has one."""
+    from cyclescope.analysis.progress import NARGS
+    from cyclescope.images.disasm import uprobe_emulated_at
+
+    if not table.point:
+        return
+    k = int(np.searchsorted(table.addrs, np.uint64(table.point)))
+    if k >= len(table.addrs) or int(table.addrs[k]) != table.point:
+        return
+    t.point_args = table.args[k].copy()
+    t.point_args[:NARGS] = -1
+    t.point_offset = file_offset + (table.point - t.entry)
+    t.point_emulated = uprobe_emulated_at(path, t.point_offset)
 
 
 def _moves(width: np.ndarray, holders: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:

@@ -138,15 +138,15 @@ class Profile:
         return {int(e): (_anchor_row(d, i), ratio[int(e)]) for i, e in enumerate(d["entry"])
                 if start < e < end and int(e) in ratio}
 
-    def trip_counts(self, image_key: str, entry: int) -> dict[int, tuple[int, int]]:
+    def trip_counts(self, image_key: str, entry: int) -> dict[int, tuple[int, int, int]]:
         """The trip windows' tallies of the selection for the procedure entered at ``entry``: point
-        (the entry, a loop header or a hot block's start) -> (hits, windows), all counted together
-        (analysis/trips.py)."""
+        (the entry, a loop header or a hot block's start) -> (hits, windows, the entry's hits in
+        those windows: 0 in tallies older than them), counted together (analysis/trips.py)."""
         from cyclescope.db.tallies import TRIPS
 
         d = self._tally(TRIPS, image_key, "trip windows").to_pydict()
-        return {int(p): (int(h), int(w)) for e, p, h, w in zip(d["entry"], d["point"], d["hits"], d["windows"],
-                                                               strict=True) if e == entry}
+        return {int(p): (int(h), int(w), int(eh)) for e, p, h, w, eh in
+                zip(d["entry"], d["point"], d["hits"], d["windows"], d["entry_hits"], strict=True) if e == entry}
 
     def progress_stats(self, image_key: str, entry: int) -> dict[int, ProgressStats]:
         """The moving arguments' tallies of the selection for the procedure entered at ``entry``:

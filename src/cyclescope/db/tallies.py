@@ -89,12 +89,15 @@ ANCHORS = TallyKind(
 
 # Loops' headers and hot blocks counted beside their procedure's entry in the same windows
 # (analysis/trips.py): per procedure entry and point (the entry itself, a loop header or a block's
-# first instruction), the hits counted and the windows.
+# first instruction), the hits counted, the windows, and the entry's hits in those windows.
 # Only the ratios between one entry's points mean anything: each window counted them all together.
+# A point's windows are not all of its entry's where the points changed between flushes (a block
+# near BLOCK_SHARE in one run and not the next): its ratio to the entry is hits / entry_hits
+# (0 in tallies older than it: the entry's own hits then).
 TRIPS = TallyKind(
     "trips", "tw",
     keys=(("image", pa.string()), ("entry", pa.uint64()), ("point", pa.uint64())),
-    sums=(("hits", pa.uint64()), ("windows", pa.uint64())),
+    sums=(("hits", pa.uint64()), ("windows", pa.uint64()), ("entry_hits", pa.uint64())),
 )
 
 # Scale points (analysis/trips.py, "Scale windows"): per procedure entry and point (the site of a
