@@ -150,7 +150,8 @@ class Profile:
 
     def progress_stats(self, image_key: str, entry: int) -> dict[int, ProgressStats]:
         """The moving arguments' tallies of the selection for the procedure entered at ``entry``:
-        argument (0-5: rdi, rsi, rdx, rcx, r8, r9) -> its sums (analysis/progress.py)."""
+        value (0-5: the arguments rdi, rsi, rdx, rcx, r8, r9; 6-21: a register at the progress
+        point, analysis/progress.value_name) -> its sums (analysis/progress.py)."""
         from cyclescope.analysis.progress import ProgressStats
         from cyclescope.db.tallies import PROGRESS
 

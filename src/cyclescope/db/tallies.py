@@ -113,8 +113,9 @@ SCALE = TallyKind(
           ("hits_sq", pa.float64()), ("entry_sq", pa.float64()), ("cross", pa.float64())),
 )
 
-# Arguments that move forward through a run (analysis/progress.py): per procedure entry and
-# argument register (0-5: rdi, rsi, rdx, rcx, r8, r9), from consecutive samples of a thread in the
+# Arguments that move forward through a run (analysis/progress.py): per procedure entry and value
+# (0-5: the argument registers rdi, rsi, rdx, rcx, r8, r9; 6-21: a general register at the
+# procedure's progress point, perf's order), from consecutive samples of a thread in the
 # procedure (the loop counters' side) the pairs whose move was known, their moves and time, and the
 # pairs that went back or jumped, with their time; from the trip windows' entry hits the windows,
 # their entries - 1 and moves, the windows whose move went back, and the sums of squares and products
