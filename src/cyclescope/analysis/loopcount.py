@@ -318,10 +318,7 @@ def loop_table(code: bytes, start: int, end: int, name_at: Callable[[int], str |
                         c.limit.how == "cross")
         counters.append(cs)
         trips.append(trip)
-    looped = np.zeros(len(insns), bool)
-    for lp in loops:
-        looped[[index[a] for a in lp.addresses]] = True
-    point = progress_point(cfg, infos, looped)
+    point = progress_point(cfg, infos, [lp.addresses for lp in loops])
     args, argwidth = entry_args(cfg, infos, *(point or (-1, ())))
     ordered = sorted(cfg.blocks, key=lambda b: b.start)
     sites = [block_site(insns[b.first : b.last + 1]) for b in ordered]

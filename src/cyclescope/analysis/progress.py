@@ -247,15 +247,17 @@ _OWN = 64
 MAIN_SHARE = 0.5
 
 
-def progress_point(cfg: CFG, infos: Sequence[InsnInfo], looped: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
+def progress_point(cfg: CFG, infos: Sequence[InsnInfo],
+                   loop_addresses: Sequence[frozenset[int]]) -> tuple[int, tuple[int, ...]] | None:
     """Where to read a procedure's own values: the instruction (its index) outside the procedure's
-    loops (``looped``: per instruction) before which the general registers hold the most of what
-    the procedure loaded or computed outside its loops and keeps through them, weighed by the loop
-    instructions where each is held (a position read from a structure or a global, a pointer into
-    a buffer: the values whose moves count entries, analysis/progress.py), and the registers (GPR
-    columns) holding those there (the values held at MAIN_SHARE of the loop instructions of the
-    most held one, or more). At equal weight, an instruction the kernel emulates (a probe there
-    costs a trap alone), then the earliest. None where the loops hold no such value.
+    loops (``loop_addresses``: each loop's instruction addresses) before which the general
+    registers hold the most of what the procedure loaded or computed outside its loops and keeps
+    through them, weighed by the loop instructions where each is held (a position read from a
+    structure or a global, a pointer into a buffer: the values whose moves count entries,
+    analysis/progress.py), and the registers (GPR columns) holding those there (the values held at
+    MAIN_SHARE of the loop instructions of the most held one, or more). At equal weight, an
+    instruction the kernel emulates (a probe there costs a trap alone), then the earliest. None
+    where the loops hold no such value.
 
     The same copy propagation as entry_args, each other write outside the loops a value of its own
     (not a constant: a load of an immediate or an address, or a register zeroed; nor one read off
@@ -263,6 +265,10 @@ def progress_point(cfg: CFG, infos: Sequence[InsnInfo], looped: np.ndarray) -> t
     from cyclescope.images.disasm import uprobe_emulated
 
     n = len(cfg.insns)
+    index = {ins.address: k for k, ins in enumerate(cfg.insns)}
+    looped = np.zeros(n, bool)
+    for addrs in loop_addresses:
+        looped[[index[a] for a in addrs if a in index]] = True
     if not cfg.blocks or n == 0 or not looped.any():
         return None
 
@@ -426,24 +432,20 @@ class ProgressEstimate:
 
 def point_address(cfg: CFG, infos: Sequence[InsnInfo], loop_addresses: Sequence[frozenset[int]]) -> int | None:
     """The progress point's address (progress_point), from the loops' instruction addresses."""
-    index = {ins.address: k for k, ins in enumerate(cfg.insns)}
-    looped = np.zeros(len(cfg.insns), bool)
-    for addrs in loop_addresses:
-        looped[[index[a] for a in addrs if a in index]] = True
-    got = progress_point(cfg, infos, looped)
+    got = progress_point(cfg, infos, loop_addresses)
     return cfg.insns[got[0]].address if got is not None else None
 
 
-def value_name(a: int, point: int | None = None) -> str:
+def value_name(a: int, point: int | None = None, short: bool = False) -> str:
     """What value ``a`` of a PROGRESS tally is: an argument register's entry value, or a register's
-    value at the progress point (at ``point``, its address, where known)."""
+    value at the progress point (at ``point``, its address, where known). ``short``: for a list
+    (``rsi``, ``rdi at 0x9906``)."""
     if a < NARGS:
-        return f"argument {ARGS[a]}"
-    return f"{GPRS[a - NARGS]} at the progress point" + (f" {point:#x}" if point else "")
-
-
-def _short(a: int, point: int | None) -> str:
-    return ARGS[a] if a < NARGS else f"{GPRS[a - NARGS]} at " + (f"{point:#x}" if point else "the progress point")
+        return ARGS[a] if short else f"argument {ARGS[a]}"
+    reg = GPRS[a - NARGS]
+    if short:
+        return f"{reg} at {point:#x}" if point else f"{reg} at the progress point"
+    return f"{reg} at the progress point" + (f" {point:#x}" if point else "")
 
 
 def _local_estimate(a: int, st: ProgressStats, back_p: float, point: int | None = None) -> ProgressEstimate | None:
@@ -527,6 +529,6 @@ def entries_from_progress(stats: dict[int, ProgressStats],
                       f"{value_name(a, point)} moves per entry (relative standard error {err:.0%}; "
                       f"{MEDIUM_ERROR:.0%} at most is used): more windows are needed (it would give {n:,.0f} "
                       f"entries; {HEAVY_TAIL})")
-    names = ", ".join(_short(a, point) for a in sorted(tried))
+    names = ", ".join(value_name(a, point, short=True) for a in sorted(tried))
     return None, (f"entry count from moving arguments: none of {names} moved steadily forward with enough "
                   "windows and pairs")

@@ -637,6 +637,11 @@ class TripWindows:
             aset.hold(unprobed_ns + LOCAL_AFTER_NS)
         passed += GATE - self.counter.skip_left()  # and while they were being removed
         got = self.counter.counts(n)
+        # A window that ended at an entry holds its entries but one as whole runs of the procedure,
+        # against which its other points' counts are ratios (pointcount.program).
+        runs = got.copy()
+        if ended and runs[0] > 0:
+            runs[0] -= 1
         moves = None
         paired = False
         # Only a window of the entry alone measures a move per entry: it waits for its last entry
@@ -651,16 +656,10 @@ class TripWindows:
                     # The point's values moved this far over its hits but one; per entry, as the
                     # arguments' moves are (the point may not run at every entry).
                     own = _moves(t.argwidth, t.point_args, *self.counter.first_regs(1))
-                    runs = float(got[0]) - 1 if ended else float(got[0])  # the procedure's whole runs in it
-                    own *= (float(got[0]) - 1) / runs * float(got[1]) / (float(got[1]) - 1)
+                    own *= (float(got[0]) - 1) / float(runs[0]) * float(got[1]) / (float(got[1]) - 1)
                     moves = np.where(np.isnan(moves), own, moves)
             except OSError:  # the registers' map unreadable: this window's counts still stand
                 moves = None
-        # A window that ended at an entry holds its entries but one as whole runs of the procedure,
-        # against which its other points' counts are ratios (pointcount.program).
-        runs = got.copy()
-        if ended and runs[0] > 0:
-            runs[0] -= 1
         with self.lock:
             assert t.hits is not None
             if moves is not None:
