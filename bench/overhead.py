@@ -22,8 +22,8 @@ workloads run, and these contenders compare the collection paths:
   python bench/overhead.py --system-wide --copies 2 --rates 5000 \
       --contenders perf,perf-fp,perf-dwarf,bpf,bpf-fp,ring,ring-fp --marginal-lengths 4
 What calc's evidence costs per task: cyclescope (the default: loop counts, anchors and trip windows),
-notrips (--no-trip-windows), noanchors (--no-anchors: no trip windows either), plain
-(--no-loop-counts), flat (--no-loop-counts --no-anchors: eBPF).
+notrips (--no-trip-windows), nostack (--loop-stack 0: the samples carry no stack words), noanchors
+(--no-anchors: no trip windows either), plain (--no-loop-counts), flat (--no-loop-counts --no-anchors: eBPF).
 --marginal-rates 1000,10000 takes the per-sample slope between two rates at one length instead of
 two lengths at one rate (work paid per second then cancels out).
 
@@ -77,6 +77,9 @@ def contender_cmd(name: str, rate: int, exe: Path, secs: float, tmp: Path, syste
     if name == "noanchors":  # the default less anchors (loop counts on, every sample from the rings)
         return cyclescope_cmd("record", "--db", str(tmp / "noanchors.db"), *a, "-F", str(rate), "--no-anchors", "--",
                               *wl)
+    if name == "nostack":  # the default less the stack words its samples carry (registers alone)
+        return cyclescope_cmd("record", "--db", str(tmp / "nostack.db"), *a, "-F", str(rate), "--loop-stack", "0",
+                              "--", *wl)
     if name == "notrips":  # the default less trip windows (loop counts and anchors on)
         return cyclescope_cmd("record", "--db", str(tmp / "notrips.db"), *a, "-F", str(rate), "--no-trip-windows",
                               "--", *wl)

@@ -488,6 +488,36 @@ def test_an_entry_count_from_an_argument_that_moves(compile_c: Callable[..., Pat
     assert loop["method"] == "trip-window" and loop["executions"] == pytest.approx(inner, rel=0.3)
 
 
+def test_an_entry_count_from_an_argument_spilled_to_the_stack(compile_c: Callable[..., Path], tmp_path: Path) -> None:
+    """progress_spill.c's find() keeps its position argument in a stack slot through its loop (zstd's
+    match finder spills its ip so): no register holds it where the samples fall. The samples carry
+    the top of the user stack (perf/abi.STACK_BYTES), the loop table says which word holds it, and
+    the samples in the loop give its moves as a register's would. The entry's count within 20% of
+    the calls, as for progress.c's argument."""
+    import pyarrow.parquet as pq
+
+    from cyclescope.analysis.loopcount import loop_table
+    from cyclescope.analysis.progress import ARGS, W32
+    from cyclescope.images.disasm import read_code
+
+    exe, db, out = _recorded_with_windows(compile_c, tmp_path, "progress_spill", "200000000")
+    calls, _inner = (int(x) for x in out.stdout.split())
+    start, end = _symbol(exe, "find")
+    table = loop_table(read_code(str(exe), start, end), start, end)
+    rsi = ARGS.index("rsi")
+    in_loop = table.args[table.inner >= 0, rsi]
+    assert len(in_loop) and (in_loop >= 0).all() and (in_loop % W32 >= 16).all(), in_loop  # a stack word
+    entry = {b["start"]: b for b in calc(db, "find")["blocks"]}[start]
+    assert entry["method"] == "progress", entry
+    assert entry["evidence"].startswith(("argument rsi moved", "argument rsi's move rate")), entry["evidence"]
+    assert entry["executions"] == pytest.approx(calls, rel=0.2)
+    # The pairs are the loop's samples (most of the procedure's), not only the prologue's.
+    pairs = sum(r["pairs"] for f in db.glob("epoch=*/host=*/progress/*.parquet") for r in pq.read_table(f).to_pylist()
+                if r["entry"] == start and r["arg"] == rsi)
+    samples = sum(b["samples"] or 0 for b in calc(db, "find")["blocks"])
+    assert pairs > 0.5 * samples, (pairs, samples)
+
+
 def test_an_entry_count_from_a_position_read_from_a_structure(compile_c: Callable[..., Path], tmp_path: Path) -> None:
     """progress_member.c's find(m) reads its position from the structure it is passed (lzip's
     match finder reads this->pos): no argument register moves, but the register the position is

@@ -112,3 +112,27 @@ def test_rerandomizing_keeps_the_period_history_bounded(monkeypatch: pytest.Monk
     s.forget_pid(42)
     run(1)
     assert len(tl.times) <= 5 * 60 + 2
+
+
+def test_loop_counting_samples_carry_the_top_of_the_user_stack() -> None:
+    """With loop counts, each sample carries the user registers and the top STACK_BYTES of the user
+    stack (the words where procedures spill the values analysis/progress.py follows); --loop-stack
+    takes fewer bytes, or none; what is not a multiple of 8 up to STACK_BYTES is refused."""
+    from cyclescope.collect import session as sess
+    from cyclescope.errors import UsageError
+    from cyclescope.perf.abi import STACK_BYTES, Sample
+
+    target = sess.SystemWide((0,))
+    s = sess.Session(parse_events(["cpu-clock"]), target, rate_hz=1000, user_regs=True)
+    assert s.layout.sample_type & Sample.REGS_USER and s.layout.sample_type & Sample.STACK_USER
+    assert s.layout.stack_user == STACK_BYTES == 256
+    s = sess.Session(parse_events(["cpu-clock"]), target, rate_hz=1000, user_regs=True, loop_stack=0)
+    assert s.layout.sample_type & Sample.REGS_USER and not s.layout.sample_type & Sample.STACK_USER
+    assert sess.Session(parse_events(["cpu-clock"]), target, rate_hz=1000, user_regs=True,
+                        loop_stack=64).layout.stack_user == 64
+    for bad in (12, STACK_BYTES + 8, -8):
+        with pytest.raises(UsageError, match="--loop-stack"):
+            sess.Session(parse_events(["cpu-clock"]), target, rate_hz=1000, user_regs=True, loop_stack=bad)
+    # no loop counts: neither
+    s = sess.Session(parse_events(["cpu-clock"]), target, rate_hz=1000)
+    assert not s.layout.sample_type & (Sample.REGS_USER | Sample.STACK_USER)

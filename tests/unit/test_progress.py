@@ -86,6 +86,39 @@ def test_a_value_loaded_before_the_loops_is_followed_from_the_progress_point() -
     assert again is not None and again.point == t.point and np.array_equal(again.args, t.args)
 
 
+# f(rdi, rsi, rdx):        push rbx; sub rsp, 0x20; mov [rsp+8], rsi; mov [rsp+0x10], edx;
+#                           lea rax, [rsp+0x18]; mov [rsp+0x18], rdi; xor edi, edi; xor esi, esi;
+#                           xor edx, edx
+# 0x401e (loop):            add rsi, 1; mov ecx, [rax]; cmp rsi, 100; jne 0x401e
+# 0x402a:                   mov rcx, [rsp+8]; call 0x4034; add rsp, 0x20; pop rbx; ret
+SPILL_AT = 0x4000
+SPILL = bytes.fromhex("53" "4883ec20" "4889742408" "89542410" "488d442418" "48897c2418" "31ff" "31f6" "31d2"
+                      "4883c601" "8b08" "4883fe64" "75f4" "488b4c2408" "e800000000" "4883c420" "5b" "c3")
+
+
+def test_values_spilled_to_the_stack_are_followed_in_its_words() -> None:
+    """zstd's match finder stores its position argument at [rsp + 0x48] and holds nothing of it in
+    a register through its loops: the stack words above rsp are followed as the registers are
+    (columns 16 and up), the samples carrying them (perf/abi.STACK_WORDS)."""
+    t = loop_table(SPILL, SPILL_AT, SPILL_AT + len(SPILL))
+    k = {int(a): i for i, a in enumerate(t.addrs)}
+    word = lambda w, half=False: 16 + w + (pg.W32 if half else 0)  # noqa: E731
+    rdi, rsi, rdx = (pg.ARGS.index(r) for r in ("rdi", "rsi", "rdx"))
+    # in the loop: rsi in word 1 (rsp + 8, after the push and the sub), rdx's low half in word 2
+    assert t.args[k[0x4022], rsi] == word(1) and t.args[k[0x4022], rdx] == word(2, True)
+    # rdi went to rsp + 0x18, at and above a local whose address was taken (lea rax, [rsp+0x18]): a
+    # store through rax may change it unseen, so it holds nothing
+    assert t.args[k[0x4022], rdi] < 0
+    # loaded back into rcx; then the call ends both (rcx is the caller's to save, and rsp + 8 is where
+    # a callee's stack arguments are)
+    assert t.args[k[0x402f], rsi] == COL["rcx"] and t.args[k[0x4034], rsi] < 0
+    assert t.argwidth[rdx] == 32 and t.argwidth[rsi] == 64
+    # Where the procedure copies rsp (a frame pointer), no stack word is followed.
+    g = bytes.fromhex("55" "4889e5" "4883ec10" "4889742408" "4883c701" "4839d7" "75f7" "c9" "c3")
+    tg = loop_table(g, 0x5000, 0x5000 + len(g))
+    assert not tg.empty and ((tg.args < 0) | (tg.args % pg.W32 < 16)).all()
+
+
 def test_blocks_are_probed_where_the_kernel_emulates_the_hit() -> None:
     emulated = {"41 57": True, "55": True, "75 10": True, "0f 85 00 00 00 00": True, "e8 00 00 00 00": True,
                 "eb 05": True, "90": True, "f2 e9 00 00 00 00": True,
@@ -165,6 +198,27 @@ def test_a_values_last_known_sample_is_its_own_threads() -> None:
     assert d["pairs"][rdi] == 1 and d["delta"][rdi] == 0 and d["back"][rdi] == 0
     # rsi (rbx's low half after the call): 50 -> 60 -> 70 in thread 8
     assert d["pairs"][rsi] == 2 and d["delta"][rsi] == 20
+
+
+def test_the_samples_stack_words_give_a_spilled_values_moves() -> None:
+    """The loop counter reads a value held in a stack word from the samples' stack snapshots, and
+    only where the snapshot reaches that word; a thread's last sample carries its words into the
+    next drain."""
+    lc = LoopCounter(FakeSource(FakeBinary(SPILL, SPILL_AT)), lambda i: f"img{i}", True, background=False,
+                     analyze_after=1)
+    positions = [(1, 100, 4), (2, 130, 4), (3, 999, 1), (4, 170, 4)]  # (time, word 1, words carried)
+    for part in (positions[:2], positions[2:]):  # two drains
+        stack = np.zeros((len(part), 4), np.uint64)
+        stack[:, 1] = [p for _, p, _ in part]
+        lc.add(np.full(len(part), 7), np.array([t for t, _, _ in part], np.uint64),
+               np.zeros(len(part), np.int64), np.ones(len(part), np.int64),
+               np.full(len(part), 0x4022, np.uint64), np.full(len(part), 1000.0),
+               np.zeros((len(part), 16), np.uint64), stack, np.array([n for _, _, n in part]))
+    lc.finish()
+    d = merge(PROGRESS, [lc.take_progress()]).to_pydict()
+    rsi = {a: i for i, a in enumerate(d["arg"])}[pg.ARGS.index("rsi")]
+    # 100 -> 130, then 130 -> 170 over the third sample, whose snapshot ends before word 1
+    assert d["pairs"][rsi] == 2 and d["delta"][rsi] == 70 and d["pair_period"][rsi] == 3000.0
 
 
 def test_a_jump_far_ahead_is_not_taken_as_a_move() -> None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from cyclescope.arrays import counts, distinct, group, median
-from cyclescope.perf.abi import GPRS
+from cyclescope.perf.abi import GPRS, STACK_BYTES, STACK_WORDS
 
 if TYPE_CHECKING:
     from cyclescope.analysis.worker import Worker
@@ -182,7 +182,7 @@ class LoopTable:
         return n + 200 * (len(self.counters) + 1)  # the lists and tuples around them
 
 
-ANALYSIS_VERSION = 7  # of loop_table's output: cached tables of another version are not used
+ANALYSIS_VERSION = 8  # of loop_table's output: cached tables of another version are not used
 
 
 def table_arrays(t: LoopTable) -> dict[str, np.ndarray]:
@@ -411,6 +411,10 @@ class _Batch:
     regs: np.ndarray  # uint64 [n, 16], GPRS order
     func: np.ndarray  # int64 procedure start, -1 outside any analyzable procedure
     resolved: bool = False  # func filled in (the images' procedures were known)
+    # uint64 [n, perf/abi.STACK_WORDS]: the words of the user stack from rsp up, and how many of
+    # them each sample carries (int64 [n]; 0: none, the eBPF path's or a snapshot cut short)
+    stack: np.ndarray = field(default_factory=lambda: np.zeros((0, STACK_WORDS), np.uint64))
+    nstack: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __len__(self) -> int:
         return len(self.tid)
@@ -811,10 +815,13 @@ class LoopCounter:
         return {k: (e, self._weight(self.recent.get(k, (0.0, self._notes)))) for k, e in ends.items()}
 
     def add(self, tid: np.ndarray, time_ns: np.ndarray, cpu: np.ndarray, img: np.ndarray, off: np.ndarray,
-            period: np.ndarray, regs: np.ndarray) -> None:
+            period: np.ndarray, regs: np.ndarray, stack: np.ndarray | None = None,
+            nstack: np.ndarray | None = None) -> None:
         """One drain's samples: tid, time, CPU, image index, offset, period (event units) and the 16
-        general registers (GPRS order) of each; samples outside any ELF procedure are kept for the
-        sequence (they break pairs) but count nowhere."""
+        general registers (GPRS order) of each, and the words of the user stack from rsp up
+        (``stack``: uint64 [n, up to STACK_WORDS], ``nstack`` of them valid in each; None: none);
+        samples outside any ELF procedure are kept for the sequence (they break pairs) but count
+        nowhere."""
         ui, uc = counts(img)
         for i, n in zip(ui.tolist(), uc.tolist(), strict=True):
             with self._lock:
@@ -825,9 +832,15 @@ class LoopCounter:
                 seen = self._img_seen[i] = self._img_seen.get(i, 0) + n
                 if seen >= self.analyze_after and (self.per_task or not self._over_budget()):
                     self._ask_bounds(int(i))
+        words = np.zeros((len(tid), STACK_WORDS), np.uint64)
+        valid = np.zeros(len(tid), np.int64)
+        if stack is not None and nstack is not None:
+            w = min(stack.shape[1], STACK_WORDS)
+            words[:, :w] = stack[:, :w]
+            valid = np.minimum(nstack.astype(np.int64), w)
         batch = _Batch(tid.astype(np.int64), time_ns.astype(np.uint64), cpu.astype(np.int64), img.astype(np.int64),
                        off.astype(np.uint64), period.astype(np.float64), regs.astype(np.uint64),
-                       np.full(len(tid), -1, np.int64))
+                       np.full(len(tid), -1, np.int64), False, words, valid)
         self._waiting.append(batch)
         self._waiting_n += len(batch)
         # A recording waits for its images and procedures (a short run would otherwise lose most of
@@ -913,7 +926,9 @@ class LoopCounter:
                        np.concatenate([np.array(cols[4], np.uint64), b.off]),
                        np.concatenate([np.array(cols[5], np.float64), b.period]),
                        np.concatenate([np.array(cols[6], np.uint64).reshape(-1, 16), b.regs]),
-                       np.concatenate([np.array(cols[7], np.int64), b.func]), True)
+                       np.concatenate([np.array(cols[7], np.int64), b.func]), True,
+                       np.concatenate([np.array(cols[8], np.uint64).reshape(-1, STACK_WORDS), b.stack]),
+                       np.concatenate([np.array(cols[9], np.int64), b.nstack]))
             fresh = np.ones(len(b), bool)
             fresh[: len(carried)] = False
         else:
@@ -928,7 +943,8 @@ class LoopCounter:
         for j in last_of.tolist():
             o = order[j]
             self._last[int(tid[j])] = (int(b.tid[o]), int(b.time[o]), int(b.cpu[o]), int(b.img[o]), int(b.off[o]),
-                                       float(b.period[o]), b.regs[o].tolist(), int(b.func[o]))
+                                       float(b.period[o]), b.regs[o].tolist(), int(b.func[o]), b.stack[o].tolist(),
+                                       int(b.nstack[o]))
         # Instruction index and innermost loop of every sample, per procedure.
         n = len(b)
         inner = np.full(n, -1, np.int64)
@@ -1029,8 +1045,13 @@ class LoopCounter:
             known = codes >= 0
             if not known.any():
                 continue
-            regs = b.regs[order[rows]]
-            vals = np.take_along_axis(regs, np.where(known, codes % W32, 0), axis=1)
+            # a value held in a register, or in a stack word the sample carries (progress.NCOLS columns)
+            col = codes % W32
+            known &= (col < 16) | (col - 16 < b.nstack[order[rows]][:, None])
+            if not known.any():
+                continue
+            regs = np.concatenate([b.regs[order[rows]], b.stack[order[rows]]], axis=1)
+            vals = np.take_along_axis(regs, np.where(known, col, 0), axis=1)
             vals = np.where(codes >= W32, vals & np.uint64(0xFFFFFFFF), vals)
             key = (int(i), int(s))
             # each value's last known sample of the thread in the procedure before this drain's,
@@ -1404,8 +1425,14 @@ class LoopCountProcessor:
         if not m.any():
             return
         rows = s["regs"][m]
+        stack = nstack = None
+        if d.stack is not None and d.stack_len is not None and d.stack.shape[1] >= 8:
+            # the words of the user stack from rsp up (perf/abi.STACK_WORDS: values spilled there)
+            nb = min(d.stack.shape[1], STACK_BYTES) // 8 * 8
+            stack = np.ascontiguousarray(d.stack[rows][:, :nb]).view("<u8")
+            nstack = np.minimum(d.stack_len[rows].astype(np.int64), nb) // 8
         self.counter.add(s["tid"][m], s["time"][m], s["cpu"][m], d.image[m], d.offset[m], d.period[m],
-                         d.regs[rows][:, self._cols])
+                         d.regs[rows][:, self._cols], stack, nstack)
 
     def process_watched(self, d: Any) -> None:
         """The eBPF path's samples in the ranges :meth:`watched` named, each with the next sample

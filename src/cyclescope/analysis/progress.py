@@ -52,6 +52,7 @@ Nothing but sums of moves and counts is stored (db/tallies.py PROGRESS): no valu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,7 +62,7 @@ import numpy as np
 from cyclescope.analysis.cfg import ENTRY
 from cyclescope.analysis.confidence import SURETY
 from cyclescope.analysis.loops import _R32, CALLER_SAVED
-from cyclescope.perf.abi import GPRS
+from cyclescope.perf.abi import GPRS, STACK_BYTES, STACK_WORDS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -77,8 +78,22 @@ NARGS = len(ARGS)
 # computes (lzip's match finder reads its position from ``this``; gzip's, from a global) is followed
 # as an argument is. NVALUES values in all (the PROGRESS tally's ``arg``).
 NVALUES = NARGS + 16
-W32 = 16  # added to a holder's column where it holds only the low 32 bits (``mov ebx, esi``)
+# Where a value is held: a general register (its GPRS column, 0-15), or a word of the stack above
+# the stack pointer (column 16 + w: the 8 bytes at rsp + 8w), for a value the procedure spilled
+# (zstd's match finder stores its position argument at [rsp + 0x48] in its prologue and keeps
+# nothing of it in a register through its loops). The samples carry the top STACK_BYTES of the user
+# stack beside the registers (perf/abi.py, collect/session.py), and the loop counter reads those
+# words as it reads the registers (loopcount.LoopCounter: NCOLS columns a sample).
+NCOLS = 16 + STACK_WORDS
+W32 = 64  # added to a holder's column where it holds only the low 32 bits (``mov ebx, esi``)
 _COL = {r: i for i, r in enumerate(GPRS)}
+_SLOT = 16  # the first stack word's column
+# Stack words a call leaves unknown: the callee owns its stack arguments, stored there before it
+_CALL_ARGS_WORDS = 8
+# A stack word at or above a local whose address was taken (``lea rdi, [rsp + 0x10]``): a store
+# through that pointer may change it unseen, so it holds nothing for the rest of the procedure
+# (where paths meet, TAINT wins: _propagate)
+TAINT = -2
 
 # A pair whose move per unit of time exceeds this many times the median of its drain's moving pairs
 # jumped (a new buffer): its move is not known, like a pair that went back. Real moves stay well
@@ -139,26 +154,66 @@ def entry_args(cfg: CFG, infos: Sequence[InsnInfo], point: int = -1,
     copies a holding, ``mov r32, r32`` copies its low half; any other write, and a call for the
     caller-saved registers, ends a holding; where paths meet, a register holds what it holds on
     every path. Written by hand: it is the few lines a reaching-definitions pass would need, and
-    cfg.ReachingDefs answers one register at a time."""
+    cfg.ReachingDefs answers one register at a time.
+
+    The stack words above the stack pointer are followed too (columns 16 and up, ``_transfer``):
+    an 8-byte ``mov`` of a holding register to ``[rsp + 8w]`` makes word w hold its value (a 4-byte
+    one, its low half), a ``mov`` back copies it; push, pop and an immediate ``sub``/``add`` of rsp
+    shift the words, any other write to rsp forgets them, any other store to them ends their
+    holdings, and a call ends those of its stack arguments. Where the address of a local is taken
+    (``lea rdi, [rsp + 0x10]``), the words from it up hold nothing from there on (TAINT: an array
+    grows up from its address, and a store through the pointer could change them unseen); in a
+    procedure that copies rsp itself (``mov rbp, rsp``: ``frame_escapes``), none do."""
     n = len(cfg.insns)
     out = np.full((n, NVALUES), -1, np.int8)
     widths = np.full(NVALUES, 64, np.int8)
     if not cfg.blocks or n == 0:
         return out, widths
-    start = [-1] * 16  # per GPR column: the value it holds (+NVALUES: its low 32 bits), or -1
-    for a, r in enumerate(ARGS):
-        start[_COL[r]] = a
+    start = _start()  # per column: the value it holds (+NVALUES: its low 32 bits), or -1
     at_point = (point, tuple(point_cols))
-    state_in = _propagate(cfg, start, lambda b, st: _transfer_block(cfg, infos, b, st, None, at_point))
+    stack = not frame_escapes(cfg)
+    state_in = _propagate(cfg, start, lambda b, st: _transfer_block(cfg, infos, b, st, None, at_point, stack))
     for b in range(len(cfg.blocks)):
         st = state_in[b]
         if st is not None:
-            _transfer_block(cfg, infos, b, list(st), out, at_point)
+            _transfer_block(cfg, infos, b, list(st), out, at_point, stack)
     for a in range(NVALUES):
         col = out[:, a]
         if ((col >= W32) & (col >= 0)).any():
             widths[a] = 32
     return out, widths
+
+
+def _start() -> list[int]:
+    """The holdings at entry: each argument register holds its own value, nothing else is known."""
+    start = [-1] * NCOLS
+    for a, r in enumerate(ARGS):
+        start[_COL[r]] = a
+    return start
+
+
+_BRACKETS = re.compile(r"\[[^\]]*\]")
+_IMMEDIATE = re.compile(r"^-?(0x[0-9a-f]+|\d+)$")
+_SP = re.compile(r"\b[re]?sp\b")
+_RSP_PLUS = re.compile(r"^\[rsp(?:\s*([+-])\s*(0x[0-9a-f]+|\d+))?\]$")  # lea's [rsp + disp] (else: any word)
+
+
+def frame_escapes(cfg: CFG) -> bool:
+    """Whether the procedure copies its stack pointer (``mov rbp, rsp``) or computes with it: any
+    use of rsp but as a memory operand's base (``lea`` of one included: _transfer taints the words
+    from it up), push, pop, call and ret, and an immediate ``sub``/``add``/``and`` of rsp itself.
+    Its stack words are then not followed (entry_args)."""
+    for ins in cfg.insns:
+        if "sp" not in ins.op_str:
+            continue
+        if not _SP.search(_BRACKETS.sub("", ins.op_str)):
+            continue
+        ops = [o.strip() for o in ins.op_str.split(",")]
+        if (ins.mnemonic in ("sub", "add", "and") and len(ops) == 2 and ops[0] == "rsp"
+                and _IMMEDIATE.match(ops[1])):
+            continue
+        return True
+    return False
 
 
 def _propagate(cfg: CFG, start: list[int], transfer: Callable[[int, list[int]], list[int]]) -> list[list[int] | None]:
@@ -181,9 +236,11 @@ def _propagate(cfg: CFG, start: list[int], transfer: Callable[[int, list[int]], 
             if d < 0:
                 continue
             old = state_in[d]
-            new = list(cur) if old is None else [x if x == y else unknown for x, y in zip(old, cur, strict=True)]
+            # where paths disagree, nothing is known (and a tainted word stays tainted: TAINT < -1)
+            new = list(cur) if old is None else [x if x == y else min(x, y, unknown)
+                                                 for x, y in zip(old, cur, strict=True)]
             if d in entry_blocks:  # entered from outside too: the entry's holdings meet the loop's
-                new = [x if x == y else unknown for x, y in zip(new, start, strict=True)]
+                new = [x if x == y else min(x, y, unknown) for x, y in zip(new, start, strict=True)]
             if new != old:
                 state_in[d] = new
                 if d not in work:
@@ -192,7 +249,7 @@ def _propagate(cfg: CFG, start: list[int], transfer: Callable[[int, list[int]], 
 
 
 def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], out: np.ndarray | None,
-                    at_point: tuple[int, tuple[int, ...]] = (-1, ())) -> list[int]:
+                    at_point: tuple[int, tuple[int, ...]] = (-1, ()), stack: bool = True) -> list[int]:
     blk = cfg.blocks[b]
     point, cols = at_point
     for k in range(blk.first, blk.last + 1):
@@ -209,30 +266,100 @@ def _transfer_block(cfg: CFG, infos: Sequence[InsnInfo], b: int, st: list[int], 
                 # a full copy is preferred to a low half
                 if prev < 0 or (prev >= W32 and not half):
                     out[k, a] = c + (W32 if half else 0)
-        _transfer(cfg.insns[k], infos[k] if k < len(infos) else None, st)
+        _transfer(cfg.insns[k], infos[k] if k < len(infos) else None, st, stack=stack)
     return st
 
 
+def _shift(st: list[int], words: int) -> None:
+    """rsp went down by ``words`` words (up, if negative): stack word w is now word w + words; the
+    words pushed are unknown, and those come into view too (tainted, where the top one was)."""
+    slots = st[_SLOT:]
+    if words >= 0:
+        slots = [-1] * min(words, STACK_WORDS) + slots[: max(STACK_WORDS - words, 0)]
+    else:
+        slots = slots[-words:] + [TAINT if slots[-1] == TAINT else -1] * min(-words, STACK_WORDS)
+    st[_SLOT:] = slots
+
+
+def _forget(st: list[int], lo: int = 0, hi: int = STACK_WORDS) -> None:
+    """Stack words [lo, hi) hold nothing now (the tainted stay tainted)."""
+    for w in range(_SLOT + lo, _SLOT + hi):
+        if st[w] != TAINT:
+            st[w] = -1
+
+
+def _half(h: int, scoring: bool) -> int:
+    """The holding of a value's low 32 bits (scoring: the value whole)."""
+    return h if scoring or h < 0 else (h % NVALUES) + NVALUES
+
+
 def _transfer(ins: Insn, info: InsnInfo | None, st: list[int], scoring: bool = False,
-              written: int | None = None) -> None:
+              written: int | None = None, stack: bool = True) -> None:
     """One instruction's effect on the holdings ``st``. ``scoring`` (progress_point's pass): a
     32-bit copy copies the value whole, and a write other than a copy leaves ``written`` + the
-    register's column there (a value of its own; None: nothing known)."""
+    register's column there (a value of its own; None: nothing known). ``stack``: the stack words
+    are followed (entry_args says how)."""
     m = ins.mnemonic
-    if m == "mov":
-        ops = [o.strip() for o in ins.op_str.split(",")]
-        if len(ops) == 2:
-            d, s = ops
-            if d in _COL and s in _COL:
-                st[_COL[d]] = st[_COL[s]]
+    ops = [o.strip() for o in ins.op_str.split(",")]
+    mem = info.mem if info is not None and stack else None
+    slot = -1  # the stack word an aligned rsp-based memory operand names
+    if mem is not None and mem.base == "rsp" and not mem.index and mem.disp % 8 == 0 and 0 <= mem.disp < STACK_BYTES:
+        slot = _SLOT + mem.disp // 8
+    if m == "mov" and len(ops) == 2:
+        d, s = ops
+        if d in _COL and s in _COL:
+            st[_COL[d]] = st[_COL[s]]
+            return
+        if d in _R32 and s in _R32:
+            st[_COL[_R32[d]]] = _half(st[_COL[_R32[s]]], scoring)
+            return
+        if slot >= 0 and info is not None and mem is not None:
+            if info.stores and mem.size == 8 and s in _COL:
+                if st[slot] != TAINT:
+                    st[slot] = st[_COL[s]]
                 return
-            if d in _R32 and s in _R32:
-                h = st[_COL[_R32[s]]]
-                st[_COL[_R32[d]]] = h if scoring or h < 0 else (h % NVALUES) + NVALUES
+            if info.stores and mem.size == 4 and s in _R32:
+                if st[slot] != TAINT:
+                    st[slot] = _half(st[_COL[_R32[s]]], scoring)
                 return
+            if info.loads and mem.size == 8 and d in _COL:
+                st[_COL[d]] = max(st[slot], -1)
+                return
+            if info.loads and mem.size == 4 and d in _R32:
+                st[_COL[_R32[d]]] = _half(max(st[slot], -1), scoring)
+                return
+    if stack and info is not None:
+        if m == "lea" and len(ops) == 2 and _SP.search(ops[1]):  # a local's address, taken
+            at = _RSP_PLUS.match(ops[1])
+            lo = max(int(at.group(2), 0) * (-1 if at.group(1) == "-" else 1), 0) if at and at.group(2) else 0
+            for w in range(min(lo // 8, STACK_WORDS), STACK_WORDS):
+                st[_SLOT + w] = TAINT
+        if m == "push":
+            _shift(st, 1)
+            st[_SLOT] = max(st[_COL[ops[0]]], -1) if ops[0] in _COL else -1
+            return
+        if m == "pop" and ops[0] in _COL:
+            h = st[_SLOT]
+            _shift(st, -1)
+            if ops[0] != "rsp":
+                st[_COL[ops[0]]] = max(h, -1)
+            return
+        if mem is not None and info.stores and mem.base == "rsp":  # any other store to the stack words
+            lo = max(mem.disp, 0)
+            hi = STACK_BYTES if mem.index else min(mem.disp + max(mem.size, 1), STACK_BYTES)
+            _forget(st, lo // 8, (hi + 7) // 8)
+        if "rsp" in info.writes and m not in ("call", "ret"):
+            n = int(ops[1], 0) if len(ops) == 2 and ops[0] == "rsp" and _IMMEDIATE.match(ops[1]) else 1
+            if m in ("sub", "add") and n % 8 == 0:
+                _shift(st, n // 8 if m == "sub" else -n // 8)
+            elif TAINT in st[_SLOT:]:
+                st[_SLOT:] = [TAINT] * STACK_WORDS  # where the tainted words went is not known
+            else:
+                _forget(st)
     if m == "call":
         for r in CALLER_SAVED:
             st[_COL[r]] = -1
+        _forget(st, 0, _CALL_ARGS_WORDS)
     if info is not None:
         for r in info.writes:
             c = _COL.get(r)
@@ -288,18 +415,17 @@ def progress_point(cfg: CFG, infos: Sequence[InsnInfo],
             owns[k] = _OWN + 16 * k
         return owns[k]
 
+    stack = not frame_escapes(cfg)
+
     def step(b: int, st: list[int], seen: Callable[[int, list[int]], None] | None = None) -> list[int]:
         blk = cfg.blocks[b]
         for k in range(blk.first, blk.last + 1):
             if seen is not None:
                 seen(k, st)
-            _transfer(cfg.insns[k], infos[k] if k < len(infos) else None, st, True, own(k))
+            _transfer(cfg.insns[k], infos[k] if k < len(infos) else None, st, True, own(k), stack)
         return st
 
-    start = [-1] * 16
-    for a, r in enumerate(ARGS):
-        start[_COL[r]] = a
-    state_in = _propagate(cfg, start, lambda b, st: step(b, st))
+    state_in = _propagate(cfg, _start(), lambda b, st: step(b, st))
     weight: dict[int, int] = {}
     before: dict[int, list[int]] = {}  # the holdings before each instruction outside the loops
 
@@ -318,7 +444,8 @@ def progress_point(cfg: CFG, infos: Sequence[InsnInfo],
     main = max(weight.values()) * MAIN_SHARE
     best: tuple[tuple[float, bool, int], int, tuple[int, ...]] | None = None
     for k, st in before.items():
-        cols = tuple(c for c, h in enumerate(st) if h >= _OWN and weight.get(h, 0) >= main and c != _COL["rsp"])
+        cols = tuple(c for c, h in enumerate(st[:_SLOT]) if h >= _OWN and weight.get(h, 0) >= main
+                     and c != _COL["rsp"])
         got = sum(weight[v] for v in {st[c] for c in cols})
         if not got:
             continue

@@ -1026,12 +1026,12 @@ def _follow_point(t: Target, table: Any, path: str, file_offset: int) -> None:
 def _moves(width: np.ndarray, holders: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
     """Each argument's move between a window's first and last counted entries, from the general
     registers there (``holders``: analysis/progress.entry_args' code per argument at the probe);
-    NaN where no register holds it."""
+    NaN where no register holds it (a stack word's holding is the samples', not the probe's)."""
     from cyclescope.analysis.progress import W32, signed_moves
 
     out = np.full(len(width), np.nan)
     for a, (w, c) in enumerate(zip(width.tolist(), holders.tolist(), strict=True)):
-        if c < 0:
+        if c < 0 or c % W32 >= len(first):
             continue
         r = c % W32
         with np.errstate(over="ignore"):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from cyclescope.cli.base import eprint, finite_float
 from cyclescope.collect.events import DEFAULT_BAND, KNOWN_EVENTS, SAFE_MAX_RATE_HZ, EventSpec, parse_events
 from cyclescope.errors import UsageError
+from cyclescope.perf.abi import STACK_BYTES
 from cyclescope.report.render import fmt_count
 
 if TYPE_CHECKING:
@@ -241,6 +242,10 @@ def add_count_options(p: argparse.ArgumentParser) -> None:
                    help="most of one CPU the profiled programs may lose to the anchors' traps (default: "
                         "0.01); anchors whose entries run often are counted in random windows to stay "
                         "within it")
+    g.add_argument("--loop-stack", type=int, default=STACK_BYTES, metavar="BYTES",
+                   help=f"bytes of the user stack above rsp each sample carries for the loop counts (default: "
+                        f"{STACK_BYTES}, at most that; 0: the registers alone): the words where procedures spill "
+                        "the positions calc counts entries from; read, never stored")
 
 
 def processors(args: argparse.Namespace, value_opts: ValueOptions | None, system_wide: bool = False) -> list[Processor]:
@@ -410,7 +415,8 @@ def open_session(args: argparse.Namespace, events: list[EventSpec], target: Syst
         session = Session(events, target, rate_hz=rate, band=args.band, force=args.force,
                           user_stack=value_opts.stack if value_opts is not None else None,
                           call_graph=None if bpf is not None else args.call_graph,
-                          user_regs=bpf is None and any(p.needs_regs for p in procs))
+                          user_regs=bpf is None and any(p.needs_regs for p in procs),
+                          loop_stack=getattr(args, "loop_stack", STACK_BYTES))
         return session, Database.create_or_open(db_path(args))
     except BaseException:
         if bpf is not None:

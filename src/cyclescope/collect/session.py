@@ -41,6 +41,7 @@ from cyclescope.collect.events import (
 from cyclescope.errors import CycleScopeError, UsageError
 from cyclescope.perf.abi import (
     PERF_ATTR_SIZE,
+    STACK_BYTES,
     X86_REGS_USER_MASK,
     AttrFlag,
     PerfEventAttr,
@@ -214,6 +215,7 @@ class Session:
         traceme: bool = False,
         call_graph: CallGraph | None = None,
         user_regs: bool = False,
+        loop_stack: int = STACK_BYTES,
     ) -> None:
         if not events:
             raise UsageError("no events to sample")
@@ -248,10 +250,16 @@ class Session:
             # Unwinding needs the user registers and the top of the user stack: share them with
             # value capture, which needs less (its snapshot is the larger of the two).
             user_stack = max(user_stack or 0, call_graph.stack_size)
+        if not 0 <= loop_stack <= STACK_BYTES or loop_stack % 8:
+            raise UsageError(f"--loop-stack must be a multiple of 8 bytes from 0 to {STACK_BYTES}")
         if user_stack is None and user_regs:
-            # The user registers alone (loop counting: analysis/loopcount.py): 168 bytes a sample,
-            # nothing for the sampled code (the interrupt dominates), decoded in bulk.
-            self.layout = SampleLayout(int(BASE_SAMPLE_TYPE | Sample.REGS_USER), X86_REGS_USER_MASK)
+            # The user registers (loop counting: analysis/loopcount.py), 168 bytes a sample, and the
+            # top ``loop_stack`` bytes of the user stack (STACK_BYTES by default), where procedures
+            # spill the values the loop counter follows (analysis/progress.py): nothing for the
+            # sampled code (the interrupt dominates), decoded in bulk, and read for those words
+            # alone (never stored).
+            st = BASE_SAMPLE_TYPE | Sample.REGS_USER | (Sample.STACK_USER if loop_stack else 0)
+            self.layout = SampleLayout(int(st), X86_REGS_USER_MASK, stack_user=loop_stack)
         elif user_stack is None:
             self.layout = SampleLayout(int(BASE_SAMPLE_TYPE))
         else:

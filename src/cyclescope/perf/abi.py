@@ -287,6 +287,11 @@ X86_REGS_USER_MASK = 0xFF0FFF
 # columns of the loop analyses' register arrays.
 GPRS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
         "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+# The 8-byte words of the user stack from rsp up that each sample carries beside the registers by
+# default (attr.sample_stack_user): where a procedure spilled a value the loop counter follows
+# (analysis/progress.py reads them as it reads the registers).
+STACK_WORDS = 32
+STACK_BYTES = 8 * STACK_WORDS
 SAMPLE_REGS_ABI_64 = 2
 
 
