@@ -173,6 +173,11 @@ class LoopTable:
     def empty(self) -> bool:
         return not len(self.headers)
 
+    def index(self, addr: int) -> int | None:
+        """The index of the instruction at ``addr`` (in ``addrs``, ``args``...), None where none starts there."""
+        k = int(np.searchsorted(self.addrs, np.uint64(addr)))
+        return k if k < len(self.addrs) and int(self.addrs[k]) == addr else None
+
     @property
     def nbytes(self) -> int:
         n = self.addrs.nbytes + self.inner.nbytes + self.depth.nbytes + self.anc.nbytes + self.headers.nbytes
@@ -1042,12 +1047,9 @@ class LoopCounter:
             if not len(rows):
                 continue
             codes = t.args[ix[rows]].astype(np.int64)
-            known = codes >= 0
-            if not known.any():
-                continue
             # a value held in a register, or in a stack word the sample carries (progress.NCOLS columns)
             col = codes % W32
-            known &= (col < 16) | (col - 16 < b.nstack[order[rows]][:, None])
+            known = (codes >= 0) & ((col < 16) | (col - 16 < b.nstack[order[rows]][:, None]))
             if not known.any():
                 continue
             regs = np.concatenate([b.regs[order[rows]], b.stack[order[rows]]], axis=1)

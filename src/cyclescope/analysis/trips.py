@@ -403,8 +403,8 @@ class TripWindows:
                         t.scale_pool.append(st)
                 t.blocks, t.block_samples = table.blocks, seen
                 if len(table.args):  # which registers hold the arguments where the entry is probed
-                    k = int(np.searchsorted(table.addrs, np.uint64(site.get(key[1], key[1]))))
-                    if k < len(table.addrs) and int(table.addrs[k]) == site.get(key[1], key[1]):
+                    k = table.index(site.get(key[1], key[1]))
+                    if k is not None:
                         t.argwidth, t.site_args = table.argwidth.copy(), table.args[k].copy()
                         _follow_point(t, table, path, file_offset)
                 with self.lock:
@@ -1014,8 +1014,8 @@ def _follow_point(t: Target, table: Any, path: str, file_offset: int) -> None:
 
     if not table.point:
         return
-    k = int(np.searchsorted(table.addrs, np.uint64(table.point)))
-    if k >= len(table.addrs) or int(table.addrs[k]) != table.point:
+    k = table.index(table.point)
+    if k is None:
         return
     t.point_args = table.args[k].copy()
     t.point_args[:NARGS] = -1
